@@ -1,0 +1,209 @@
+"""HTTP clients for the vLLM server: control routes (trainer side) and generation (rollout worker).
+
+``VLLMControlClient`` is synchronous: pause/resume, the weight-transfer protocol routes (it satisfies
+vLLM's ``VLLMWeightSyncClient`` protocol), weight versions, LoRA adapters, ``/metrics`` and model info.
+``VLLMGenerateClient`` is asynchronous and talks to the tokens-in/tokens-out endpoint
+``/inference/v1/generate`` (needs ``--enable-scale-out``): the worker tokenizes with the chat template
+itself, so the trainer sees exactly the token ids that were sampled, with per-token weight versions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+
+
+class VLLMRequestError(RuntimeError):
+    """A vLLM route answered with an error; the message names the route and the server's reply."""
+
+
+def _raise_for(route: str, response: httpx.Response) -> None:
+    if response.status_code >= 400:
+        raise VLLMRequestError(f"{route} -> HTTP {response.status_code}: {response.text[:2000]}")
+
+
+class VLLMControlClient:
+    """Synchronous client for the server's control and dev-mode routes."""
+
+    def __init__(self, base_url: str, timeout: float = 300.0):
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _post(self, route: str, json: Any = None, params: dict[str, Any] | None = None) -> httpx.Response:
+        response = self._http.post(route, json=json, params=params)
+        _raise_for(route, response)
+        return response
+
+    def _get(self, route: str, params: dict[str, Any] | None = None) -> httpx.Response:
+        response = self._http.get(route, params=params)
+        _raise_for(route, response)
+        return response
+
+    # -- model and server information -------------------------------------------------------------
+    def models(self) -> list[dict[str, Any]]:
+        return self._get("/v1/models").json()["data"]
+
+    def max_model_len(self) -> int:
+        return int(self.models()[0]["max_model_len"])
+
+    def metrics_text(self) -> str | None:
+        """Raw Prometheus text of ``/metrics``, or None when the server does not expose it."""
+        try:
+            response = self._http.get("/metrics", timeout=5.0)
+        except httpx.HTTPError:
+            return None
+        return response.text if response.status_code == 200 else None
+
+    def server_info(self) -> dict[str, Any]:
+        return self._get("/server_info").json()
+
+    def world_size(self) -> int:
+        return int(self._get("/get_world_size").json()["world_size"])
+
+    def weight_version(self) -> str:
+        return str(self._get("/weight_info").json()["weight_version"])
+
+    def update_weight_version(self, version: str) -> None:
+        self._post("/update_weight_version", json={"new_version": version})
+
+    # -- pausing around a weight swap ---------------------------------------------------------------
+    def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
+        self._post("/pause", params={"mode": mode, "clear_cache": str(clear_cache).lower()})
+
+    def resume(self) -> None:
+        self._post("/resume")
+
+    def is_paused(self) -> bool:
+        return bool(self._get("/is_paused").json()["is_paused"])
+
+    def reset_prefix_cache(self) -> None:
+        self._post("/reset_prefix_cache")
+
+    # -- vLLM's weight-transfer protocol (VLLMWeightSyncClient) -------------------------------------
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._post("/init_weight_transfer_engine", json={"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._post("/start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self._post("/update_weights", json={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        body = {"weight_version": weight_version} if weight_version is not None else None
+        self._post("/finish_weight_update", json=body)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._post("/shutdown_weight_transfer_engine")
+
+    def collective_rpc(self, method: str, kwargs: dict[str, Any] | None = None) -> Any:
+        return self._post("/collective_rpc", json={"method": method, "kwargs": kwargs or {}}).json()
+
+    # -- runtime LoRA -------------------------------------------------------------------------------
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        self._post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self._post("/v1/unload_lora_adapter", json={"lora_name": name})
+
+
+@dataclass
+class GeneratedChoice:
+    """One completion from ``/inference/v1/generate``."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    # [n_out, N] sampler top-N ids and log-probs (sampled token excluded), or None when N == 0.
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+    sampling_masks: list[np.ndarray] | None = None
+    # (version, start, end) spans over output-token indexes.
+    weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
+
+
+def parse_generate_choice(choice: dict[str, Any], num_top: int) -> GeneratedChoice:
+    """Turn one ``choices[i]`` of a generate reply into arrays (pure; tested on recorded replies).
+
+    The server lists the sampled token first in ``top_logprobs``; we keep the N best *other*
+    entries when the sampled token is among the top, so each row holds the sampler's top-N set.
+    """
+    token_ids = [int(t) for t in choice.get("token_ids") or []]
+    content = (choice.get("logprobs") or {}).get("content") or []
+    logprobs = [float(entry["logprob"]) for entry in content]
+    if len(logprobs) != len(token_ids):
+        raise VLLMRequestError(
+            f"generate reply has {len(token_ids)} tokens but {len(logprobs)} log-probs; "
+            "ask for logprobs >= 0 in sampling_params"
+        )
+    top_ids = top_lp = None
+    if num_top > 0:
+        top_ids = np.full((len(token_ids), num_top), -1, dtype=np.int32)
+        top_lp = np.full((len(token_ids), num_top), -np.inf, dtype=np.float32)
+        for t, entry in enumerate(content):
+            # Rank order; the sampled token appears once with its true rank, so de-duplicate by id.
+            seen: dict[int, float] = {}
+            for item in sorted(entry.get("top_logprobs") or [], key=lambda x: x.get("rank", 0)):
+                seen.setdefault(int(item["token_id"]), float(item["logprob"]))
+            ranked = sorted(seen.items(), key=lambda kv: -kv[1])[:num_top]
+            for j, (tid, lp) in enumerate(ranked):
+                top_ids[t, j] = tid
+                top_lp[t, j] = lp
+    masks = choice.get("sampling_mask")
+    sampling_masks = [np.asarray(m, dtype=np.int32) for m in masks] if masks else None
+    versions = [(str(v["version"]), int(v["start"]), int(v["end"])) for v in choice.get("weight_versions") or []]
+    return GeneratedChoice(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        finish_reason=choice.get("finish_reason"),
+        top_ids=top_ids,
+        top_logprobs=top_lp,
+        sampling_masks=sampling_masks,
+        weight_versions=versions,
+    )
+
+
+class VLLMGenerateClient:
+    """Asynchronous generation through the tokens-in/tokens-out endpoint."""
+
+    def __init__(self, base_url: str, timeout: float = 600.0, max_connections: int = 1024):
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout, limits=limits)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def generate(
+        self,
+        token_ids: list[int],
+        sampling_params: dict[str, Any],
+        num_top: int = 0,
+        model: str | None = None,
+    ) -> list[GeneratedChoice]:
+        params = dict(sampling_params)
+        # The reply's top list includes the sampled token, so N + 1 entries yield N others at worst.
+        params["logprobs"] = num_top + 1 if num_top > 0 else 0
+        body: dict[str, Any] = {"token_ids": token_ids, "sampling_params": params}
+        if model is not None:
+            body["model"] = model
+        response = await self._http.post("/inference/v1/generate", json=body)
+        _raise_for("/inference/v1/generate", response)
+        return [parse_generate_choice(c, num_top) for c in response.json()["choices"]]
+
+    async def max_model_len(self) -> int:
+        response = await self._http.get("/v1/models")
+        _raise_for("/v1/models", response)
+        return int(response.json()["data"][0]["max_model_len"])
+
+    async def metrics_text(self) -> str | None:
+        try:
+            response = await self._http.get("/metrics", timeout=5.0)
+        except httpx.HTTPError:
+            return None
+        return response.text if response.status_code == 200 else None

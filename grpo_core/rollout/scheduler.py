@@ -1,0 +1,210 @@
+"""Drives an ``AsyncRolloutLoop`` inside the rollout process: prompt order, admission, groups, queueing.
+
+Prompts are visited in a seeded per-epoch order from ``start_position`` on (so a resume continues
+exactly where training stopped). Each prompt becomes a group of ``num_generations`` rollouts;
+rollouts are admitted while the number in flight stays under the live concurrency cap. A finished
+group is scored, gets advantages, and is reported (kept or dropped) before its samples are queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from grpo_core.advantages import should_drop_group
+from grpo_core.rollout.client import VLLMGenerateClient
+from grpo_core.rollout.concurrency import ConcurrencyController, parse_vllm_metrics
+from grpo_core.rollout.loop import AsyncRolloutLoop, prompt_order
+from grpo_core.rollout.types import GroupReport, RolloutGroup
+
+END_OF_DATA = "end-of-data"
+"""Queued after the last group when the run is bounded by epochs (``max_steps`` <= 0)."""
+
+_METRICS_POLL_S = 2.0
+
+
+class RolloutScheduler:
+    def __init__(self, loop: AsyncRolloutLoop, stop_event: Any):
+        self.loop = loop
+        self.stop_event = stop_event
+        self.controller: ConcurrencyController | None = None
+        self.backpressure_s = 0.0
+        self.generated_tokens = 0
+        self.last_report_time = time.perf_counter()
+        self._room = asyncio.Condition()
+        self.failure: BaseException | None = None
+
+    def _on_group_done(self, task: asyncio.Task[None], tasks: set[asyncio.Task[None]]) -> None:
+        tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self.failure is None:
+            self.failure = task.exception()
+
+    def _raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    # ------------------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        loop, config = self.loop, self.loop.config
+        loop.client = VLLMGenerateClient(loop.base_url, timeout=config.request_timeout)
+        loop.max_model_len = await loop.client.max_model_len()
+        self.controller = await self._make_controller()
+        await loop.setup()
+        poller = asyncio.create_task(self._poll_metrics())
+        tasks: set[asyncio.Task[None]] = set()
+        try:
+            await self._schedule(tasks)
+            if tasks:
+                await _gather_or_raise(tasks)
+            if not self.stop_event.is_set():
+                await loop.emit(END_OF_DATA)
+        finally:
+            poller.cancel()
+            for task in tasks:
+                task.cancel()
+            await loop.client.aclose()
+
+    async def _schedule(self, tasks: set[asyncio.Task[None]]) -> None:
+        loop, config = self.loop, self.loop.config
+        num_prompts = len(loop.dataset)
+        if num_prompts == 0:
+            raise ValueError("train_dataset is empty")
+        last_position = math.inf if config.max_steps > 0 else math.ceil(config.num_train_epochs * num_prompts)
+        position = loop.start_position
+        order: np.ndarray | None = None
+        rejected_in_epoch = 0
+        while position < last_position and not self.stop_event.is_set():
+            epoch, k = divmod(position, num_prompts)
+            if order is None or k == 0:
+                order = prompt_order(num_prompts, epoch, config.seed)
+                rejected_in_epoch = 0 if k == 0 else rejected_in_epoch
+            row_index = int(order[k])
+            row = loop.dataset[row_index]
+            if not loop.filter_prompt(row_index, row, epoch):
+                rejected_in_epoch += 1
+                if rejected_in_epoch == num_prompts:
+                    raise RuntimeError(f"filter_prompt rejected every prompt of epoch {epoch}; nothing left to train")
+                await loop.emit(_filtered_report(position, row_index, epoch))
+                position += 1
+                continue
+            await self._wait_for_room(config.num_generations)
+            self._raise_failure()
+            task = asyncio.create_task(self._run_group(position, row_index, row, epoch))
+            tasks.add(task)
+            task.add_done_callback(lambda t: self._on_group_done(t, tasks))
+            position += 1
+        self._raise_failure()
+
+    # ---- admission ----------------------------------------------------------------------------------
+    async def _make_controller(self) -> ConcurrencyController:
+        loop = self.loop
+        assert loop.client is not None
+        metrics = parse_vllm_metrics(await loop.client.metrics_text() or "")
+        initial = None
+        if metrics.kv_cache_size_tokens:
+            initial = max(1, metrics.kv_cache_size_tokens // max(1, loop.max_model_len))
+        return ConcurrencyController(ceiling=loop.ceiling, initial_cap=initial if metrics.kv_cache_usage is not None else None)
+
+    async def _poll_metrics(self) -> None:
+        assert self.loop.client is not None and self.controller is not None
+        while True:
+            text = await self.loop.client.metrics_text()
+            metrics = parse_vllm_metrics(text or "")
+            self.controller.observe(metrics.kv_cache_usage, metrics.num_requests_waiting)
+            # Also wakes the scheduler after a group failure, so the error surfaces within one poll.
+            async with self._room:
+                self._room.notify_all()
+            await asyncio.sleep(_METRICS_POLL_S)
+
+    async def _wait_for_room(self, n: int) -> None:
+        assert self.controller is not None
+        async with self._room:
+            # A group needs n slots; when the cap is below n, a group may still start on an idle server.
+            await self._room.wait_for(
+                lambda: self.stop_event.is_set()
+                or self.failure is not None
+                or (self.controller.in_flight + n <= self.controller.cap and self.controller.can_admit())
+                or self.controller.in_flight == 0
+            )
+
+    async def _released(self) -> None:
+        assert self.controller is not None
+        self.controller.on_rollout_finished()
+        async with self._room:
+            self._room.notify_all()
+
+    # ---- one group ----------------------------------------------------------------------------------
+    async def _run_rollout(self, row_index: int, row: dict[str, Any], i: int):
+        assert self.controller is not None
+        self.controller.on_rollout_started()
+        try:
+            return await self.loop.generate_one(row_index, row, i)
+        finally:
+            await self._released()
+
+    async def _run_group(self, position: int, row_index: int, row: dict[str, Any], epoch: int) -> None:
+        loop = self.loop
+        g = loop.config.num_generations
+        rollouts = await asyncio.gather(*(self._run_rollout(row_index, row, i) for i in range(g)))
+        group = RolloutGroup(row_index=row_index, epoch=epoch, prompt=list(row["prompt"]), rollouts=list(rollouts), row=row)
+        await loop.score(group)
+        advantages = loop.compute_advantages(group)
+        dropped = should_drop_group(group.rewards)
+        samples = [] if dropped else loop.samples_of(group, advantages, position)
+        lengths = np.array([sum(len(t.output_ids) for t in r.turns) for r in group.rollouts], dtype=np.float64)
+        now = time.perf_counter()
+        report = GroupReport(
+            position=position,
+            row_index=row_index,
+            epoch=epoch,
+            rewards=group.rewards,
+            rewards_per_func={n: group.rewards_per_func[:, j] for j, n in enumerate(group.reward_func_names)},
+            num_samples=len(samples),
+            dropped=dropped,
+            generated_tokens=int(lengths.sum()),
+            completion_lengths=lengths,
+            metrics={
+                "rollout/backpressure_s": self.backpressure_s,
+                "rollout/concurrency_cap": float(self.controller.cap if self.controller else 0),
+                "rollout/concurrency": float(self.controller.in_flight if self.controller else 0),
+                "rollout/report_interval_s": now - self.last_report_time,
+                **_merge_rollout_metrics(group),
+            },
+            completions=[r.completion_text for r in group.rollouts],
+        )
+        self.last_report_time = now
+        self.backpressure_s = 0.0
+        self.backpressure_s += await loop.emit(report)
+        for sample in samples:
+            self.backpressure_s += await loop.emit(sample)
+
+
+def _merge_rollout_metrics(group: RolloutGroup) -> dict[str, float]:
+    """Sum of per-rollout counters (tool calls, forks, ...) over the group."""
+    merged: dict[str, float] = {}
+    for rollout in group.rollouts:
+        for key, value in rollout.metrics.items():
+            merged[key] = merged.get(key, 0.0) + float(value)
+    return merged
+
+
+def _filtered_report(position: int, row_index: int, epoch: int) -> GroupReport:
+    return GroupReport(
+        position=position, row_index=row_index, epoch=epoch, rewards=np.zeros(0), rewards_per_func={},
+        num_samples=0, dropped=True, filtered=True,
+    )
+
+
+async def _gather_or_raise(tasks: set[asyncio.Task[None]]) -> None:
+    done, pending = await asyncio.wait(set(tasks), return_when=asyncio.FIRST_EXCEPTION)
+    for task in done:
+        if task.exception() is not None:
+            for other in pending:
+                other.cancel()
+            raise task.exception()  # type: ignore[misc]
+    if pending:
+        await asyncio.gather(*pending)

@@ -1,0 +1,41 @@
+"""Weight sync behind one small interface: push the trainer's policy to the server, tagged with a version.
+
+Implementations:
+* ``protocol.ProtocolWeightSync``: vLLM's weight-transfer protocol (gloo on CPU, NCCL on GPUs),
+  full or LoRA-merged weights;
+* ``lora.LoraAdapterSync``: writes the adapter to shared storage and loads it by name.
+
+Every implementation is called on every trainer rank (FSDP gathers are collectives); only rank 0
+talks to the server.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass
+class SyncStats:
+    """What one push cost."""
+
+    mode: str
+    bytes: int
+    seconds: float
+
+
+class WeightSync(ABC):
+    """Pushes the current policy to the vLLM server."""
+
+    mode: str
+
+    @abstractmethod
+    def push(self, version: int) -> SyncStats:
+        """Make ``version`` the policy that new tokens are sampled from."""
+
+    def served_model_name(self, version: int) -> str | None:
+        """The ``model`` field a request must name to sample from ``version`` (None: the default)."""
+        return None
+
+    def close(self) -> None:
+        """Release transport resources."""

@@ -1,0 +1,258 @@
+"""A gloo weight-transfer backend for vLLM's weight-transfer protocol (CPU servers and tests).
+
+vLLM ships NCCL and CUDA-IPC transports only; both need a GPU. This module implements the same
+four-phase protocol (init → start → update → finish) over a gloo process group, so a CPU vLLM
+server receives weights exactly as a GPU server does over NCCL. Both halves live here:
+
+* ``GlooWeightTransferEngine`` runs inside each vLLM worker (registered by ``vllm_plugin``);
+* ``GlooTrainerWeightTransferEngine`` runs in the trainer; only trainer rank 0 talks to vLLM.
+
+Wire format: one ``/update_weights`` call per sync carries every parameter's name, dtype and shape
+plus ``group_sizes``, the number of parameters in each decoder-layer group. For each group the
+sender concatenates the group's tensors into one uint8 buffer and broadcasts it; the receiver
+splits it back. One layer at a time bounds the sender's extra memory to the largest layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any, ClassVar, Self
+
+import torch
+from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+logger = logging.getLogger(__name__)
+
+_RENDEZVOUS_TIMEOUT = timedelta(seconds=300)
+
+
+@dataclass
+class GlooWeightTransferInitInfo(WeightTransferInitInfo):
+    """Worker-side rendezvous: the trainer (rank 0) hosts the TCP store."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+
+
+@dataclass
+class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    """One sync: every parameter's metadata, and how many parameters each broadcast carries."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    group_sizes: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        if len(self.dtype_names) != n or len(self.shapes) != n:
+            raise ValueError("update_info names, dtype_names and shapes must have equal lengths")
+        if not self.group_sizes:
+            self.group_sizes = [n]
+        if sum(self.group_sizes) != n:
+            raise ValueError(f"group_sizes sum to {sum(self.group_sizes)}, expected {n}")
+
+
+def _nbytes(shape: list[int] | tuple[int, ...], dtype: torch.dtype) -> int:
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    return numel * dtype.itemsize
+
+
+def _retie_word_embeddings(model: torch.nn.Module, model_config: Any) -> None:
+    """Refresh a tied LM head from the embedding after a reload.
+
+    Checkpoints of tied models carry no ``lm_head`` weight, so the reload never touches the head:
+    layerwise reload gives the embedding a fresh parameter, and CPU builds also keep a prepacked
+    copy of the head's weight for their GEMM. Without this the server would keep sampling through
+    the old output embeddings.
+    """
+    text_config = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    if not getattr(text_config, "tie_word_embeddings", False):
+        return
+    lm_head = getattr(model, "lm_head", None)
+    embed = next((m for n, m in model.named_modules() if n.endswith("embed_tokens")), None)
+    if lm_head is None or embed is None:
+        return
+    if lm_head.weight is not embed.weight:
+        lm_head.weight = embed.weight
+    quant_method = getattr(lm_head, "quant_method", None)
+    if quant_method is not None:
+        quant_method.process_weights_after_loading(lm_head)
+
+
+class GlooWeightTransferEngine(
+    WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]
+):
+    """Receives checkpoint-format weights over gloo and loads them with layerwise reload."""
+
+    init_info_cls = GlooWeightTransferInitInfo
+    update_info_cls = GlooWeightTransferUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module):
+        super().__init__(config, vllm_config, device, model)
+        self.group: Any = None
+
+    def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
+        # Same rank formula as vLLM's NCCL backend, so multi-worker servers line up.
+        pc = self.parallel_config
+        worker_rank = pc.data_parallel_index * pc.world_size + pc.rank
+        self.group = stateless_init_torch_distributed_process_group(
+            init_info.master_address,
+            init_info.master_port,
+            worker_rank + init_info.rank_offset,
+            init_info.world_size,
+            backend="gloo",
+            timeout=_RENDEZVOUS_TIMEOUT,
+        )
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        _retie_word_embeddings(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class ends with torch.accelerator.synchronize(), which raises on CPU-only
+        # torch; gloo broadcasts are synchronous once .wait() returns, so nothing is pending.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer is not initialised: call /init_weight_transfer_engine first")
+        dtypes = [getattr(torch, name) for name in update_info.dtype_names]
+        start = 0
+        for size in update_info.group_sizes:
+            names = update_info.names[start : start + size]
+            shapes = update_info.shapes[start : start + size]
+            group_dtypes = dtypes[start : start + size]
+            start += size
+            nbytes = [_nbytes(s, d) for s, d in zip(shapes, group_dtypes)]
+            buffer = torch.empty(sum(nbytes), dtype=torch.uint8)
+            self.group.broadcast(buffer, 0).wait()
+            weights = [
+                (name, chunk.view(dtype).view(shape).clone())
+                for name, chunk, dtype, shape in zip(names, buffer.split(nbytes), group_dtypes, shapes)
+            ]
+            self.model.load_weights(weights)
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None
+
+
+@dataclass
+class GlooTrainerInitInfo(TrainerInitInfo):
+    """Trainer-side rendezvous parameters; ``world_size`` = 1 + number of vLLM workers."""
+
+    backend: ClassVar[str] = "gloo"
+    master_address: str = "127.0.0.1"
+    master_port: int = 0
+    world_size: int = 2
+    weight_version: str | None = None
+
+
+class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
+    """Sends the trainer's weights group by group; every trainer rank iterates the source
+    (FSDP gathers are collectives), only rank 0 broadcasts and talks to vLLM."""
+
+    init_info_cls = GlooTrainerInitInfo
+
+    def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource, is_sender: bool = True):
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.group: Any = None
+        self.next_weight_version: str | None = None
+        self.bytes_sent = 0
+
+    @classmethod
+    def trainer_init(
+        cls,
+        init_info: GlooTrainerInitInfo,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+    ) -> Self:
+        if source is None:
+            raise ValueError("gloo weight transfer needs a WeightSource")
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        if not engine.is_sender:
+            return engine
+        worker_info = GlooWeightTransferInitInfo(
+            master_address=init_info.master_address,
+            master_port=init_info.master_port,
+            rank_offset=1,
+            world_size=init_info.world_size,
+        )
+        # The workers block in init until the rendezvous completes, so the HTTP call runs on a
+        # thread while this process hosts the store as rank 0.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pending = pool.submit(client.init_weight_transfer_engine, asdict(worker_info))
+            engine.group = stateless_init_torch_distributed_process_group(
+                init_info.master_address,
+                init_info.master_port,
+                0,
+                init_info.world_size,
+                backend="gloo",
+                timeout=_RENDEZVOUS_TIMEOUT,
+            )
+            pending.result()
+        return engine
+
+    def send_weights(self) -> None:
+        assert self.source is not None
+        meta = self.source.metadata()
+        groups = self.source.groups()
+        if not self.is_sender:
+            for _ in self.source.iter_groups():
+                pass
+            return
+        update_info = {
+            "names": [m.name for m in meta],
+            "dtype_names": [str(m.dtype).removeprefix("torch.") for m in meta],
+            "shapes": [list(m.shape) for m in meta],
+            "group_sizes": [len(g) for g in groups],
+        }
+        self.bytes_sent = 0
+        self.client.start_weight_update()
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            # /update_weights blocks on the server until every broadcast below has landed.
+            pending = pool.submit(self.client.update_weights, update_info)
+            try:
+                for _names, tensors in self.source.iter_groups():
+                    flat = [t.detach().cpu().contiguous().view(-1).view(torch.uint8) for t in tensors]
+                    buffer = torch.cat(flat) if len(flat) > 1 else flat[0]
+                    self.group.broadcast(buffer, 0).wait()
+                    self.bytes_sent += buffer.numel()
+                    del buffer, flat
+            except BaseException:
+                pending.cancel()
+                raise
+            pending.result()
+        self.client.finish_weight_update(self.next_weight_version)
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None

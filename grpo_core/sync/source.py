@@ -1,0 +1,58 @@
+"""The trainer's weights as vLLM's ``WeightSource``: checkpoint (Hugging Face) names, wire dtype.
+
+Wrappers change parameter names (activation checkpointing inserts ``_checkpoint_wrapped_module``,
+torch.compile ``_orig_mod``, peft ``base_model.model`` and ``base_layer``); the server's
+``load_weights`` expects the names of the saved checkpoint, so they are normalised here. FSDP2
+shards (DTensors) are gathered with ``full_tensor()`` one parameter at a time while the engine
+sends one decoder layer per broadcast, so no full copy of the model is ever built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, materialize_full_tensor
+
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def checkpoint_name(name: str) -> str:
+    """The Hugging Face checkpoint name of a (possibly wrapped) parameter."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+class ModelWeightSource(WeightSource):
+    """Trainable model weights under checkpoint names, cast to ``wire_dtype`` when given.
+
+    ``named_tensors`` lets LoRA merged sync supply merged weights instead of the raw parameters.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        wire_dtype: torch.dtype | None = None,
+        named_tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = None,
+    ):
+        self.module = module
+        self.wire_dtype = wire_dtype
+        self._named = named_tensors or (lambda: iter(module.named_parameters()))
+        self._meta: list[ParamMeta] | None = None
+
+    def metadata(self) -> list[ParamMeta]:
+        if self._meta is None:
+            # DTensor .shape is the global shape, so this never gathers.
+            self._meta = [
+                ParamMeta(checkpoint_name(name), self.wire_dtype or t.dtype, tuple(t.shape))
+                for name, t in self._named()
+            ]
+        return self._meta
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self._named():
+            full = materialize_full_tensor(tensor.detach())
+            if self.wire_dtype is not None and full.dtype != self.wire_dtype:
+                full = full.to(self.wire_dtype)
+            yield checkpoint_name(name), full
