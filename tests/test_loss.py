@@ -1,0 +1,600 @@
+"""The GRPO objective: every term against hand-computed values, gradients against autograd and
+an independent formula, and score centering against Monte-Carlo expectations on a tiny vocabulary.
+
+Expected values are written out as numbers (or computed with ``math``/numpy from the definitions),
+never with the code under test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from grpo_core.loss import (
+    VLLM_NEG_INF,
+    LossConfig,
+    LossInputs,
+    candidate_mask_from_ids,
+    finalize_metrics,
+    grpo_loss,
+    reduce_metric_parts,
+    token_logprobs,
+)
+
+F64 = torch.float64
+NEG_INF = float("-inf")
+
+
+def t64(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=F64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config and inputs
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"epsilon": 0.0},
+        {"epsilon": 1.0},
+        {"epsilon_high": -0.1},
+        {"vllm_importance_sampling_clip_min": 1.1},
+        {"vllm_importance_sampling_clip_max": 0.9},
+        {"vllm_importance_sampling_clip_min": -0.1},
+        {"score_centering_weights": "uniform"},
+    ],
+)
+def test_config_rejects_bad_values(kwargs):
+    with pytest.raises(ValueError):
+        LossConfig(**kwargs)
+
+
+def test_default_mask_contains_the_clip_region():
+    c = LossConfig()
+    assert c.vllm_importance_sampling_clip_min < 1 - c.epsilon
+    assert c.vllm_importance_sampling_clip_max > 1 + c.epsilon_high
+    # symmetric in log space
+    lo, hi = c.vllm_importance_sampling_clip_min, c.vllm_importance_sampling_clip_max
+    assert math.isclose(math.log(hi), -math.log(lo))
+
+
+def test_inputs_check_shapes():
+    z = torch.zeros(3)
+    with pytest.raises(ValueError):
+        LossInputs(z, torch.zeros(2), z)
+    with pytest.raises(ValueError):
+        LossInputs(z, z, z, top_logprobs=torch.zeros(3, 2))  # sampler side missing
+    with pytest.raises(ValueError):
+        LossInputs(z, z, z, torch.zeros(3, 2), torch.zeros(3, 3))
+    with pytest.raises(ValueError):
+        LossInputs(z, z, z, torch.zeros(3, 2), torch.zeros(3, 2), torch.ones(3, 1, dtype=bool))
+    with pytest.raises(ValueError):
+        grpo_loss(LossInputs(z, z, z), LossConfig(), 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ratio, both clips, IS mask, normalisation: one hand-built micro-batch
+# ---------------------------------------------------------------------------------------------
+# epsilon 0.2, epsilon_high 0.28 -> clip region [0.8, 1.28]; IS mask [0.5, 2.0].
+#  tok  ratio  A     min(rA, clip(r)A)                    state                    d(loss_t)/d lp_t
+#   0   1.1   +1    min(1.1, 1.1)    = 1.1              inside                     -1.1
+#   1   1.5   +2    min(3.0, 2.56)   = 2.56             high clip binds            0
+#   2   1.5   -1    min(-1.5, -1.28) = -1.5             high active, not binding   +1.5
+#   3   0.7   -1    min(-0.7, -0.8)  = -0.8             low clip binds             0
+#   4   0.7   +0.5  min(0.35, 0.4)   = 0.35             low active, not binding    -0.35
+#   5   3.0   +1    dropped (ratio > 2.0)                                          0
+#   6   0.4   -1    dropped (ratio < 0.5; the low clip would bind, not counted)   0
+HAND_RATIOS = [1.1, 1.5, 1.5, 0.7, 0.7, 3.0, 0.4]
+HAND_ADV = [1.0, 2.0, -1.0, -1.0, 0.5, 1.0, -1.0]
+HAND_SAMPLER = [-1.0, -0.5, -2.0, -1.5, -0.3, -2.5, -0.7]
+HAND_LOSS_PER_TOKEN = [-1.1, -2.56, 1.5, 0.8, -0.35, 0.0, 0.0]
+HAND_GRAD_PER_TOKEN = [-1.1, 0.0, 1.5, 0.0, -0.35, 0.0, 0.0]
+
+
+def _hand_inputs(**extra) -> LossInputs:
+    sampler = t64(HAND_SAMPLER)
+    logprobs = (sampler + torch.log(t64(HAND_RATIOS))).requires_grad_()
+    return LossInputs(logprobs, sampler, t64(HAND_ADV), **extra)
+
+
+@pytest.mark.parametrize("centering", [True, False])  # no top-N given: centering is skipped
+def test_surrogate_clips_and_mask_hand_computed(centering):
+    inputs = _hand_inputs()
+    loss, _ = grpo_loss(inputs, LossConfig(score_centering=centering), num_tokens_in_step=10)
+    assert loss.item() == pytest.approx(sum(HAND_LOSS_PER_TOKEN) / 10, abs=1e-12)
+    assert loss.item() == pytest.approx(-0.171, abs=1e-12)
+    loss.backward()
+    torch.testing.assert_close(inputs.logprobs.grad, t64(HAND_GRAD_PER_TOKEN) / 10)
+
+
+def test_metrics_hand_computed():
+    _, parts = grpo_loss(_hand_inputs(), LossConfig(), num_tokens_in_step=10)
+    m = finalize_metrics([parts])
+    expected = {
+        "sampling/masked_mean": 2 / 7,
+        "sampling/ratio_mean": (1.1 + 1.5 + 1.5 + 0.7 + 0.7 + 3.0 + 0.4) / 7,
+        "sampling/ratio_min": 0.4,
+        "sampling/ratio_max": 3.0,
+        "sampling/logprob_diff_mean": math.log(1.1 * 1.5 * 1.5 * 0.7 * 0.7 * 3.0 * 0.4) / 7,
+        "clip_ratio/low_mean": 1 / 7,  # token 3 only; token 6 is masked
+        "clip_ratio/high_mean": 1 / 7,  # token 1 only; token 2 has A < 0
+        "clip_ratio/region_mean": 2 / 7,
+    }
+    assert m.keys() == expected.keys()  # no top-N -> no sampler_mass
+    for key, value in expected.items():
+        assert m[key] == pytest.approx(value, rel=1e-6), key
+    assert all(v.requires_grad is False and v.dim() == 0 for v in parts.values())
+
+
+def test_dropped_tokens_count_in_the_denominator():
+    """Dropping tokens neither changes the denominator nor re-weights the kept tokens."""
+    kept = [0, 1, 2, 3, 4]
+    sampler = t64(HAND_SAMPLER)[kept]
+    logprobs = (sampler + torch.log(t64(HAND_RATIOS)[kept])).requires_grad_()
+    only_kept = LossInputs(logprobs, sampler, t64(HAND_ADV)[kept])
+    loss_all, _ = grpo_loss(_hand_inputs(), LossConfig(), 7)
+    loss_kept, _ = grpo_loss(only_kept, LossConfig(), 7)
+    assert loss_all.item() == pytest.approx(loss_kept.item(), abs=1e-12)
+    # With no mask the PPO clip alone would handle them: token 5 (ratio 3, A > 0) is high-clipped
+    # to -(1.28 * 1) = -1.28; token 6 (ratio 0.4, A < 0) low-clipped to -(0.8 * -1) = +0.8.
+    wide = LossConfig(vllm_importance_sampling_clip_min=0.0, vllm_importance_sampling_clip_max=10.0)
+    loss_wide, _ = grpo_loss(_hand_inputs(), wide, 7)
+    expected = (sum(HAND_LOSS_PER_TOKEN) - 1.28 + 0.8) / 7
+    assert loss_wide.item() == pytest.approx(expected, abs=1e-12)
+
+
+def test_extreme_log_ratios_are_dropped_with_finite_gradients():
+    logprobs = t64([NEG_INF, 0.0, -200.0, -1.0]).requires_grad_()
+    sampler = t64([-1.0, -150.0, -1.0, -1.0])  # ratios 0, e^150, e^-199, 1
+    inputs = LossInputs(logprobs, sampler, t64([1.0, -1.0, 1.0, 2.0]))
+    loss, parts = grpo_loss(inputs, LossConfig(), 4)
+    loss.backward()
+    assert torch.isfinite(logprobs.grad).all()
+    torch.testing.assert_close(logprobs.grad, t64([0.0, 0.0, 0.0, -2.0 / 4]))
+    assert loss.item() == pytest.approx(-2.0 / 4)
+    assert finalize_metrics([parts])["sampling/masked_mean"] == 0.75
+
+
+def test_gradcheck_without_centering():
+    """Without centering the gradient is the true derivative of the loss value: finite differences
+    agree (ratios chosen away from the clip and mask boundaries)."""
+    sampler = t64(HAND_SAMPLER)
+    adv = t64(HAND_ADV)
+
+    def f(logprobs):
+        inputs = LossInputs(logprobs, sampler, adv)
+        return grpo_loss(inputs, LossConfig(score_centering=False), 7)[0]
+
+    assert torch.autograd.gradcheck(f, (_hand_inputs().logprobs.detach().requires_grad_(),))
+
+
+# ---------------------------------------------------------------------------------------------
+# Score centering term
+# ---------------------------------------------------------------------------------------------
+# Four positions, N = 3 top slots, num_tokens_in_step = 5.
+#  pos  sampler top probs         valid      ratio A    coef = A*r*[not clipped]*[kept]
+#   0   0.5, 0.3, 0.1             T T T      1.1  +1    1.1   q~ = (5/9, 3/9, 1/9)
+#   1   0.6, -9999, pad           T T F      0.9  -2    -1.8  q~ = (1, 0, 0); trainer slot 1 -inf
+#   2   0.4, 0.4, 0.2             T T T      1.5  +1    0     (high clip binds)
+#   3   0.4, 0.4, 0.2             T T T      3.0  +1    0     (dropped by the IS mask)
+# d loss / d top_lp[t, j] = coef_t * q~_tj / 5 ; d loss / d lp_t = -coef_t / 5.
+
+
+def _centering_inputs() -> LossInputs:
+    sampler_lp = torch.log(t64([0.5, 0.6, 0.4, 0.4]))
+    ratios = t64([1.1, 0.9, 1.5, 3.0])
+    logprobs = (sampler_lp + torch.log(ratios)).requires_grad_()
+    sampler_top = torch.log(
+        t64([[0.5, 0.3, 0.1], [0.6, 1.0, 1.0], [0.4, 0.4, 0.2], [0.4, 0.4, 0.2]])
+    )
+    sampler_top[1, 1] = VLLM_NEG_INF
+    sampler_top[1, 2] = 0.0  # padding slot: any value, ignored
+    trainer_top = torch.log(
+        t64([[0.55, 0.25, 0.1], [0.54, 1.0, 1.0], [0.6, 0.3, 0.05], [0.9, 0.05, 0.02]])
+    )
+    trainer_top[1, 1] = NEG_INF  # outside the trainer's candidate set
+    trainer_top[1, 2] = 0.3
+    valid = torch.ones(4, 3, dtype=torch.bool)
+    valid[1, 2] = False
+    adv = t64([1.0, -2.0, 1.0, 1.0])
+    return LossInputs(logprobs, sampler_lp, adv, trainer_top.requires_grad_(), sampler_top, valid)
+
+
+def test_centering_gradient_hand_computed_and_value_unchanged():
+    inputs = _centering_inputs()
+    loss, parts = grpo_loss(inputs, LossConfig(), 5)
+    loss.backward()
+    expected_top = (
+        t64([[1.1 * 5 / 9, 1.1 * 3 / 9, 1.1 * 1 / 9], [-1.8, 0.0, 0.0], [0.0] * 3, [0.0] * 3]) / 5
+    )
+    torch.testing.assert_close(inputs.top_logprobs.grad, expected_top)
+    torch.testing.assert_close(inputs.logprobs.grad, t64([-1.1, 1.8, 0.0, 0.0]) / 5)
+    # per-token surrogate: -1.1, -(0.9 * -2) = 1.8, -1.28, 0 (dropped)
+    assert loss.item() == pytest.approx((-1.1 + 1.8 - 1.28) / 5, abs=1e-12)
+
+    plain = _centering_inputs()
+    plain_loss, _ = grpo_loss(plain, LossConfig(score_centering=False), 5)
+    assert loss.item() == plain_loss.item()  # centering changes the gradient only
+    plain_loss.backward()
+    assert plain.top_logprobs.grad is None or (plain.top_logprobs.grad == 0).all()
+    # sampler mass covered by the valid top-N: 0.9, 0.6 (the -9999 slot is 0), 1.0, 1.0
+    m = finalize_metrics([parts])
+    assert m["sampling/sampler_mass"] == pytest.approx((0.9 + 0.6 + 1.0 + 1.0) / 4, rel=1e-6)
+
+
+def test_importance_centering_weights_hand_computed():
+    """Importance weights: q_j * w_j = pi_j over the candidates whose own ratio is kept and not
+    clipped for this position's advantage sign, renormalised.
+
+    pos 0 (A=+1): q = (.5, .3, .2), pi = (.45, .36, .08) -> r = (.9, 1.2, .4): slot 2 dropped
+        (0.4 < 0.5) -> weights (.45, .36, 0) / .81 ; sampled slot 0, ratio .9, coef .9
+    pos 1 (A=-1): q = (.5, .3, .2), pi = (.5, .21, .3) -> r = (1, .7, 1.5): slot 1 low-clipped
+        (0.7 < 0.8 with A < 0); slot 2 kept (the high clip binds only for A > 0)
+        -> weights (.5, 0, .3) / .8 ; sampled slot 0, ratio 1, coef -1
+    """
+    q = t64([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2]])
+    pi = t64([[0.45, 0.36, 0.08], [0.5, 0.21, 0.3]])
+    logprobs = torch.log(pi[:, 0]).requires_grad_()
+    top = torch.log(pi).requires_grad_()
+    inputs = LossInputs(logprobs, torch.log(q[:, 0]), t64([1.0, -1.0]), top, torch.log(q))
+    loss, _ = grpo_loss(inputs, LossConfig(score_centering_weights="importance"), 2)
+    loss.backward()
+    expected = t64([[0.9 * 0.45 / 0.81, 0.9 * 0.36 / 0.81, 0.0], [-0.5 / 0.8, 0.0, -0.3 / 0.8]]) / 2
+    torch.testing.assert_close(top.grad, expected)
+
+
+def test_position_without_usable_top_slots_is_not_centered():
+    logprobs = t64([-1.0]).requires_grad_()
+    top = t64([[NEG_INF, -2.0]]).requires_grad_()
+    inputs = LossInputs(
+        logprobs, t64([-1.0]), t64([1.0]), top, t64([[-0.5, -1.0]]), torch.tensor([[True, False]])
+    )
+    loss, _ = grpo_loss(inputs, LossConfig(), 1)
+    loss.backward()
+    assert torch.isfinite(top.grad).all() and (top.grad == 0).all()
+    assert logprobs.grad.item() == -1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient through logits vs. an independent formula
+# ---------------------------------------------------------------------------------------------
+
+
+def test_gradient_through_logits_matches_formula():
+    """logits -> token_logprobs (temperature, candidate sets) -> centered loss: autograd equals
+    -(1/n) sum_t c_t (grad lp(a_t) - sum_j q~_tj grad lp(a_j)), with grad_x lp(a) = (e_a - p~)/T
+    and p~ the softmax at temperature T renormalised over the candidate set (numpy, by hand)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 5))
+    temp = 0.8
+    sets = np.array([[1, 1, 1, 1, 1], [1, 1, 0, 1, 0], [0, 1, 1, 1, 1]], dtype=bool)
+    target = np.array([0, 3, 2])
+    top_ids = np.array([[0, 1, 2], [0, 1, 3], [1, 2, 4]])
+    adv = np.array([1.0, -1.0, 1.0])
+    log_ratio = np.log([1.1, 0.9, 1.5])  # token 2: high clip binds -> coefficient 0
+    n = 4
+
+    z = np.where(sets, x / temp, -np.inf)
+    p = np.exp(z - np.log(np.exp(z).sum(-1, keepdims=True)))
+    lp = np.log(p[np.arange(3), target])
+    sampler_top = np.log(np.array([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1], [0.2, 0.5, 0.3]]))
+    q_tilde = np.exp(sampler_top) / np.exp(sampler_top).sum(-1, keepdims=True)
+    coef = adv * np.exp(log_ratio) * np.array([1.0, 1.0, 0.0])
+
+    def grad_lp(t, a):
+        return (np.eye(5)[a] - p[t]) / temp
+
+    expected = np.zeros_like(x)
+    for t in range(3):
+        baseline = sum(q_tilde[t, j] * grad_lp(t, top_ids[t, j]) for j in range(3))
+        expected[t] = -coef[t] * (grad_lp(t, target[t]) - baseline) / n
+
+    logits = torch.tensor(x, requires_grad=True)
+    lp_t, top_t = token_logprobs(
+        logits, torch.tensor(target), temp, torch.tensor(top_ids), torch.tensor(sets)
+    )
+    sampler_lp = torch.tensor(lp - log_ratio)
+    inputs = LossInputs(lp_t, sampler_lp, torch.tensor(adv), top_t, torch.tensor(sampler_top))
+    loss, _ = grpo_loss(inputs, LossConfig(), n)
+    loss.backward()
+    np.testing.assert_allclose(logits.grad.numpy(), expected, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalisation across micro-batches
+# ---------------------------------------------------------------------------------------------
+
+
+def test_two_micro_batches_equal_one_call():
+    gen = torch.Generator().manual_seed(1)
+    t, n_top = 10, 4
+    sampler = -torch.rand(t, generator=gen, dtype=F64) * 3
+    logprobs = (sampler + (torch.rand(t, generator=gen, dtype=F64) - 0.5) * 1.6).requires_grad_()
+    adv = torch.randn(t, generator=gen, dtype=F64)
+    sampler_top = torch.log_softmax(torch.randn(t, n_top, generator=gen, dtype=F64), -1)
+    top = (sampler_top + torch.randn(t, n_top, generator=gen, dtype=F64) * 0.1).requires_grad_()
+    valid = torch.rand(t, n_top, generator=gen) > 0.2
+    config = LossConfig()
+
+    def run(rows):
+        inputs = LossInputs(
+            logprobs[rows], sampler[rows], adv[rows], top[rows], sampler_top[rows], valid[rows]
+        )
+        return grpo_loss(inputs, config, t)
+
+    big_loss, big_parts = run(slice(0, t))
+    big_loss.backward()
+    big_grads = (logprobs.grad.clone(), top.grad.clone())
+    logprobs.grad, top.grad = None, None
+
+    (loss_a, parts_a), (loss_b, parts_b) = run(slice(0, 4)), run(slice(4, t))
+    (loss_a + loss_b).backward()
+    assert (loss_a + loss_b).item() == pytest.approx(big_loss.item(), abs=1e-12)
+    torch.testing.assert_close(logprobs.grad, big_grads[0])
+    torch.testing.assert_close(top.grad, big_grads[1])
+    assert finalize_metrics([parts_a, parts_b]) == pytest.approx(finalize_metrics([big_parts]))
+    # the step's loss is the plain mean of the one-token losses (centering adds no value)
+    one_token = [run(slice(i, i + 1))[0].item() * t for i in range(t)]  # undo run()'s 1/t
+    assert big_loss.item() == pytest.approx(sum(one_token) / t, abs=1e-12)
+
+
+def test_empty_call_and_metric_reduction():
+    empty = torch.zeros(0, dtype=F64, requires_grad=True)
+    zeros = torch.zeros(0, dtype=F64)
+    loss, parts = grpo_loss(LossInputs(empty, zeros, zeros), LossConfig(), 5)
+    loss.backward()  # a rank with nothing to train still takes part in the backward
+    assert loss.item() == 0.0
+    assert finalize_metrics([parts]) == {}
+    assert finalize_metrics([]) == {}
+    _, hand_parts = grpo_loss(_hand_inputs(), LossConfig(), 10)
+    assert finalize_metrics([parts, hand_parts]) == finalize_metrics([hand_parts])
+    merged = reduce_metric_parts([parts, hand_parts])
+    assert merged["ratio_min"].item() == pytest.approx(0.4)
+    assert merged["ratio_max"].item() == pytest.approx(3.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# token_logprobs: temperature and top-k / top-p renormalisation
+# ---------------------------------------------------------------------------------------------
+RENORM_LOGITS = [2.0, 1.0, 0.5, 0.0, -1.0, 1.5]
+RENORM_T = 0.7
+# At T = 0.7 the full softmax is about (.522, .125, .061, .030, .007, .255) (checked below).
+#   top-k = 3        -> {0, 5, 1}
+#   top-p = 0.7      -> sorted 0 (.522), 5 (cum .777 >= .7) -> {0, 5}
+#   top-k = 4 + top-p = 0.95 -> top-4 {0, 5, 1, 2}; cum .522, .777, .902, .963 -> {0, 5, 1, 2}
+#   no filter        -> all 6
+RENORM_SETS = [[0, 5, 1], [0, 5], [0, 5, 1, 2], [0, 1, 2, 3, 4, 5]]
+RENORM_TARGETS = [5, 0, 2, 4]
+RENORM_TOP_IDS = [0, 5, 1, 2]
+
+
+def _truncated_logprob(token: int, support: list[int]) -> float:
+    z = [v / RENORM_T for v in RENORM_LOGITS]
+    return z[token] - math.log(sum(math.exp(z[j]) for j in support))
+
+
+def test_candidate_sets_follow_top_k_top_p_rules():
+    full = [math.exp(_truncated_logprob(j, range(6))) for j in range(6)]
+    order = sorted(range(6), key=lambda j: -full[j])
+    assert order[:3] == RENORM_SETS[0]
+
+    def nucleus(ids, top_p):
+        kept, cum = [], 0.0
+        for j in ids:
+            kept.append(j)
+            cum += full[j] / sum(full[i] for i in ids)
+            if cum >= top_p:
+                return kept
+        return kept
+
+    assert nucleus(order, 0.7) == RENORM_SETS[1]
+    assert nucleus(order[:4], 0.95) == RENORM_SETS[2]
+
+
+def test_candidate_mask_from_ids():
+    ids = [torch.tensor([0, 2]), torch.tensor([1]), torch.tensor([], dtype=torch.long)]
+    mask = candidate_mask_from_ids(ids, 4)
+    expected = torch.tensor([[1, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(mask, expected)
+    assert candidate_mask_from_ids([], 4).shape == (0, 4)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 3])
+def test_renormalisation_matches_exact_truncated_softmax(chunk_size):
+    logits = torch.tensor([RENORM_LOGITS] * 4, dtype=F64, requires_grad=True)
+    masks = candidate_mask_from_ids([torch.tensor(s) for s in RENORM_SETS], 6)
+    top_ids = torch.tensor([RENORM_TOP_IDS] * 4)
+    targets = torch.tensor(RENORM_TARGETS)
+    lp, top = token_logprobs(logits, targets, RENORM_T, top_ids, masks, chunk_size=chunk_size)
+    for t, support in enumerate(RENORM_SETS):
+        expected = _truncated_logprob(RENORM_TARGETS[t], support)
+        assert lp[t].item() == pytest.approx(expected, abs=1e-12)
+        for j, token in enumerate(RENORM_TOP_IDS):
+            if token in support:
+                expected = _truncated_logprob(token, support)
+                assert top[t, j].item() == pytest.approx(expected, abs=1e-12)
+            else:
+                assert top[t, j].item() == NEG_INF
+    # ids outside the set: -inf values but no NaN anywhere in the gradient, even summed directly
+    (lp.sum() + top.sum()).backward()
+    assert torch.isfinite(logits.grad).all()
+    # gradient of one truncated log-prob: (e_a - p~) / T on the set, exactly 0 off it
+    row1 = token_logprobs(logits, targets, RENORM_T, None, masks)[0][1]
+    g = torch.autograd.grad(row1, logits)[0]
+    support = RENORM_SETS[1]
+    p_tilde = [math.exp(_truncated_logprob(j, support)) if j in support else 0.0 for j in range(6)]
+    expected = [((1.0 if j == 0 else 0.0) - p_tilde[j]) / RENORM_T for j in range(6)]
+    torch.testing.assert_close(g[1], t64(expected))
+    assert (g[[0, 2, 3]] == 0).all()
+
+
+def test_full_vocabulary_and_dtype():
+    logits = torch.randn(5, 7, dtype=torch.bfloat16)
+    lp, top = token_logprobs(logits, torch.tensor([0, 1, 2, 3, 4]), 1.3)
+    assert top is None and lp.dtype == torch.float32
+    expected = torch.log_softmax(logits.float() / 1.3, -1).diagonal()
+    torch.testing.assert_close(lp, expected)
+    with pytest.raises(ValueError):
+        token_logprobs(logits, torch.zeros(5, dtype=torch.long), 0.0)
+
+
+def test_chunked_gradients_match_dense():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 11, generator=gen, dtype=F64)
+    masks = torch.rand(7, 11, generator=gen) > 0.4
+    targets = torch.tensor([int(torch.nonzero(row)[0]) for row in masks])
+    top_ids = torch.randint(0, 11, (7, 3), generator=gen)
+    weights = torch.randn(7, 3, generator=gen, dtype=F64)
+    grads = []
+    for chunk in (None, 2):
+        leaf = logits.clone().requires_grad_()
+        lp, top = token_logprobs(leaf, targets, 0.9, top_ids, masks, chunk_size=chunk)
+        (lp.sum() + torch.where(torch.isfinite(top), top * weights, 0.0).sum()).backward()
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_sampled_token_outside_its_set_is_dropped_not_nan():
+    logits = torch.tensor([[1.0, 2.0, 3.0]], dtype=F64, requires_grad=True)
+    mask = torch.tensor([[False, True, True]])
+    lp, _ = token_logprobs(logits, torch.tensor([0]), 1.0, None, mask)
+    assert lp.item() == NEG_INF
+    loss, parts = grpo_loss(LossInputs(lp, t64([-1.0]), t64([1.0])), LossConfig(), 1)
+    loss.backward()
+    assert torch.isfinite(logits.grad).all() and loss.item() == 0.0
+    assert finalize_metrics([parts])["sampling/masked_mean"] == 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Monte-Carlo: does a constant advantage move the policy?
+# ---------------------------------------------------------------------------------------------
+# For softmax logits theta, grad_theta log pi(a) = e_a - pi. Each test draws M tokens from the
+# sampler q with a seeded generator, gives every token advantage A = +1, and takes the gradient
+# of grpo_loss with respect to a per-sample copy of the logits: row i times M is sample i's
+# gradient, and their mean is the gradient of the loss over the batch. The mean is compared with
+# the analytic expectation per coordinate within Z standard errors of that mean.
+Z = 5.0
+
+
+def _mc_gradients(
+    theta: torch.Tensor,
+    sampler_logp: torch.Tensor,
+    top_ids: torch.Tensor,
+    config: LossConfig,
+    m: int,
+    seed: int,
+) -> torch.Tensor:
+    """[m, V] per-sample loss gradients w.r.t. the trainer's logits (full-vocabulary softmax)."""
+    gen = torch.Generator().manual_seed(seed)
+    sampled = torch.multinomial(sampler_logp.exp(), m, replacement=True, generator=gen)
+    logits = theta.expand(m, -1).clone().requires_grad_()
+    top = top_ids.expand(m, -1)
+    lp, top_lp = token_logprobs(logits, sampled, 1.0, top)
+    sampler_top = sampler_logp[top].clamp_min(VLLM_NEG_INF)  # vLLM's -inf stand-in
+    inputs = LossInputs(lp, sampler_logp[sampled], torch.ones(m, dtype=F64), top_lp, sampler_top)
+    loss, _ = grpo_loss(inputs, config, m)
+    loss.backward()
+    return logits.grad * m
+
+
+def _assert_mean(grads: torch.Tensor, expected: torch.Tensor) -> None:
+    mean = grads.mean(0)
+    se = grads.std(0) / math.sqrt(grads.shape[0])
+    assert (mean - expected).abs().le(Z * se + 1e-9).all(), (mean, expected, se)
+
+
+def _assert_clearly_nonzero(grads: torch.Tensor, expected: torch.Tensor) -> None:
+    se = grads.std(0) / math.sqrt(grads.shape[0])
+    assert expected.abs().max() > 2 * Z * se.max(), (expected, se)  # far outside the "~0" band
+    _assert_mean(grads, expected)
+
+
+THETA = t64([2.0, 1.5, 1.0, 0.2, -0.5, -1.0])
+
+
+@pytest.mark.parametrize("weights", ["sampler", "importance"])
+def test_mc_top_k_sampler_full_vocab_trainer(weights):
+    """Setting: trainer pi = softmax(theta) over the full vocabulary (no candidate set, as when the
+    server cannot return its sampling mask); the sampler draws from q = top-3 of that same
+    distribution renormalised and reports processed log-probs (so -9999 outside the top-3). N = 4
+    top slots: the three candidates and one id at -9999. Every ratio is pi(a)/q(a) = pi(S) ~ 0.87,
+    inside the mask and, with A > 0, never clipped. Plain: E = -A pi(S) (q - pi), non-zero; it
+    raises the trainer's mass on S, i.e. drags pi toward q. Centered (both weightings coincide
+    here): E = -A pi(S) E_q[e_a - q] = 0.
+    """
+    pi = torch.softmax(THETA, -1)
+    support = torch.tensor([0, 1, 2])
+    q = torch.zeros(6, dtype=F64)
+    q[support] = pi[support] / pi[support].sum()
+    top_ids = torch.tensor([0, 1, 2, 3])
+    mass = pi[support].sum()
+    assert 0.8 < mass < 1.0  # the setting: ratio inside the mask, not clipped for A > 0
+
+    plain = _mc_gradients(THETA, q.log(), top_ids, LossConfig(score_centering=False), 50_000, 0)
+    _assert_clearly_nonzero(plain, -mass * (q - pi))
+    centered = _mc_gradients(
+        THETA, q.log(), top_ids, LossConfig(score_centering_weights=weights), 50_000, 0
+    )
+    _assert_mean(centered, torch.zeros(6, dtype=F64))
+
+
+@pytest.mark.parametrize("weights", ["sampler", "importance"])
+def test_mc_sanity_on_policy_full_top_n(weights):
+    """Setting: pi == q exactly, N = V. Score has mean zero under q: both updates ~ 0."""
+    logp = torch.log_softmax(THETA, -1)
+    top_ids = torch.arange(6)
+    for config in (LossConfig(score_centering=False), LossConfig(score_centering_weights=weights)):
+        grads = _mc_gradients(THETA, logp, top_ids, config, 20_000, 1)
+        _assert_mean(grads, torch.zeros(6, dtype=F64))
+
+
+def _stale(delta: list[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    theta_old = t64([1.0, 0.5, 0.0, -0.5, -1.0, 0.3])
+    theta = theta_old + t64(delta)
+    q, pi = torch.softmax(theta_old, -1), torch.softmax(theta, -1)
+    return theta, q, pi, pi / q
+
+
+def test_mc_stale_sampler_full_support_is_where_sampler_centering_is_biased():
+    """Honest limitation. Setting: the sampler is a stale policy with full support,
+    q = softmax(theta_old), pi = softmax(theta_old + delta), N = V, all ratios inside the clip
+    region. Here the ratio is the exact importance weight: plain E = -A E_q[r (e_a - pi)] = 0.
+    "sampler" centering subtracts b = q - pi with coefficient A r, so E = A E_q[r] (q - pi) =
+    A (q - pi): non-zero (it pushes pi away from q for A > 0). "importance" centering uses
+    b = sum_j pi_j (e_j - pi) = 0 and stays unbiased."""
+    theta, q, pi, ratio = _stale([0.18, -0.18, 0.08, -0.05, 0.1, -0.05])
+    assert (ratio > 0.8).all() and (ratio < 1.28).all()  # the setting: nothing clipped or masked
+    top_ids, m = torch.arange(6), 50_000
+    plain = _mc_gradients(theta, q.log(), top_ids, LossConfig(score_centering=False), m, 2)
+    _assert_mean(plain, torch.zeros(6, dtype=F64))
+    sampler = _mc_gradients(theta, q.log(), top_ids, LossConfig(), m, 2)
+    _assert_clearly_nonzero(sampler, q - pi)
+    importance_config = LossConfig(score_centering_weights="importance")
+    importance = _mc_gradients(theta, q.log(), top_ids, importance_config, m, 2)
+    _assert_mean(importance, torch.zeros(6, dtype=F64))
+
+
+def test_mc_clip_binding_importance_centering_stays_unbiased():
+    """Setting: stale full-support sampler as above, but token 0's ratio exceeds 1 + epsilon_high,
+    so with A > 0 its weight is 0 (clip binds). Plain: E = -A sum_{a unclipped} pi_a (e_a - pi),
+    non-zero. "sampler": E = -A [sum_u pi_a (e_a - pi) - pi(U) (q - pi)], U the unclipped tokens.
+    "importance": 0, since its baseline is renormalised over exactly the unclipped tokens."""
+    theta, q, pi, ratio = _stale([0.6, -0.1, 0.0, 0.0, 0.0, 0.0])
+    unclipped = ratio <= 1.28
+    # the setting: only token 0 clipped; for A > 0 the low clip never binds, and all are >= 0.5
+    assert not unclipped[0] and unclipped[1:].all() and (ratio >= 0.5).all()
+    top_ids, m = torch.arange(6), 50_000
+    eye = torch.eye(6, dtype=F64)
+    weighted_score = (pi[unclipped, None] * (eye[unclipped] - pi)).sum(0)
+    plain = _mc_gradients(theta, q.log(), top_ids, LossConfig(score_centering=False), m, 3)
+    _assert_clearly_nonzero(plain, -weighted_score)
+    sampler = _mc_gradients(theta, q.log(), top_ids, LossConfig(), m, 3)
+    _assert_mean(sampler, -(weighted_score - pi[unclipped].sum() * (q - pi)))
+    importance_config = LossConfig(score_centering_weights="importance")
+    importance = _mc_gradients(theta, q.log(), top_ids, importance_config, m, 3)
+    _assert_mean(importance, torch.zeros(6, dtype=F64))
