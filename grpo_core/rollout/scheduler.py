@@ -103,18 +103,15 @@ class RolloutScheduler:
     async def _make_controller(self) -> ConcurrencyController:
         loop = self.loop
         assert loop.client is not None
-        metrics = parse_vllm_metrics(await loop.client.metrics_text() or "")
-        initial = None
-        if metrics.kv_cache_size_tokens:
-            initial = max(1, metrics.kv_cache_size_tokens // max(1, loop.max_model_len))
-        return ConcurrencyController(ceiling=loop.ceiling, initial_cap=initial if metrics.kv_cache_usage is not None else None)
+        text = await loop.client.metrics_text()
+        metrics = parse_vllm_metrics(text) if text else None
+        return ConcurrencyController.from_server(loop.ceiling, metrics, loop.max_model_len)
 
     async def _poll_metrics(self) -> None:
         assert self.loop.client is not None and self.controller is not None
         while True:
             text = await self.loop.client.metrics_text()
-            metrics = parse_vllm_metrics(text or "")
-            self.controller.observe(metrics.kv_cache_usage, metrics.num_requests_waiting)
+            self.controller.observe_metrics(parse_vllm_metrics(text) if text else None)
             # Also wakes the scheduler after a group failure, so the error surfaces within one poll.
             async with self._room:
                 self._room.notify_all()

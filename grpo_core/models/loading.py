@@ -1,0 +1,62 @@
+"""Load the policy and its tokenizer, and pick the device and dtype the trainer runs in."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class DistInfo:
+    """Where this process sits in a torchrun launch (1 process when not launched by torchrun)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> "DistInfo":
+        return cls(
+            rank=int(os.environ.get("RANK", 0)),
+            world_size=int(os.environ.get("WORLD_SIZE", 1)),
+            local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        )
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def device(self) -> torch.device:
+        if torch.cuda.is_available():
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+
+def load_policy(model: Any, device: torch.device) -> tuple[torch.nn.Module, str | None]:
+    """The policy module in fp32 (master weights) on ``device``; also its source path when known."""
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(model, (str, os.PathLike)):
+        path = str(model)
+        module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    elif isinstance(model, torch.nn.Module):
+        path = getattr(getattr(model, "config", None), "_name_or_path", None) or None
+        module = model.float()
+    else:
+        raise TypeError(f"model must be a path or a loaded transformers model, got {type(model).__name__}")
+    module.to(device)
+    module.config.use_cache = False
+    return module, path
+
+
+def load_tokenizer(processing_class: Any, model_path: str | None) -> Any:
+    from transformers import AutoTokenizer
+
+    if processing_class is not None:
+        return processing_class
+    if model_path is None:
+        raise ValueError("pass processing_class=tokenizer when model is an in-memory module with no path")
+    return AutoTokenizer.from_pretrained(model_path)
