@@ -98,6 +98,10 @@ class AsyncGRPOConfig:
     """Upper clip of the importance ratio: ratio <= 1 + epsilon_high."""
     score_centering: bool = True
     """Subtract the expected score over the sampler's top tokens at each trained position."""
+    score_centering_weights: str = "importance"
+    """Weights of the centering baseline over the top-N: ``importance`` (the sampler's probabilities times each
+    candidate's clipped ratio, zero-mean for any ratio) or ``sampler`` (the sampler's probabilities alone, exact
+    only when every candidate has the same ratio, e.g. pure top-k truncation)."""
     num_sampler_logprobs: int = 8
     """Top-N sampler log-probs requested per generated token (for score centering); 0 turns centering off."""
     vllm_importance_sampling_clip_min: float = 0.5
@@ -179,6 +183,11 @@ class AsyncGRPOConfig:
             0 <= self.vllm_importance_sampling_clip_min < 1 < self.vllm_importance_sampling_clip_max,
             "vllm_importance_sampling_clip_min",
             "need clip_min < 1 < vllm_importance_sampling_clip_max",
+        )
+        need(
+            self.score_centering_weights in ("importance", "sampler"),
+            "score_centering_weights",
+            "use 'importance' or 'sampler'",
         )
         need(self.max_staleness >= 0, "max_staleness", "use >= 0 (0 = only on-policy samples)")
         need(

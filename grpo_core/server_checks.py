@@ -1,0 +1,142 @@
+"""Start-up checks of the vLLM server's configuration, run before the first request.
+
+Each check probes behaviour rather than reading flags (``/server_info`` does not expose them), and a
+failure names the missing flag and prints the server command to restart with.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import httpx
+
+from grpo_core.config import AsyncGRPOConfig
+
+log = logging.getLogger(__name__)
+
+
+class ServerConfigError(RuntimeError):
+    """The server lacks a setting the trainer needs; the message shows the flag and the command."""
+
+
+@dataclass
+class ServerCapabilities:
+    max_model_len: int
+    max_logprobs: int | None
+    candidate_sets: bool  # the server returns each token's top-k/top-p candidate set
+
+
+def recommended_command(config: AsyncGRPOConfig, model: str = "<model>") -> str:
+    backend = config.weight_transfer_backend
+    flags = [
+        "VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server",
+        f"--model {model}",
+        "--logprobs-mode processed_logprobs",
+        f"--max-logprobs {max(20, config.num_sampler_logprobs + 1)}",
+        f"--weight-transfer-config '{{\"backend\":\"{backend}\"}}'",
+        "--enable-scale-out",
+    ]
+    if config.needs_candidate_sets():
+        flags.append("--return-sampling-mask")
+    return " \\\n    ".join(flags)
+
+
+def check_server(base_url: str, config: AsyncGRPOConfig, model: str = "<model>") -> ServerCapabilities:
+    """Probe the server; raise ``ServerConfigError`` naming the first missing setting."""
+    command = recommended_command(config, model)
+    http = httpx.Client(base_url=base_url.rstrip("/"), timeout=config.request_timeout)
+    try:
+        models = http.get("/v1/models")
+        if models.status_code != 200:
+            raise ServerConfigError(f"{base_url}/v1/models answered HTTP {models.status_code}; is this a vLLM server?")
+        max_model_len = int(models.json()["data"][0]["max_model_len"])
+
+        if http.get("/is_paused").status_code == 404:
+            raise ServerConfigError(
+                "the server runs without dev mode, so it has no pause/resume or weight-transfer routes: "
+                f"set VLLM_SERVER_DEV_MODE=1 and restart it:\n{command}"
+            )
+
+        def generate(params: dict) -> httpx.Response:
+            return http.post("/inference/v1/generate", json={"token_ids": _PROBE_IDS, "sampling_params": params})
+
+        probe = generate({"max_tokens": 1, "temperature": 1.0, "logprobs": 1, "seed": 0})
+        if probe.status_code in (403, 404):
+            raise ServerConfigError(
+                "the tokens-in/tokens-out endpoint /inference/v1/generate is disabled: add --enable-scale-out "
+                f"and restart the server:\n{command}"
+            )
+        if probe.status_code != 200:
+            raise ServerConfigError(f"/inference/v1/generate failed: HTTP {probe.status_code} {probe.text[:500]}")
+
+        _check_processed_logprobs(generate, command)
+        max_logprobs = _check_max_logprobs(generate, config, command)
+        candidate_sets = _check_candidate_sets(generate, config)
+        return ServerCapabilities(max_model_len=max_model_len, max_logprobs=max_logprobs, candidate_sets=candidate_sets)
+    finally:
+        http.close()
+
+
+_PROBE_IDS = list(range(5, 13))  # any ordinary tokens; a one-token prompt can give a flat distribution
+
+
+def _top_two(response: httpx.Response) -> list[float]:
+    content = response.json()["choices"][0]["logprobs"]["content"][0]
+    return sorted((float(item["logprob"]) for item in content["top_logprobs"]), reverse=True)[:2]
+
+
+def _check_processed_logprobs(generate, command: str) -> None:
+    # Raw log-probs ignore the temperature; processed ones are computed after it. The same prompt's
+    # most likely next token at two temperatures tells them apart.
+    cold = _top_two(generate({"max_tokens": 1, "temperature": 0.5, "logprobs": 2, "seed": 0}))
+    warm = _top_two(generate({"max_tokens": 1, "temperature": 1.0, "logprobs": 2, "seed": 0}))
+    if len(warm) == 2 and abs(warm[0] - warm[1]) < 1e-9:
+        log.warning("could not verify --logprobs-mode: the probe prompt gives a flat distribution")
+        return
+    if abs(cold[0] - warm[0]) < 1e-6:
+        raise ServerConfigError(
+            "the server reports raw log-probs, which ignore temperature and top-k/top-p, so importance ratios "
+            f"would be wrong: add --logprobs-mode processed_logprobs and restart it:\n{command}"
+        )
+
+
+def _check_max_logprobs(generate, config: AsyncGRPOConfig, command: str) -> int | None:
+    if config.num_sampler_logprobs == 0:
+        return None
+    wanted = config.num_sampler_logprobs + 1
+    response = generate({"max_tokens": 1, "temperature": 1.0, "logprobs": wanted})
+    if response.status_code == 400 and "max allowed" in response.text:
+        found = re.search(r"max allowed:\s*(-?\d+)", response.text)
+        allowed = found.group(1) if found else "?"
+        raise ServerConfigError(
+            f"num_sampler_logprobs={config.num_sampler_logprobs} needs {wanted} log-probs per token but the "
+            f"server allows {allowed}: raise --max-logprobs to at least {wanted} (or lower num_sampler_logprobs) "
+            f"and restart it:\n{command}"
+        )
+    if response.status_code != 200:
+        raise ServerConfigError(f"log-prob probe failed: HTTP {response.status_code} {response.text[:500]}")
+    return None
+
+
+def _check_candidate_sets(generate, config: AsyncGRPOConfig) -> bool:
+    if not config.needs_candidate_sets():
+        return False
+    params = {"max_tokens": 1, "temperature": 1.0, "logprobs": 1, "seed": 0}
+    if config.top_k > 0:
+        params["top_k"] = config.top_k
+    if config.top_p < 1.0:
+        params["top_p"] = config.top_p
+    response = generate(params)
+    mask = response.json()["choices"][0].get("sampling_mask") if response.status_code == 200 else None
+    if mask:
+        return True
+    log.warning(
+        "top_k=%s / top_p=%s: this server does not return each token's candidate set (it needs "
+        "--return-sampling-mask, which requires vLLM's V2 model runner), so the trainer renormalises over "
+        "the whole vocabulary and the importance ratios are biased",
+        config.top_k,
+        config.top_p,
+    )
+    return False

@@ -1,0 +1,299 @@
+"""``AsyncGRPOTrainer``: the training loop, readable top to bottom.
+
+    setup    load the policy, check the server, open the weight transport, push version 0,
+             spawn the rollout worker
+    loop     collect one step of samples (stale ones dropped, rows packed)
+             → forward/backward every micro-batch → optimizer step
+             → push weights every ``weight_sync_steps`` → checkpoint every ``save_steps`` → log
+    teardown stop the worker, close the transport and the tracker
+
+Rank 0 owns the rollout worker and talks to vLLM; every rank trains its own row of each micro-batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from grpo_core.batching import StepBatch, StepCollector, TrainingFrontier
+from grpo_core.config import AsyncGRPOConfig
+from grpo_core.loss import LossConfig, LossInputs, candidate_mask_from_ids, finalize_metrics, grpo_loss, token_logprobs
+from grpo_core.models.loading import DistInfo, load_policy, load_tokenizer
+from grpo_core.models.tree_attention import enable_tree_attention
+from grpo_core.packing.collator import PackedRow, pack_row
+from grpo_core.rollout.loop import AsyncRolloutLoop
+from grpo_core.rollout.worker import RolloutWorker, WorkerSpec, check_picklable
+from grpo_core.step_metrics import group_metrics
+from grpo_core.tracking import NullTracker, Tracker
+
+log = logging.getLogger(__name__)
+
+
+class AsyncGRPOTrainer:
+    """Asynchronous GRPO: a rollout process samples from vLLM while this process trains."""
+
+    loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
+
+    def __init__(
+        self,
+        model: Any,
+        reward_funcs: Any,
+        train_dataset: Any,
+        args: AsyncGRPOConfig | None = None,
+        processing_class: Any = None,
+        eval_dataset: Any = None,
+        peft_config: Any = None,
+        tools: list[Any] | None = None,
+        environment_factory: Any = None,
+        tracker: Tracker | None = None,
+    ):
+        self.args = args or AsyncGRPOConfig()
+        self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        if self.args.reward_weights is not None and len(self.args.reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"AsyncGRPOConfig.reward_weights has {len(self.args.reward_weights)} entries for "
+                f"{len(self.reward_funcs)} reward functions; give one weight per function"
+            )
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        self.tools = list(tools or [])
+        self.environment_factory = environment_factory
+        self.dist = DistInfo.from_env()
+        self.device = self.dist.device()
+        torch.manual_seed(self.args.seed)
+        self.model, self.model_path = load_policy(model, self.device)
+        self.tokenizer = load_tokenizer(processing_class, self.model_path)
+        self.peft_config = peft_config
+        self.attention_backend = enable_tree_attention(self.model)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=self.args.learning_rate,
+            betas=(self.args.adam_beta1, self.args.adam_beta2),
+            weight_decay=self.args.weight_decay,
+        )
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
+        self.loss_config = LossConfig(
+            epsilon=self.args.epsilon,
+            epsilon_high=self.args.epsilon_high,
+            score_centering=self.args.score_centering and self.args.num_sampler_logprobs > 0,
+            score_centering_weights=self.args.score_centering_weights,  # type: ignore[arg-type]
+            vllm_importance_sampling_clip_min=self.args.vllm_importance_sampling_clip_min,
+            vllm_importance_sampling_clip_max=self.args.vllm_importance_sampling_clip_max,
+        )
+        self.tracker: Tracker = tracker or NullTracker()
+        self.global_step = 0
+        self.frontier = TrainingFrontier()
+        self.worker: RolloutWorker | None = None
+        self.weight_sync: Any = None
+        self.candidate_sets = False
+        self.history: list[dict[str, float]] = []
+
+    # ------------------------------------------------------------------------------------------ train
+    def train(self) -> list[dict[str, float]]:
+        """Train until ``max_steps`` (or the data ends); returns the logged metrics of every step."""
+        self._check_picklable()
+        self._setup()
+        try:
+            while self.args.max_steps <= 0 or self.global_step < self.args.max_steps:
+                step_start = time.perf_counter()
+                batch = self.collector.collect(version=self.global_step)
+                if batch is None:
+                    break
+                metrics = self._optimizer_step(batch)
+                self.global_step += 1
+                self.collector.mark_trained(batch)
+                if self.global_step % self.args.weight_sync_steps == 0:
+                    metrics.update(self._sync_weights())
+                metrics.update(self._step_metrics(batch, step_start))
+                self._log(metrics)
+        finally:
+            self._teardown()
+        return self.history
+
+    # ------------------------------------------------------------------------------------------ setup
+    def _check_picklable(self) -> None:
+        check_picklable(
+            {
+                "reward function": self.reward_funcs,
+                "tool": self.tools,
+                "environment_factory": [self.environment_factory] if self.environment_factory else [],
+                "loop_cls": [self.loop_cls],
+            }
+        )
+
+    def _setup(self) -> None:
+        from grpo_core.rollout.client import VLLMControlClient
+        from grpo_core.server_checks import check_server
+        from grpo_core.sync.protocol import ProtocolWeightSync
+        from grpo_core.sync.source import ModelWeightSource
+
+        args = self.args
+        control = None
+        if self.dist.is_main:
+            caps = check_server(args.vllm_server_base_url, args, self.model_path or "<model>")
+            self.candidate_sets = caps.candidate_sets
+            control = VLLMControlClient(args.vllm_server_base_url, timeout=args.request_timeout)
+        self.weight_sync = ProtocolWeightSync(
+            control, ModelWeightSource(self.model), backend=args.weight_transfer_backend, rank=self.dist.rank
+        )
+        # The server may hold other weights than ours (another revision, a resumed run): push first.
+        self._sync_weights()
+        self.worker = self._start_worker()
+        self.collector = StepCollector(
+            source=self.worker,
+            world_size=self.dist.world_size,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            token_budget=args.token_budget,
+            max_samples_per_step=args.per_device_train_batch_size * args.gradient_accumulation_steps * self.dist.world_size,
+            max_staleness=args.max_staleness,
+            flat=args.packing == "flat",
+            frontier=self.frontier,
+            timeout_s=args.request_timeout,
+        )
+
+    def _start_worker(self) -> RolloutWorker:
+        loop_kwargs = dict(
+            config=self.args,
+            tokenizer=self.tokenizer,
+            dataset=self.train_dataset,
+            reward_funcs=self.reward_funcs,
+            base_url=self.args.vllm_server_base_url,
+            start_position=self.frontier.position,
+            num_processes=self.dist.world_size,
+        )
+        worker = RolloutWorker(
+            WorkerSpec(loop_cls=self.loop_cls, loop_kwargs=loop_kwargs),
+            queue_maxsize=self.args.queue_maxsize,
+            heartbeat_timeout_s=self.args.worker_heartbeat_timeout_s,
+        )
+        worker.start()
+        return worker
+
+    def _lr_lambda(self, step: int) -> float:
+        args = self.args
+        if args.warmup_steps and step < args.warmup_steps:
+            return (step + 1) / args.warmup_steps
+        if args.lr_scheduler_type == "constant" or args.max_steps <= 0:
+            return 1.0
+        progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
+        if args.lr_scheduler_type == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    # ------------------------------------------------------------------------------------------ one step
+    def _optimizer_step(self, batch: StepBatch) -> dict[str, float]:
+        self.model.train()
+        rows = [pack_row(row) for row in batch.plan.rows_for_rank(self.dist.rank)]
+        num_tokens = max(1, sum(row.num_trained_tokens for row in batch.plan.rows))
+        parts: list[dict[str, torch.Tensor]] = []
+        losses = []
+        start = time.perf_counter()
+        for row in rows:
+            loss, part = self._forward_backward(row.to(self.device), num_tokens)
+            losses.append(loss)
+            parts.append(part)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
+        )
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        fwd_bwd_s = time.perf_counter() - start
+        metrics = finalize_metrics(parts)
+        metrics.update(
+            {
+                "loss": float(sum(losses)),
+                "grad_norm": float(grad_norm),
+                "learning_rate": self.lr_scheduler.get_last_lr()[0],
+                "perf/fwd_bwd_s": fwd_bwd_s,
+            }
+        )
+        return metrics
+
+    def _forward_backward(self, row: PackedRow, num_tokens: int) -> tuple[float, dict[str, torch.Tensor]]:
+        outputs = self.model(**row.model_inputs(), logits_to_keep=row.logit_index)
+        logits = outputs.logits[0]
+        if row.num_trained == 0:
+            # Every rank runs forward and backward so that sharded collectives stay in step.
+            (logits.sum() * 0.0).backward()
+            return 0.0, {}
+        top_ids = None
+        if self.loss_config.score_centering and row.sampler_top_ids is not None:
+            top_ids = row.sampler_top_ids.clamp(min=0)
+        candidates = self._candidate_masks(row, logits.shape[-1])
+        logprobs, top_logprobs = token_logprobs(
+            logits, row.target_ids, self.args.temperature, top_ids=top_ids, candidate_masks=candidates
+        )
+        inputs = LossInputs(
+            logprobs=logprobs,
+            sampler_logprobs=row.sampler_logprobs,
+            advantages=row.advantages,
+            top_logprobs=top_logprobs,
+            sampler_top_logprobs=row.sampler_top_logprobs if top_ids is not None else None,
+            top_valid=row.top_valid if top_ids is not None else None,
+        )
+        loss, part = grpo_loss(inputs, self.loss_config, num_tokens)
+        loss.backward()
+        return float(loss.detach()), part
+
+    def _candidate_masks(self, row: PackedRow, vocab_size: int) -> torch.Tensor | None:
+        if not self.candidate_sets or row.sampling_mask_ids is None:
+            return None
+        offsets = row.sampling_mask_offsets.tolist()
+        ids = [row.sampling_mask_ids[offsets[t] : offsets[t + 1]] for t in range(row.num_trained)]
+        return candidate_mask_from_ids(ids, vocab_size, device=row.target_ids.device)
+
+    # ------------------------------------------------------------------------------------------ sync
+    def _sync_weights(self) -> dict[str, float]:
+        self.model.eval()
+        stats = self.weight_sync.push(self.global_step)
+        return {"sync/bytes": float(stats.bytes), "sync/seconds": stats.seconds, "weight_version": float(self.global_step)}
+
+    # ------------------------------------------------------------------------------------------ metrics
+    def _step_metrics(self, batch: StepBatch, step_start: float) -> dict[str, float]:
+        wall = time.perf_counter() - step_start
+        metrics = group_metrics(batch.reports)
+        metrics.update(batch.plan.metrics())
+        generated = sum(r.generated_tokens for r in batch.reports)
+        staleness = np.asarray(batch.staleness, dtype=np.float64)
+        metrics.update(
+            {
+                "sample/staleness_mean": float(staleness.mean()) if staleness.size else 0.0,
+                "sample/staleness_max": float(staleness.max()) if staleness.size else 0.0,
+                "sample/stale_dropped": float(batch.stale_dropped),
+                "sample/stale_dropped_total": float(self.collector.stale_dropped_total),
+                "rollout/generated_tok_s": generated / wall if wall > 0 else 0.0,
+                "perf/rollout_wait_s": batch.wait_s,
+                "perf/step_s": wall,
+                "rollout/frontier": float(self.frontier.position),
+            }
+        )
+        return metrics
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        metrics = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+        self.history.append({"step": float(self.global_step), **metrics})
+        if self.dist.is_main and self.global_step % self.args.logging_steps == 0:
+            self.tracker.log_metrics(metrics, step=self.global_step)
+            log.info(
+                "step %d  reward %.3f  loss %.4f  gen %.0f tok/s  wait %.2fs",
+                self.global_step,
+                metrics.get("reward", float("nan")),
+                metrics.get("loss", float("nan")),
+                metrics.get("rollout/generated_tok_s", 0.0),
+                metrics.get("perf/rollout_wait_s", 0.0),
+            )
+
+    # ------------------------------------------------------------------------------------------ teardown
+    def _teardown(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker = None
+        if self.weight_sync is not None:
+            self.weight_sync.close()
+            self.weight_sync = None

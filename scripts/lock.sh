@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Re-resolve requirements.lock from requirements.in (run after changing a direct dependency).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+links=$(python3 -m pip config list 2>/dev/null | sed -n "s/^[a-z:.]*find-links='\(.*\)'$/\1/p" | head -n1)
+uv pip compile requirements.in -o requirements.lock --python-version 3.11 \
+  ${links:+--find-links "$links"} --index-strategy unsafe-best-match \
+  --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec \
+  --no-emit-package triton
