@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from grpo_core.batching import StepBatch, StepCollector, TrainingFrontier
+from grpo_core.checkpoint import Checkpointer
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.loss import LossConfig, LossInputs, candidate_mask_from_ids, finalize_metrics, grpo_loss, token_logprobs
 from grpo_core.models.loading import DistInfo, load_policy, load_tokenizer
@@ -69,6 +70,10 @@ class AsyncGRPOTrainer:
         self.model, self.model_path = load_policy(model, self.device)
         self.tokenizer = load_tokenizer(processing_class, self.model_path)
         self.peft_config = peft_config
+        if peft_config is not None:
+            from grpo_core.models.lora import apply_lora
+
+            self.model = apply_lora(self.model, peft_config)
         self.attention_backend = enable_tree_attention(self.model)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
@@ -86,6 +91,7 @@ class AsyncGRPOTrainer:
             vllm_importance_sampling_clip_max=self.args.vllm_importance_sampling_clip_max,
         )
         self.tracker: Tracker = tracker or NullTracker()
+        self.checkpointer = Checkpointer(self.args, self.dist)
         self.global_step = 0
         self.frontier = TrainingFrontier()
         self.worker: RolloutWorker | None = None
@@ -107,13 +113,18 @@ class AsyncGRPOTrainer:
                 metrics = self._optimizer_step(batch)
                 self.global_step += 1
                 self.collector.mark_trained(batch)
-                if self.global_step % self.args.weight_sync_steps == 0:
+                if self.global_step % self.args.weight_sync_steps == 0 or self._is_last_step():
                     metrics.update(self._sync_weights())
+                if self.checkpointer.should_save(self.global_step) or self._is_last_step():
+                    metrics.update(self.checkpointer.save(self))
                 metrics.update(self._step_metrics(batch, step_start))
                 self._log(metrics)
         finally:
             self._teardown()
         return self.history
+
+    def _is_last_step(self) -> bool:
+        return self.args.max_steps > 0 and self.global_step >= self.args.max_steps
 
     # ------------------------------------------------------------------------------------------ setup
     def _check_picklable(self) -> None:
@@ -129,18 +140,18 @@ class AsyncGRPOTrainer:
     def _setup(self) -> None:
         from grpo_core.rollout.client import VLLMControlClient
         from grpo_core.server_checks import check_server
-        from grpo_core.sync.protocol import ProtocolWeightSync
-        from grpo_core.sync.source import ModelWeightSource
+        from grpo_core.sync.factory import make_weight_sync
 
         args = self.args
+        checkpoint = self.checkpointer.find_resume_point()
+        if checkpoint is not None:
+            self.checkpointer.restore(self, checkpoint)
         control = None
         if self.dist.is_main:
             caps = check_server(args.vllm_server_base_url, args, self.model_path or "<model>")
             self.candidate_sets = caps.candidate_sets
             control = VLLMControlClient(args.vllm_server_base_url, timeout=args.request_timeout)
-        self.weight_sync = ProtocolWeightSync(
-            control, ModelWeightSource(self.model), backend=args.weight_transfer_backend, rank=self.dist.rank
-        )
+        self.weight_sync = make_weight_sync(self, control)
         # The server may hold other weights than ours (another revision, a resumed run): push first.
         self._sync_weights()
         self.worker = self._start_worker()
