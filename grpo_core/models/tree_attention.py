@@ -1,0 +1,400 @@
+"""Tree attention: causal attention over a packed prefix trie, registered as a transformers backend.
+
+A packed row (``grpo_core.packing.collator``) is a list of segments laid out depth-first. Segment
+``g`` owns the queries ``cu_seq_q[g]:cu_seq_q[g+1]`` and attends to the keys of its root-to-segment
+path, listed in ``kv_index[cu_seq_k[g]:cu_seq_k[g+1]]``. The path ends with the segment itself, so a
+causal mask aligned bottom-right (query ``i`` of ``q`` sees key ``j`` of ``k`` iff ``j <= i + k - q``)
+shows each query its ancestors and its own causal past, and nothing else.
+
+Backends (one is picked at load time by ``register_tree_attention``):
+
+- ``reference``: plain PyTorch, one dense ``[U, U]`` mask and ``scaled_dot_product_attention``.
+  Runs anywhere; the oracle of the tests. Memory grows with ``U**2``.
+- ``torch_varlen``: gathers K/V along each path and makes one ``torch.nn.attention.varlen`` call.
+- ``aten_flash``: the same through ``torch.ops.aten._flash_attention_forward`` (older PyTorch).
+- ``kernels_flash``: the same through a FlashAttention build loaded with ``kernels`` from the local
+  path in ``$GRPO_FLASH_ATTN_KERNEL`` (nothing is downloaded).
+- ``varlen_emulated``: the gather path with a per-segment PyTorch loop in place of the fused kernel,
+  so that CPU tests cover the indices a GPU kernel receives.
+
+Use::
+
+    enable_tree_attention(model)                      # checks the architecture, registers, switches
+    out = model(**row.model_inputs(), logits_to_keep=row.logit_index)
+
+Transformers (5.x) passes extra keyword arguments of ``model(...)`` down to the attention function,
+so ``tree_attention=<TreeAttentionMetadata>`` reaches every layer; stock Qwen3 and Llama code runs
+unchanged. The attention implementation is not in transformers' mask registry, so no ``[U, U]``
+mask is built by the model.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+TREE_ATTENTION = "grpo_tree"  # the attn_implementation name registered in transformers
+
+
+@dataclass
+class TreeAttentionMetadata:
+    """Segments of one packed row (``G`` segments, ``K`` gathered keys)."""
+
+    cu_seq_q: torch.Tensor  # int32 [G + 1]: query range of each segment in the row
+    cu_seq_k: torch.Tensor  # int32 [G + 1]: range of each segment's keys in the gathered K/V
+    max_q: int  # longest segment
+    max_k: int  # longest root-to-segment path
+    kv_index: torch.Tensor | None  # int64 [K]: row positions of every path; None = no gather (flat)
+    _dense_mask: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.cu_seq_q.numel()) - 1
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> TreeAttentionMetadata:
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return TreeAttentionMetadata(
+            move(self.cu_seq_q), move(self.cu_seq_k), self.max_q, self.max_k, move(self.kv_index)
+        )
+
+    def dense_mask(self, device: torch.device) -> torch.Tensor:
+        """bool ``[U, U]``: ``mask[i, j]`` iff query ``i`` may see key ``j``. Built once per row."""
+        if self._dense_mask is None or self._dense_mask.device != device:
+            cu_q, cu_k = self.cu_seq_q.tolist(), self.cu_seq_k.tolist()
+            kv = None if self.kv_index is None else self.kv_index.cpu()
+            u = cu_q[-1]
+            mask = torch.zeros(u, u, dtype=torch.bool)
+            for g in range(len(cu_q) - 1):
+                qs, qe, ks, ke = cu_q[g], cu_q[g + 1], cu_k[g], cu_k[g + 1]
+                cols = torch.arange(qs, qe) if kv is None else kv[ks:ke]
+                ql, kl = qe - qs, ke - ks
+                mask[qs:qe, cols] = torch.ones(ql, kl, dtype=torch.bool).tril(kl - ql)
+            self._dense_mask = mask.to(device)
+        return self._dense_mask
+
+
+# ---- backends ------------------------------------------------------------------------------------
+# A varlen kernel: (q [Tq, H, D], k [Tk, Hk, D], v, cu_q, cu_k, max_q, max_k, scale) -> [Tq, H, D],
+# causal aligned bottom-right within each sequence.
+VarlenKernel = Callable[..., torch.Tensor]
+
+
+@dataclass
+class Backend:
+    name: str
+    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, TreeAttentionMetadata, float], torch.Tensor]
+    needs_cuda: bool
+
+
+def _repeat_kv(k: torch.Tensor, heads: int) -> torch.Tensor:
+    return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
+
+
+def _reference(q, k, v, meta: TreeAttentionMetadata, scale: float) -> torch.Tensor:
+    heads = q.shape[1]
+    mask = meta.dense_mask(q.device)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), _repeat_kv(k, heads).transpose(0, 1), _repeat_kv(v, heads).transpose(0, 1),
+        attn_mask=mask, scale=scale,
+    )
+    return out.transpose(0, 1)
+
+
+def _emulated_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale) -> torch.Tensor:
+    """What a fused varlen kernel computes, one sequence at a time (CPU tests)."""
+    heads, outs = q.shape[1], []
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for g in range(len(cq) - 1):
+        qq, kk, vv = q[cq[g] : cq[g + 1]], k[ck[g] : ck[g + 1]], v[ck[g] : ck[g + 1]]
+        ql, kl = qq.shape[0], kk.shape[0]
+        mask = torch.ones(ql, kl, dtype=torch.bool, device=q.device).tril(kl - ql)
+        o = F.scaled_dot_product_attention(
+            qq.transpose(0, 1), _repeat_kv(kk, heads).transpose(0, 1), _repeat_kv(vv, heads).transpose(0, 1),
+            attn_mask=mask, scale=scale,
+        )
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x.index_select(0, index)`` whose backward sums the copies of a shared row in fp32.
+
+    A prompt shared by 16 samples gets 16 gradient contributions for its K/V; adding them in bf16
+    (what the stock backward does) would round 15 times more than training without packing.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows, ctx.dtype = x.shape[0], x.dtype
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        acc = grad.new_zeros((ctx.rows, *grad.shape[1:]), dtype=torch.float32)
+        acc.index_add_(0, index, grad.float())
+        return acc.to(ctx.dtype), None
+
+
+def _gather_backend(name: str, kernel: VarlenKernel, repeat_kv: bool, needs_cuda: bool) -> Backend:
+    def run(q, k, v, meta: TreeAttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.kv_index is not None:  # K/V along every root-to-segment path, one copy per path
+            k, v = _GatherRows.apply(k, meta.kv_index), _GatherRows.apply(v, meta.kv_index)
+        if repeat_kv:
+            k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        return kernel(q, k, v, meta.cu_seq_q, meta.cu_seq_k, meta.max_q, meta.max_k, scale)
+
+    return Backend(name, run, needs_cuda)
+
+
+def _torch_varlen_kernel() -> VarlenKernel:
+    from torch.nn.attention.varlen import varlen_attn  # ImportError where PyTorch has none
+
+    params = inspect.signature(varlen_attn).parameters
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        kwargs = {}
+        # Newer PyTorch spells causal as window_size=(-1, 0); older ones as is_causal=True.
+        if "window_size" in params:
+            kwargs["window_size"] = (-1, 0)
+        else:
+            kwargs["is_causal"] = True
+        if "scale" in params:
+            kwargs["scale"] = scale
+        elif abs(scale - q.shape[-1] ** -0.5) > 1e-12:
+            q = q * (scale * q.shape[-1] ** 0.5)
+        if "enable_gqa" in params and k.shape[1] != q.shape[1]:
+            kwargs["enable_gqa"] = True
+        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+    return kernel
+
+
+def _aten_flash_kernel() -> VarlenKernel:
+    op = torch.ops.aten._flash_attention_forward
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        return op(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)[0]
+
+    return kernel
+
+
+def _kernels_flash_kernel() -> VarlenKernel:
+    path = os.environ.get("GRPO_FLASH_ATTN_KERNEL")
+    if not path:
+        raise RuntimeError("GRPO_FLASH_ATTN_KERNEL (a local FlashAttention kernel repository) is not set")
+    from pathlib import Path
+
+    import kernels  # the optional `kernels` extra
+
+    fn = kernels.get_local_kernel(Path(path)).flash_attn_varlen_func
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        out = fn(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=True)
+        return out[0] if isinstance(out, tuple) else out
+
+    return kernel
+
+
+_KERNELS: dict[str, Callable[[], VarlenKernel]] = {
+    "kernels_flash": _kernels_flash_kernel,
+    "torch_varlen": _torch_varlen_kernel,
+    "aten_flash": _aten_flash_kernel,
+}
+_AUTO_ORDER = ("kernels_flash", "torch_varlen", "aten_flash")
+
+
+def _probe(backend: Backend, device: torch.device, heads: tuple[int, int] = (4, 2), dim: int = 128) -> float:
+    """Largest relative error of output and input gradients against ``reference`` on a small tree."""
+    gen = torch.Generator().manual_seed(0)
+    # Root segment of 40 nodes, children of 24 and 33, a grandchild of 9 under the first child.
+    q_lens, starts, parents = [40, 24, 9, 33], [0, 40, 64, 40], [None, 0, 1, 0]
+    offsets = [0, 40, 64, 73]
+    paths: list[list[int]] = []
+    for g, (ql, p) in enumerate(zip(q_lens, parents)):
+        own = list(range(offsets[g], offsets[g] + ql))
+        paths.append((paths[p] if p is not None else []) + own)
+    k_lens = [s + ql for s, ql in zip(starts, q_lens)]
+    cu = lambda xs: torch.tensor([0, *itertools.accumulate(xs)], dtype=torch.int32)  # noqa: E731
+    meta = TreeAttentionMetadata(cu(q_lens), cu(k_lens), max(q_lens), max(k_lens),
+                                 torch.tensor(sum(paths, []), dtype=torch.int64)).to(device)
+    u = sum(q_lens)
+    q, k, v = (torch.randn(u, h, dim, generator=gen).to(device) for h in (heads[0], heads[1], heads[1]))
+    grad = torch.randn(u, heads[0], dim, generator=gen).to(device)
+    results = []
+    for be, dtype in ((backend, torch.bfloat16), (BACKENDS["reference"], torch.float32)):
+        xs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = be.run(*xs, meta, dim**-0.5)
+        out.backward(grad.to(dtype))
+        results.append([out.detach().float()] + [x.grad.float() for x in xs])
+    return max(float((a - b).norm() / b.norm()) for a, b in zip(*results))
+
+
+BACKENDS: dict[str, Backend] = {
+    "reference": Backend("reference", _reference, needs_cuda=False),
+    "varlen_emulated": _gather_backend("varlen_emulated", _emulated_kernel, repeat_kv=False, needs_cuda=False),
+}
+
+
+def select_backend(name: str = "auto", device: torch.device | str | None = None) -> Backend:
+    """The backend to use: ``name``, or with ``"auto"`` the first fused kernel that passes a probe.
+
+    A fused kernel is accepted only if, on a small tree with grouped-query heads, its output and
+    gradients agree with ``reference`` (bf16 against fp32) to 2%; a kernel that fails with grouped
+    K/V heads is retried with the K/V heads repeated.
+    """
+    if name in BACKENDS:
+        return BACKENDS[name]
+    device = torch.device(device) if device is not None else None
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if name == "auto" and device.type != "cuda":
+        return BACKENDS["reference"]
+    order = _AUTO_ORDER if name == "auto" else (name,)
+    if any(n not in _KERNELS for n in order):
+        raise ValueError(f"unknown tree-attention backend {name!r}; known: {sorted([*BACKENDS, *_KERNELS])}")
+    failures = []
+    for kernel_name in order:
+        try:
+            kernel = _KERNELS[kernel_name]()
+        except Exception as exc:  # noqa: BLE001 - any import/load failure means "not available"
+            failures.append(f"{kernel_name}: {type(exc).__name__}: {exc}")
+            continue
+        for repeat_kv in (False, True):
+            backend = _gather_backend(kernel_name + ("+repeat_kv" if repeat_kv else ""), kernel, repeat_kv, True)
+            try:
+                err = _probe(backend, device)
+            except Exception as exc:  # noqa: BLE001
+                failures.append(f"{backend.name}: {type(exc).__name__}: {exc}")
+                continue
+            if err < 2e-2:
+                log.info("tree attention backend %s (probe error %.2e)", backend.name, err)
+                return backend
+            failures.append(f"{backend.name}: probe error {err:.2e}")
+    if name != "auto":
+        raise RuntimeError(f"tree-attention backend {name!r} is not usable here: {failures}")
+    log.warning("no fused varlen kernel works here (%s); falling back to the dense reference", failures)
+    return BACKENDS["reference"]
+
+
+_active: Backend = BACKENDS["reference"]
+
+
+def tree_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    tree_attention: TreeAttentionMetadata | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The function transformers calls: query ``[1, H, U, D]``, key/value ``[1, Hk, U, D]``."""
+    if tree_attention is None:
+        raise ValueError(
+            f"attn_implementation={TREE_ATTENTION!r} needs the row's segments: call "
+            "model(**packed_row.model_inputs()) (it passes tree_attention=...)"
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"tree attention takes one packed row per forward (batch 1), got batch {query.shape[0]}")
+    if attention_mask is not None:
+        raise ValueError("tree attention takes no attention_mask: the row's segments are the mask")
+    if sliding_window is not None and tree_attention.max_k > sliding_window:
+        raise ValueError(f"sliding-window attention ({sliding_window}) is not supported by tree packing")
+    if dropout:
+        raise ValueError("tree attention does not implement attention dropout")
+    backend = _active
+    if backend.needs_cuda and not (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)):
+        raise ValueError(f"tree-attention backend {backend.name} needs CUDA bf16/fp16 inputs, got "
+                         f"{query.device} {query.dtype}: register backend='reference' for this")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [U, heads, D]
+    out = backend.run(q, k, v, tree_attention, scale)
+    return out.unsqueeze(0), None
+
+
+def register_tree_attention(backend: str = "auto", device: torch.device | str | None = None) -> str:
+    """Register ``grpo_tree`` in transformers' attention interface; returns the backend's name."""
+    from transformers import AttentionInterface
+
+    global _active
+    _active = select_backend(backend, device)
+    AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
+    return _active.name
+
+
+def active_backend() -> str:
+    return _active.name
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The model has layers that tree packing cannot run exactly."""
+
+
+def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    for name, module in model.named_modules():
+        if name.split(".")[-1] == "layers" and isinstance(module, torch.nn.ModuleList):
+            return module
+    return None
+
+
+def check_supported_architecture(model: torch.nn.Module) -> None:
+    """Raise ``UnsupportedArchitectureError`` unless every decoder layer is attention + MLP (+ norms).
+
+    Tree packing is exact only for layers that mix tokens through attention alone: a convolution or a
+    recurrent state (gated delta-net, Mamba) would read the previous *row* position, not the token's
+    parent in the trie. Those hybrids need their own tree kernels and are refused here for now.
+    """
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    name = type(model).__name__
+    layer_types = sorted({t for t in (getattr(text, "layer_types", None) or []) if t != "full_attention"})
+    if layer_types:
+        raise UnsupportedArchitectureError(
+            f"{name}: tree packing supports full-attention layers only, this model also has {layer_types} "
+            "layers (gated delta-net / linear-attention hybrids and sliding windows are not supported yet)"
+        )
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and "mrope_section" in rope:
+        raise UnsupportedArchitectureError(f"{name}: multimodal (M-RoPE) positions are not supported by tree packing")
+    layers = _decoder_layers(model)
+    if layers is None or len(layers) == 0:
+        raise UnsupportedArchitectureError(f"{name}: no decoder `layers` list found; cannot check it for tree packing")
+    for i, layer in enumerate(layers):
+        for child_name, child in layer.named_children():
+            if child_name == "self_attn":
+                source = inspect.getsource(type(child).forward)
+                if "ALL_ATTENTION_FUNCTIONS" not in source and "attention_interface" not in source:
+                    raise UnsupportedArchitectureError(
+                        f"{name}: layer {i} attention {type(child).__name__} does not call transformers' "
+                        "attention interface, so tree attention cannot be plugged in"
+                    )
+            elif child_name != "mlp" and "norm" not in child_name.lower() and "dropout" not in child_name.lower():
+                raise UnsupportedArchitectureError(
+                    f"{name}: layer {i} has `{child_name}` ({type(child).__name__}); tree packing supports "
+                    "decoder layers made of self-attention and an MLP only (gated delta-net hybrids come later)"
+                )
+        if not hasattr(layer, "self_attn"):
+            raise UnsupportedArchitectureError(f"{name}: layer {i} has no `self_attn`")
+
+
+def enable_tree_attention(model: torch.nn.Module, backend: str = "auto") -> str:
+    """Check the model, register ``grpo_tree`` and switch the model to it; returns the backend name."""
+    check_supported_architecture(model)
+    name = register_tree_attention(backend, next(model.parameters()).device)
+    model.set_attn_implementation(TREE_ATTENTION)
+    return name
