@@ -44,8 +44,10 @@ class TrainingLaunch:
             entry += ["--tracking-uri", self.tracking_uri]
         if self.nproc_per_node * self.nnodes == 1:
             return [sys.executable, *entry]
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.nproc_per_node),
-                "--nnodes", str(self.nnodes), *entry]
+        # One node: a rendezvous on a free local port, so two runs on one machine never share 29500.
+        standalone = ["--standalone"] if self.nnodes == 1 else []
+        return [sys.executable, "-m", "torch.distributed.run", *standalone, "--nproc-per-node",
+                str(self.nproc_per_node), "--nnodes", str(self.nnodes), *entry]
 
 
 class Provisioner(ABC):

@@ -4,23 +4,38 @@
 
 Each stage is a small Prefect task; the flow composes them and always stops the server it started.
 A training process that dies (preemption, SIGKILL) is started again from the newest good
-checkpoint, after restarting the server if it died too, up to ``job.max_resumes`` times. The
-summary (also written to ``<output_dir>/summary.json`` for local outputs) says how often it resumed.
+checkpoint, after restarting the server if it died too, up to ``job.max_resumes`` times: the first
+attempt follows ``job.trainer.resume_from_checkpoint``, every later one runs with it set to True
+(the newest good checkpoint of this run under ``output_dir``; none yet means step 0). The summary
+(also written to ``summary.json`` in the local run folder) says how often it resumed and how many
+prompts were trained twice (those past the last checkpoint before each crash).
+
+A remote ``output_dir`` (``s3://...``) holds checkpoints and the ledger only; the job file, logs,
+pid file and default MLflow store go to a local run folder (``local_run_dir``). Storage credentials
+come from the environment (``AWS_*`` for s3fs) or from a Prefect ``Secret`` block named by
+``storage_secret`` holding a JSON object of environment variables; they reach the training process
+through its environment only, never the job file, a log line or MLflow.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import os
+import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger, task
 
+from flows.progress import TrainingProgress, stage
 from flows.provision import LocalProvisioner, Provisioner, TrainingLaunch
 from grpo_core.job import JobConfig, import_string, resolve_dataset, resolve_model
 from grpo_core.server import VLLMServerSpec
+from grpo_core.tracking import system_metrics
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +49,8 @@ def _logger() -> Any:
 
 @task(name="prepare-model", retries=1)
 def prepare_model(model: str) -> str:
-    return resolve_model(model)
+    with stage(f"preparing model {model}"):
+        return resolve_model(model)
 
 
 def server_spec(job: JobConfig, model_path: str) -> VLLMServerSpec:
@@ -56,7 +72,8 @@ def server_spec(job: JobConfig, model_path: str) -> VLLMServerSpec:
 
 @task(name="start-vllm-server", retries=1, retry_delay_seconds=5)
 def start_server(provisioner: Provisioner, job: JobConfig, model_path: str, log_dir: str) -> str:
-    url = provisioner.start_server(server_spec(job, model_path), log_dir, job.server.startup_timeout_s)
+    with stage("starting vLLM server"):
+        url = provisioner.start_server(server_spec(job, model_path), log_dir, job.server.startup_timeout_s)
     _logger().info("vLLM server serving %s at %s", model_path, url)
     return url
 
@@ -88,25 +105,86 @@ def evaluate(job: JobConfig, model_path: str, server_url: str, label: str) -> fl
 
 @task(name="create-mlflow-run")
 def create_mlflow_run(job: JobConfig, tracking_uri: str, tags: dict[str, str]) -> str:
-    from grpo_core.tracking import MLflowTracker
+    from grpo_core.tracking import MLflowTracker, run_identity
 
-    tracker = MLflowTracker(tracking_uri, job.tracking.experiment, job.trainer.run_name)
-    tracker.log_params({"job": json.loads(job.model_dump_json())})
-    tracker.set_tags(tags)
+    job_dict = json.loads(job.model_dump_json())
+    # Named <model>-<task>-<config hash> unless the job names it; tagged so runs of a recipe group.
+    default_name, identity = run_identity(job_dict)
+    tracker = MLflowTracker(tracking_uri, job.tracking.experiment, job.trainer.run_name or default_name)
+    tracker.log_params({"job": job_dict})
+    tracker.set_tags({**identity, **tags})
     return tracker.run_id  # type: ignore[return-value]
 
 
+@task(name="log-final-model", retries=1)
+def log_final_model(tracking_uri: str, run_id: str) -> str | None:
+    """Copy the final checkpoint's servable files into the MLflow run, so it can be served from there."""
+    import mlflow
+
+    from grpo_core import tracking
+
+    with stage("logging the final model to MLflow"):
+        uri = tracking.log_final_model(mlflow.MlflowClient(tracking_uri), run_id)
+    if uri is None:
+        _logger().warning("the run has no checkpoint (save_strategy 'no'?): no final model logged")
+    return uri
+
+
 @task(name="train")
-def train_attempt(provisioner: Provisioner, launch: TrainingLaunch) -> int:
-    return provisioner.run_training(launch)
+def train_attempt(provisioner: Provisioner, launch: TrainingLaunch, pid_file: str | None = None) -> int:
+    def note_pid(pid: int) -> None:
+        # Operators (and the preemption test) find the live trainer's process group here.
+        if pid_file:
+            Path(pid_file).write_text(str(pid))
+
+    return provisioner.run_training(launch, on_start=note_pid)
+
+
+def local_run_dir(job: JobConfig) -> Path:
+    """Where the job file, logs and pid file go: ``output_dir`` when it is a local folder, else a
+    folder under the temp dir named after the URL (object stores hold no logs that grow)."""
+    from fsspec.core import url_to_fs
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs, path = url_to_fs(job.trainer.output_dir)
+    out = Path(path) if isinstance(fs, LocalFileSystem) else (
+        Path(tempfile.gettempdir()) / "grpo-runs" / re.sub(r"[^A-Za-z0-9._-]+", "_", job.trainer.output_dir)
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def default_tracking_uri(job: JobConfig) -> str:
     if job.tracking.tracking_uri:
         return job.tracking.tracking_uri
-    out = Path(job.trainer.output_dir).absolute()
-    out.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{out / 'mlflow.db'}"
+    return f"sqlite:///{local_run_dir(job) / 'mlflow.db'}"
+
+
+def load_storage_secret(name: str) -> None:
+    """Put the environment variables of Prefect ``Secret`` block ``name`` into this process's
+    environment, which the training processes inherit. Only the variable names are logged."""
+    from prefect.blocks.system import Secret
+
+    values = Secret.load(name).get()
+    if not isinstance(values, dict):
+        raise ValueError(f"Secret block {name!r} must hold a JSON object of environment variables")
+    os.environ.update({str(k): str(v) for k, v in values.items()})
+    _logger().info("storage credentials from Secret block %r: %s", name, sorted(values))
+
+
+@task(name="report-resumes")
+def report_resumes(job: JobConfig, tracking_uri: str, run_id: str, resumes: int) -> dict[str, int]:
+    """Count attempts and prompts trained twice from the run's ledger, and log them to its MLflow run."""
+    import mlflow
+
+    from grpo_core.checkpoint import ledger_summary
+
+    counts = {**ledger_summary(job.trainer.output_dir), "resumes": resumes}
+    client = mlflow.MlflowClient(tracking_uri)
+    for key in ("resumes", "prompts_trained_twice", "prompts_consumed"):
+        client.log_metric(run_id, f"job/{key}", float(counts[key]), step=job.trainer.max_steps)
+    client.set_tag(run_id, "resumes", str(resumes))
+    return counts
 
 
 def reward_summary(tracking_uri: str, run_id: str) -> dict[str, float]:
@@ -127,30 +205,40 @@ def reward_summary(tracking_uri: str, run_id: str) -> dict[str, float]:
 
 
 @flow(name="grpo-train", log_prints=True)
-def grpo_train(job: JobConfig, provisioner: str = "local") -> dict[str, Any]:
+def grpo_train(job: JobConfig, provisioner: str = "local", storage_secret: str | None = None) -> dict[str, Any]:
     """Run one GRPO training job end to end; returns the summary."""
+    if storage_secret:
+        load_storage_secret(storage_secret)
     prov: Provisioner = LocalProvisioner() if provisioner == "local" else _cluster_provisioner(provisioner)
-    out = Path(job.trainer.output_dir).absolute()
-    out.mkdir(parents=True, exist_ok=True)
+    out = local_run_dir(job)
     tracking_uri = default_tracking_uri(job)
     model_path = prepare_model(job.model)
     server_url = job.server.base_url
+    exit_stack = contextlib.ExitStack()
     try:
         if job.server.managed:
             server_url = start_server(prov, job, model_path, str(out))
         assert server_url, "server.base_url is required when server.managed is false"
         eval_before = evaluate(job, model_path, server_url, "before")
         run_id = create_mlflow_run(job, tracking_uri, {"model": job.model, "dataset": job.dataset})
+        if job.tracking.system_metrics:
+            # CPU/GPU/memory of this machine for the rest of the job (server, trainers, evaluation).
+            exit_stack.enter_context(system_metrics(run_id, tracking_uri))
         job_file = out / "job.json"
         job_file.write_text(job.model_dump_json(indent=2))
+        resume_file = out / "job_resume.json"
+        resume_job = json.loads(job.model_dump_json())
+        resume_job["trainer"]["resume_from_checkpoint"] = True
+        resume_file.write_text(JobConfig.model_validate(resume_job).model_dump_json(indent=2))
         resumes = 0
         while True:
             launch = TrainingLaunch(
-                job_file=str(job_file), server_url=server_url, model_path=model_path, mlflow_run_id=run_id,
-                tracking_uri=tracking_uri, result_file=str(out / "result.json"),
+                job_file=str(job_file if resumes == 0 else resume_file),
+                server_url=server_url, model_path=model_path, mlflow_run_id=run_id, tracking_uri=tracking_uri, result_file=str(out / "result.json"),
                 nproc_per_node=job.nproc_per_node, nnodes=job.nnodes, log_file=str(out / "train.log"),
             )
-            code = train_attempt(prov, launch)
+            with TrainingProgress(tracking_uri, run_id, job.trainer.max_steps):
+                code = train_attempt(prov, launch, pid_file=str(out / "trainer.pid"))
             if code == 0:
                 break
             if resumes >= job.max_resumes:
@@ -160,8 +248,11 @@ def grpo_train(job: JobConfig, provisioner: str = "local") -> dict[str, Any]:
             if job.server.managed and not prov.server_alive(server_url):
                 prov.stop_server(server_url)
                 server_url = start_server(prov, job, model_path, str(out))
+        resume_counts = report_resumes(job, tracking_uri, run_id, resumes)
+        final_model_uri = log_final_model(tracking_uri, run_id)
         eval_after = evaluate(job, model_path, server_url, "after")
     finally:
+        exit_stack.close()
         if job.server.managed and server_url:
             prov.stop_server(server_url)
     summary = {
@@ -170,7 +261,10 @@ def grpo_train(job: JobConfig, provisioner: str = "local") -> dict[str, Any]:
         "eval_accuracy_after": eval_after,
         "mlflow_tracking_uri": tracking_uri,
         "mlflow_run_id": run_id,
+        "final_model_uri": final_model_uri,
         "resumes": resumes,
+        "prompts_trained_twice": resume_counts["prompts_trained_twice"],
+        "prompts_consumed": resume_counts["prompts_consumed"],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -64,6 +64,16 @@ class AsyncGRPOConfig:
     """Train in bfloat16 mixed precision (fp32 master weights); checkpoints are written in bf16."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    fsdp_reshard_after_forward: bool = True
+    """FSDP2: free each decoder layer's gathered weights after its forward and gather them again for
+    backward (less memory); False keeps them from forward to backward (one gather fewer per layer)."""
+    fsdp_cpu_offload: bool = False
+    """FSDP2: keep the sharded weights, gradients and optimizer state in host memory (CUDA only);
+    the optimizer step then runs on the CPU."""
+    compile_mode: str = "none"
+    """``torch.compile`` per decoder layer: ``none``; ``pointwise`` (the MLP and the norms: element-wise
+    ops fuse, attention stays eager); ``layers`` (whole layers, tree attention traced too; fastest
+    in benchmarks/README.md). Compiling costs start-up time and changes bf16 rounding."""
 
     # ---- generation --------------------------------------------------------------------------------
     num_generations: int = 8
@@ -136,6 +146,12 @@ class AsyncGRPOConfig:
     """Timeout of one HTTP request to the server."""
     weight_transfer_backend: str = "gloo"
     """``gloo`` (CPU servers, this package's vLLM plugin) or ``nccl`` (GPU servers)."""
+    lora_sync_mode: str = "auto"
+    """With ``peft_config`` only. ``merged``: every sync merges the adapter into the base weights and pushes
+    them all over ``weight_transfer_backend``. ``adapter``: only the adapter is written under
+    ``<output_dir>/.vllm_lora/`` and loaded by name (needs ``--enable-lora`` and
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` on the server). ``auto``: ``adapter`` when the server offers both
+    at start-up, else ``merged``; picked once, never switched during the run."""
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     save_strategy: str = "steps"
@@ -198,8 +214,12 @@ class AsyncGRPOConfig:
         need(self.queue_maxsize >= 1, "queue_maxsize", "use >= 1")
         need(self.weight_sync_steps >= 1, "weight_sync_steps", "use >= 1")
         need(self.token_budget >= 16, "token_budget", "use at least the longest prompt + completion")
+        need(isinstance(self.fsdp_reshard_after_forward, bool), "fsdp_reshard_after_forward", "use True or False")
+        need(isinstance(self.fsdp_cpu_offload, bool), "fsdp_cpu_offload", "use True or False")
+        need(self.compile_mode in ("none", "pointwise", "layers"), "compile_mode", "use 'none', 'pointwise' or 'layers'")
         need(self.packing in ("tree", "flat"), "packing", "use 'tree' or 'flat'")
         need(self.weight_transfer_backend in ("gloo", "nccl"), "weight_transfer_backend", "use 'gloo' (CPU) or 'nccl' (GPU)")
+        need(self.lora_sync_mode in ("auto", "merged", "adapter"), "lora_sync_mode", "use 'auto', 'merged' or 'adapter'")
         need(self.save_strategy in ("steps", "no"), "save_strategy", "use 'steps' or 'no'")
         need(self.save_steps >= 1, "save_steps", "use >= 1")
         need(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit", "use None or >= 1")

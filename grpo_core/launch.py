@@ -48,9 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     dist = DistInfo.from_env()
     tracker = NullTracker()
     if dist.is_main and config.report_to == "mlflow":
-        tracker = MLflowTracker(
-            args.tracking_uri, job.tracking.experiment, config.run_name, run_id=args.mlflow_run_id
-        )
+        run_id = args.mlflow_run_id
+        if run_id is None and config.resume_from_checkpoint:
+            from grpo_core.checkpoint import saved_run_id
+
+            # Resumed by hand (not by the flow): keep logging into the run the checkpoint belongs to.
+            run_id = saved_run_id(config.output_dir, config.resume_from_checkpoint)
+        tracker = MLflowTracker(args.tracking_uri, job.tracking.experiment, config.run_name, run_id=run_id)
     trainer = AsyncGRPOTrainer(
         model=model_path,
         reward_funcs=reward_funcs,

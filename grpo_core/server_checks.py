@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from grpo_core.config import AsyncGRPOConfig
+from grpo_core.config import AsyncGRPOConfig, lora_rank_ok
 
 log = logging.getLogger(__name__)
 
@@ -140,3 +140,91 @@ def _check_candidate_sets(generate, config: AsyncGRPOConfig) -> bool:
         config.top_p,
     )
     return False
+
+
+# ---- runtime LoRA (adapter sync) -------------------------------------------------------------------
+@dataclass
+class LoraServing:
+    """What the server offers for serving LoRA adapters that the trainer loads at run time."""
+
+    runtime_updates: bool  # /v1/load_lora_adapter exists (VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)
+    enabled: bool  # started with --enable-lora
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+
+    @property
+    def can_serve_adapters(self) -> bool:
+        return self.runtime_updates and self.enabled
+
+
+def smallest_lora_rank(rank: int) -> int:
+    """The smallest ``--max-lora-rank`` value vLLM accepts that still serves an adapter of ``rank``."""
+    for candidate in range(max(rank, 1), 513):
+        if lora_rank_ok(candidate):
+            return candidate
+    raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest --max-lora-rank (512)")
+
+
+def lora_command(config: AsyncGRPOConfig, adapter_rank: int, model: str = "<model>") -> str:
+    """``recommended_command`` plus what adapter sync needs: runtime LoRA routes and big enough limits."""
+    base = recommended_command(config, model).replace(
+        "VLLM_SERVER_DEV_MODE=1 ", "VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 ", 1
+    )
+    flags = [
+        "--enable-lora",
+        f"--max-lora-rank {smallest_lora_rank(adapter_rank)}",
+        f"--max-loras {config.max_staleness + 2}",
+    ]
+    return " \\\n    ".join([base, *flags])
+
+
+def probe_lora_serving(base_url: str, timeout: float = 30.0) -> LoraServing:
+    """Read the server's LoRA settings from ``/server_info`` and probe the runtime load route."""
+    http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
+    try:
+        # Empty fields make the route answer 400 without touching the engine; a missing route is 404.
+        probe = http.post("/v1/load_lora_adapter", json={"lora_name": "", "lora_path": ""})
+        runtime_updates = probe.status_code != 404
+        info = http.get("/server_info", params={"config_format": "json"})
+        if info.status_code != 200:
+            raise ServerConfigError(f"/server_info answered HTTP {info.status_code}; it is needed to read the LoRA limits")
+        lora = (info.json().get("vllm_config") or {}).get("lora_config")
+        if not lora:
+            return LoraServing(runtime_updates=runtime_updates, enabled=False)
+        return LoraServing(
+            runtime_updates=runtime_updates,
+            enabled=True,
+            max_loras=int(lora["max_loras"]),
+            max_lora_rank=int(lora["max_lora_rank"]),
+        )
+    finally:
+        http.close()
+
+
+def check_lora_limits(serving: LoraServing, config: AsyncGRPOConfig, adapter_rank: int, model: str = "<model>") -> None:
+    """Raise ``ServerConfigError`` when the server cannot hold the adapter window or the adapter's rank."""
+    command = lora_command(config, adapter_rank, model)
+    if not serving.can_serve_adapters:
+        missing = []
+        if not serving.enabled:
+            missing.append("--enable-lora")
+        if not serving.runtime_updates:
+            missing.append("VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
+        raise ServerConfigError(
+            f"adapter sync needs a server that loads LoRA adapters at run time; it lacks {' and '.join(missing)}. "
+            f"Restart it with:\n{command}"
+        )
+    problems = []
+    if serving.max_lora_rank is not None and serving.max_lora_rank < adapter_rank:
+        problems.append(
+            f"--max-lora-rank {serving.max_lora_rank} is below the adapter's rank {adapter_rank} "
+            f"(use {smallest_lora_rank(adapter_rank)}: one of 1, 8, 16, 32, 64, 128, 256, 320, 512)"
+        )
+    needed = config.max_staleness + 2
+    if serving.max_loras is not None and serving.max_loras < needed:
+        problems.append(
+            f"--max-loras {serving.max_loras} is below max_staleness + 2 = {needed} (max_staleness + 1 versions stay "
+            "registered so old rollouts finish under their policy, plus the next one loaded before the oldest goes)"
+        )
+    if problems:
+        raise ServerConfigError("the server's LoRA limits are too small: " + "; ".join(problems) + f". Restart it with:\n{command}")

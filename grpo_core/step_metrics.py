@@ -2,13 +2,63 @@
 
 Rewards are averaged over every scored rollout of every group that finished during the step, kept or
 dropped: a group dropped because all its rollouts failed is still part of how well the policy does.
+
+Per-rollout counters (tools, environments, reconcile) travel in ``GroupReport.metrics`` as sums, so
+a step's value is a sum over its groups; ``merge_counters`` is the one rule for that (keys ending in
+``_max`` take the maximum). Ratios and means are derived only here, from summed numerators and
+denominators, because an average of per-group ratios would weight a 1-turn group like a 10-turn one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 import numpy as np
 
 from grpo_core.rollout.types import GroupReport
+
+# Counters carried by GroupReport.metrics that are summed over the step's groups.
+_COUNTER_PREFIXES = ("tools/", "env/", "rollout/")
+# GroupReport.metrics that are snapshots, not counters: the last group's value stands for the step.
+_SNAPSHOTS = ("rollout/concurrency_cap", "rollout/concurrency", "rollout/report_interval_s", "rollout/backpressure_s")
+
+
+def merge_counters(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Sum counters key by key; a key ending in ``_max`` keeps the largest value."""
+    merged: dict[str, float] = {}
+    for part in parts:
+        for key, value in part.items():
+            value = float(value)
+            if key.endswith("_max"):
+                merged[key] = max(merged.get(key, value), value)
+            else:
+                merged[key] = merged.get(key, 0.0) + value
+    return merged
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den > 0 else 0.0
+
+
+def derived_rollout_metrics(counters: Mapping[str, float]) -> dict[str, float]:
+    """Means and fractions from a step's summed counters (see ``agent.py`` and ``loop.py`` for the names)."""
+    out: dict[str, float] = {}
+    if "rollout/later_turns" in counters:
+        # Forks over turns after the first: 0 for single-turn runs, by definition.
+        out["rollout/fork_frac"] = _ratio(counters.get("rollout/fork_turns", 0.0), counters["rollout/later_turns"])
+        out["rollout/realign_frac"] = _ratio(counters.get("rollout/realign_turns", 0.0), counters["rollout/later_turns"])
+    tools = {key.split("/")[1] for key in counters if key.startswith("tools/") and key.endswith("/calls")}
+    for name in sorted(tools):
+        calls = counters[f"tools/{name}/calls"]
+        out[f"tools/{name}/error_frac"] = _ratio(counters.get(f"tools/{name}/errors", 0.0), calls)
+        out[f"tools/{name}/latency_s"] = _ratio(counters.get(f"tools/{name}/latency_s_sum", 0.0), calls)
+    rollouts = counters.get("env/rollouts", 0.0)
+    if rollouts:
+        out["env/reward"] = _ratio(counters.get("env/reward_sum", 0.0), counters.get("env/scored", 0.0))
+        out["env/scored_frac"] = _ratio(counters.get("env/scored", 0.0), rollouts)
+        out["env/reset_s"] = _ratio(counters.get("env/reset_s_sum", 0.0), rollouts)
+        out["env/get_reward_s"] = _ratio(counters.get("env/get_reward_s_sum", 0.0), rollouts)
+    return out
 
 
 def group_metrics(reports: list[GroupReport]) -> dict[str, float]:
@@ -26,8 +76,10 @@ def group_metrics(reports: list[GroupReport]) -> dict[str, float]:
     stds = [float(np.nanstd(r.rewards)) for r in generated if np.isfinite(r.rewards).sum() >= 2]
     if stds:
         metrics["reward_std"] = float(np.mean(stds))
-    for name in generated[0].rewards_per_func:
-        values = np.concatenate([r.rewards_per_func[name] for r in generated])
+    # A column can be missing from some groups (e.g. rollout_reward when no rollout set one).
+    names = dict.fromkeys(name for r in generated for name in r.rewards_per_func)
+    for name in names:
+        values = np.concatenate([r.rewards_per_func[name] for r in generated if name in r.rewards_per_func])
         values = values[~np.isnan(values)]
         if values.size:
             metrics[f"rewards/{name}/mean"] = float(values.mean())
@@ -44,10 +96,10 @@ def group_metrics(reports: list[GroupReport]) -> dict[str, float]:
         if key in last:
             metrics[key] = last[key]
     metrics["rollout/backpressure_s"] = float(sum(r.metrics.get("rollout/backpressure_s", 0.0) for r in generated))
-    summed: dict[str, float] = {}
-    for report in generated:
-        for key, value in report.metrics.items():
-            if key.startswith(("tools/", "env/", "rollout/turns", "rollout/forks", "rollout/realigns")):
-                summed[key] = summed.get(key, 0.0) + value
-    metrics.update(summed)
+    counters = merge_counters(
+        {k: v for k, v in r.metrics.items() if k.startswith(_COUNTER_PREFIXES) and k not in _SNAPSHOTS}
+        for r in generated
+    )
+    metrics.update(counters)
+    metrics.update(derived_rollout_metrics(counters))
     return metrics

@@ -4,14 +4,24 @@
 ``log_metrics(metrics, step)`` per logged step and ``close()`` at the end. MLflow is imported only
 when used, so the library works without it. Secrets never reach a tracker: ``redact`` drops
 values whose key looks like a credential before params are logged.
+
+Run identity (``run_identity``): a name ``<model>-<task>-<config hash>`` and tags ``model``, ``task``,
+``git_commit`` and ``config_hash``, so runs of one recipe group together in the MLflow UI. Large
+files are referenced, not copied: ``log_artifact_uri`` records a checkpoint's URI as a small JSON
+artifact; only the final model is copied in (``log_model``), so that it can be served from the run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import re
-from typing import Any, Protocol
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +50,8 @@ class Tracker(Protocol):
     def log_params(self, params: dict[str, Any]) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def set_tags(self, tags: dict[str, str]) -> None: ...
-    def log_artifact_uri(self, name: str, uri: str) -> None: ...
+    def log_artifact_uri(self, name: str, uri: str, step: int | None = None) -> None: ...
+    def last_logged_step(self, key: str) -> int | None: ...
     def close(self, status: str = "FINISHED") -> None: ...
 
 
@@ -57,8 +68,11 @@ class NullTracker:
     def set_tags(self, tags: dict[str, str]) -> None:
         pass
 
-    def log_artifact_uri(self, name: str, uri: str) -> None:
+    def log_artifact_uri(self, name: str, uri: str, step: int | None = None) -> None:
         pass
+
+    def last_logged_step(self, key: str) -> int | None:
+        return None
 
     def close(self, status: str = "FINISHED") -> None:
         pass
@@ -85,7 +99,9 @@ class MLflowTracker:
         if run_id is None:
             experiment_obj = self._client.get_experiment_by_name(experiment)
             experiment_id = (
-                experiment_obj.experiment_id if experiment_obj else self._client.create_experiment(experiment)
+                experiment_obj.experiment_id
+                if experiment_obj
+                else self._client.create_experiment(experiment, artifact_location=_artifact_root(self.tracking_uri))
             )
             run = self._client.create_run(experiment_id, run_name=run_name)
             run_id = run.info.run_id
@@ -124,9 +140,29 @@ class MLflowTracker:
         for key, value in tags.items():
             self._client.set_tag(self.run_id, key, str(value))
 
-    def log_artifact_uri(self, name: str, uri: str) -> None:
-        """Reference a large artifact (a checkpoint) by URI instead of copying it into the store."""
-        self._client.set_tag(self.run_id, f"artifact.{name}", uri)
+    def log_artifact_uri(self, name: str, uri: str, step: int | None = None) -> None:
+        """Reference a large artifact (a checkpoint) by URI instead of copying it into the store.
+
+        The URI goes into a tag (visible in the run list) and into ``checkpoints/<name>.json``, a few
+        bytes in the run's artifacts that point at the real files wherever they live (S3, a volume).
+        """
+        self._client.set_tag(self.run_id, f"artifact.{name}", uri)  # the newest one, for the run list
+        reference = {"name": name, "uri": uri, "step": step}
+        file_name = f"{name}.json" if step is None else f"{name}-step-{step:06d}.json"
+        self._client.log_text(self.run_id, json.dumps(reference, indent=2), f"checkpoints/{file_name}")
+
+    def last_logged_step(self, key: str) -> int | None:
+        """Highest step at which ``key`` was logged in this run (a resumed trainer marks re-runs up to it)."""
+        return max((m.step for m in self._client.get_metric_history(self.run_id, key)), default=None)
+
+    def log_model(self, model_dir: str | Path, artifact_path: str = "model") -> str:
+        """Copy a Hugging Face model folder into the run; returns its ``runs:/`` URI.
+
+        The folder is what vLLM serves: ``mlflow artifacts download -u <uri> -d DIR`` then
+        ``python -m vllm.entrypoints.openai.api_server --model DIR/model``. Only the final model is
+        copied; checkpoints stay references (``log_artifact_uri``).
+        """
+        return log_model_folder(self._client, self.run_id, model_dir, artifact_path)
 
     def close(self, status: str = "FINISHED") -> None:
         if self._system_monitor is not None:
@@ -147,3 +183,128 @@ def _start_system_metrics(run_id: str):
     except Exception:  # noqa: BLE001 - optional feature (needs psutil)
         log.info("MLflow system metrics unavailable", exc_info=True)
         return None
+
+
+def _artifact_root(tracking_uri: str) -> str | None:
+    """For a SQLite store, artifacts beside the database (a demo's outputs stay in one folder) rather
+    than MLflow's default ``./mlruns`` under whatever the working directory is. Servers decide themselves."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    return (Path(tracking_uri.removeprefix("sqlite:///")).parent / "mlartifacts").absolute().as_uri()
+
+
+def log_model_folder(client: Any, run_id: str, model_dir: str | Path, artifact_path: str = "model") -> str:
+    """``MLflowTracker.log_model`` for a run given by id (e.g. from the flow, after the trainer closed it)."""
+    folder = Path(model_dir)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} is not a Hugging Face model folder (no config.json)")
+    client.log_artifacts(run_id, str(folder), artifact_path)
+    uri = f"runs:/{run_id}/{artifact_path}"
+    client.set_tag(run_id, "final_model", uri)
+    return uri
+
+
+def log_final_model(client: Any, run_id: str, artifact_path: str = "model") -> str | None:
+    """Copy the servable files of the run's newest checkpoint into the run; its ``runs:/`` URI, or None.
+
+    The newest checkpoint is the one ``log_artifact_uri("checkpoint", ...)`` recorded last (the
+    trainer saves after its final step). Its servable part (weights in the serving dtype, config,
+    tokenizer) is what vLLM loads; optimizer, master weights and resume state stay behind.
+    """
+    import tempfile
+
+    import fsspec
+
+    from grpo_core.checkpoint.storage import (
+        MANIFEST, MASTER_FILE, OPTIMIZER_FILE, RNG_FILE, ROLLOUT_STATE, SCHEDULER_FILE, TRAINER_STATE,
+    )
+
+    url = client.get_run(run_id).data.tags.get("artifact.checkpoint")
+    if not url:
+        return None
+    training_only = {MANIFEST, MASTER_FILE, OPTIMIZER_FILE, RNG_FILE, ROLLOUT_STATE, SCHEDULER_FILE, TRAINER_STATE}
+    fs, root = fsspec.core.url_to_fs(url)
+    with tempfile.TemporaryDirectory(prefix="grpo-final-model-") as tmp:
+        for path in fs.ls(root, detail=False):
+            name = path.rstrip("/").rsplit("/", 1)[-1]
+            if name not in training_only and fs.isfile(path):
+                fs.get_file(path, str(Path(tmp) / name))
+        return log_model_folder(client, run_id, tmp, artifact_path)
+
+
+# ------------------------------------------------------------------------------------------ run identity
+# Keys that say where or under which name a run happens, not what it trains: two runs of the same
+# recipe get the same hash whatever their output folder or tracking server.
+_UNHASHED = {("tracking",), ("trainer", "output_dir"), ("trainer", "run_name"), ("trainer", "vllm_server_base_url"),
+             ("server", "base_url"), ("server", "managed"), ("server", "startup_timeout_s")}
+
+
+def config_hash(job: dict[str, Any]) -> str:
+    """12 hex digits identifying the recipe in ``job`` (a ``JobConfig`` as a dict)."""
+
+    def strip(prefix: tuple[str, ...], value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        return {k: strip(prefix + (k,), v) for k, v in value.items() if prefix + (k,) not in _UNHASHED}
+
+    canonical = json.dumps(strip((), job), sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+
+def git_commit() -> str | None:
+    """The commit this code runs from: ``GRPO_GIT_COMMIT`` (set in images, which have no .git) or git."""
+    if os.environ.get("GRPO_GIT_COMMIT"):
+        return os.environ["GRPO_GIT_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-").lower()
+
+
+def run_identity(job: dict[str, Any]) -> tuple[str, dict[str, str]]:
+    """The default run name and the tags of a run of ``job`` (a ``JobConfig`` as a dict)."""
+    model, dataset = str(job.get("model", "")), str(job.get("dataset", ""))
+    # "tiny:arithmetic" → "tiny-arithmetic"; "Qwen/Qwen3-4B" → "qwen3-4b"; "pkg.data:load" → "load"
+    model_name = _slug(model if model.startswith("tiny:") else model.rstrip("/").split("/")[-1])
+    task = _slug(dataset.split(":")[-1])
+    digest = config_hash(job)
+    tags = {"model": model, "task": task, "dataset": dataset, "config_hash": digest}
+    commit = git_commit()
+    if commit:
+        tags["git_commit"] = commit
+        tags["mlflow.source.git.commit"] = commit  # shown by the MLflow UI as the run's source version
+    return f"{model_name}-{task}-{digest[:8]}", tags
+
+
+@contextmanager
+def system_metrics(run_id: str, tracking_uri: str, interval_s: float = 10.0) -> Iterator[None]:
+    """Sample CPU, memory, disk, network (and GPU where available) into the run while the block runs.
+
+    The flow holds it around server start-up, evaluation and training, so the metrics cover the
+    whole job on this machine, not only the trainer's process. Never fails the run.
+    """
+    monitor = None
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_s, tracking_uri=tracking_uri)
+        monitor.start()
+    except Exception:  # noqa: BLE001 - optional (psutil; pynvml for GPUs)
+        log.info("MLflow system metrics unavailable", exc_info=True)
+        monitor = None
+    try:
+        yield
+    finally:
+        if monitor is not None:
+            try:
+                monitor.finish()
+            except Exception:  # noqa: BLE001 - monitoring must never fail a run
+                log.debug("system metrics monitor did not stop cleanly", exc_info=True)

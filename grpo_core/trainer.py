@@ -3,7 +3,7 @@
     setup    load the policy, check the server, open the weight transport, push version 0,
              spawn the rollout worker
     loop     collect one step of samples (stale ones dropped, rows packed)
-             → forward/backward every micro-batch → optimizer step
+             → forward/backward every micro-batch → optimizer step → record the prompts consumed
              → push weights every ``weight_sync_steps`` → checkpoint every ``save_steps`` → log
     teardown stop the worker, close the transport and the tracker
 
@@ -23,11 +23,15 @@ import torch
 from grpo_core.batching import StepBatch, StepCollector, TrainingFrontier
 from grpo_core.checkpoint import Checkpointer
 from grpo_core.config import AsyncGRPOConfig
+from grpo_core.distributed import StepFeed, broadcast_object, gather_step_results, init_distributed, shutdown_distributed
 from grpo_core.loss import LossConfig, LossInputs, candidate_mask_from_ids, finalize_metrics, grpo_loss, token_logprobs
+from grpo_core.models.fsdp import FSDPSettings, full_value, needs_fsdp, shard_policy
 from grpo_core.models.loading import DistInfo, load_policy, load_tokenizer
 from grpo_core.models.tree_attention import enable_tree_attention
 from grpo_core.packing.collator import PackedRow, pack_row
+from grpo_core.perf import PerfMeter, synchronize
 from grpo_core.rollout.loop import AsyncRolloutLoop
+from grpo_core.rollout.tool_calls import ToolRegistry
 from grpo_core.rollout.worker import RolloutWorker, WorkerSpec, check_picklable
 from grpo_core.step_metrics import group_metrics
 from grpo_core.tracking import NullTracker, Tracker
@@ -66,15 +70,23 @@ class AsyncGRPOTrainer:
         self.environment_factory = environment_factory
         self.dist = DistInfo.from_env()
         self.device = self.dist.device()
+        fsdp_settings = FSDPSettings.from_config(self.args)
+        # Ranks (and 1-rank bf16 through FSDP2) join the process group before anything is sharded.
+        self._owns_process_group = needs_fsdp(fsdp_settings, self.dist.world_size) and init_distributed(
+            self.dist, self.device, timeout_s=max(3600.0, 2 * self.args.request_timeout)
+        )
         torch.manual_seed(self.args.seed)
         self.model, self.model_path = load_policy(model, self.device)
         self.tokenizer = load_tokenizer(processing_class, self.model_path)
         self.peft_config = peft_config
         if peft_config is not None:
-            from grpo_core.models.lora import apply_lora
+            from grpo_core.models.lora import apply_lora, warn_if_not_saved
 
             self.model = apply_lora(self.model, peft_config)
+            warn_if_not_saved(self.args)
         self.attention_backend = enable_tree_attention(self.model)
+        self.perf = PerfMeter(self.model, self.device, self.args.bf16, self.dist.world_size)
+        self.model = shard_policy(self.model, fsdp_settings, self.device)  # before the optimizer sees the weights
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=self.args.learning_rate,
@@ -113,11 +125,13 @@ class AsyncGRPOTrainer:
                 metrics = self._optimizer_step(batch)
                 self.global_step += 1
                 self.collector.mark_trained(batch)
+                metrics.update(self.checkpointer.record_step(self, batch))  # the prompts it consumed
                 if self.global_step % self.args.weight_sync_steps == 0 or self._is_last_step():
                     metrics.update(self._sync_weights())
                 if self.checkpointer.should_save(self.global_step) or self._is_last_step():
                     metrics.update(self.checkpointer.save(self))
                 metrics.update(self._step_metrics(batch, step_start))
+                metrics.update(self.perf.step_metrics(batch.plan.rows, metrics["perf/fwd_bwd_s"], metrics["perf/step_s"]))
                 self._log(metrics)
         finally:
             self._teardown()
@@ -136,6 +150,8 @@ class AsyncGRPOTrainer:
                 "loop_cls": [self.loop_cls],
             }
         )
+        # Signatures too (typed parameters, module-level, unique names): fail here, not in the worker.
+        ToolRegistry(self.tools)
 
     def _setup(self) -> None:
         from grpo_core.rollout.client import VLLMControlClient
@@ -146,15 +162,19 @@ class AsyncGRPOTrainer:
         checkpoint = self.checkpointer.find_resume_point()
         if checkpoint is not None:
             self.checkpointer.restore(self, checkpoint)
+        self.checkpointer.begin_attempt(self)
         control = None
         if self.dist.is_main:
             caps = check_server(args.vllm_server_base_url, args, self.model_path or "<model>")
             self.candidate_sets = caps.candidate_sets
             control = VLLMControlClient(args.vllm_server_base_url, timeout=args.request_timeout)
+        self.candidate_sets = broadcast_object(self.candidate_sets)  # every rank must compute the same loss
         self.weight_sync = make_weight_sync(self, control)
+        if self.dist.is_main:
+            self.tracker.set_tags({"sync/mode": self.weight_sync.mode})
         # The server may hold other weights than ours (another revision, a resumed run): push first.
         self._sync_weights()
-        self.worker = self._start_worker()
+        self.worker = self._start_worker() if self.dist.is_main else None  # rank 0 owns the rollout worker
         self.collector = StepCollector(
             source=self.worker,
             world_size=self.dist.world_size,
@@ -166,6 +186,8 @@ class AsyncGRPOTrainer:
             frontier=self.frontier,
             timeout_s=args.request_timeout,
         )
+        # Rank 0 collects each step and broadcasts it; the other ranks rebuild the same plan.
+        self.collector = StepFeed(self.collector, self.dist.rank, self.dist.world_size)
 
     def _start_worker(self) -> RolloutWorker:
         loop_kwargs = dict(
@@ -176,9 +198,11 @@ class AsyncGRPOTrainer:
             base_url=self.args.vllm_server_base_url,
             start_position=self.frontier.position,
             num_processes=self.dist.world_size,
+            tools=self.tools,
+            environment_factory=self.environment_factory,
         )
         worker = RolloutWorker(
-            WorkerSpec(loop_cls=self.loop_cls, loop_kwargs=loop_kwargs),
+            WorkerSpec(loop_cls=self.loop_cls, loop_kwargs=self._with_adapter(loop_kwargs)),
             queue_maxsize=self.args.queue_maxsize,
             heartbeat_timeout_s=self.args.worker_heartbeat_timeout_s,
         )
@@ -208,18 +232,21 @@ class AsyncGRPOTrainer:
             loss, part = self._forward_backward(row.to(self.device), num_tokens)
             losses.append(loss)
             parts.append(part)
+        synchronize(self.device)  # kernels still queued belong to the forward/backward time
+        fwd_bwd_s = time.perf_counter() - start
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
         )
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        fwd_bwd_s = time.perf_counter() - start
+        # The step's loss and metrics over all ranks, and the slowest rank's time.
+        parts, loss_sum, fwd_bwd_s = gather_step_results(parts, float(sum(losses)), fwd_bwd_s)
         metrics = finalize_metrics(parts)
         metrics.update(
             {
-                "loss": float(sum(losses)),
-                "grad_norm": float(grad_norm),
+                "loss": loss_sum,
+                "grad_norm": float(full_value(grad_norm)),
                 "learning_rate": self.lr_scheduler.get_last_lr()[0],
                 "perf/fwd_bwd_s": fwd_bwd_s,
             }
@@ -260,10 +287,26 @@ class AsyncGRPOTrainer:
         return candidate_mask_from_ids(ids, vocab_size, device=row.target_ids.device)
 
     # ------------------------------------------------------------------------------------------ sync
+    def _with_adapter(self, loop_kwargs: dict[str, Any]) -> dict[str, Any]:
+        # LoRA adapter sync: the worker names the newest registered adapter version in its requests.
+        pointer = getattr(self.weight_sync, "pointer", None)
+        return {**loop_kwargs, "adapter": pointer} if pointer is not None else loop_kwargs
+
     def _sync_weights(self) -> dict[str, float]:
+        from grpo_core.sync.factory import SYNC_MODE_CODES
+
         self.model.eval()
         stats = self.weight_sync.push(self.global_step)
-        return {"sync/bytes": float(stats.bytes), "sync/seconds": stats.seconds, "weight_version": float(self.global_step)}
+        metrics = {
+            "sync/bytes": float(stats.bytes),
+            "sync/seconds": stats.seconds,
+            "sync/mode": SYNC_MODE_CODES[stats.mode],
+            "weight_version": float(self.global_step),
+        }
+        registered = getattr(self.weight_sync, "registered_versions", None)
+        if registered is not None:
+            metrics["sync/adapters_registered"] = float(len(registered))
+        return metrics
 
     # ------------------------------------------------------------------------------------------ metrics
     def _step_metrics(self, batch: StepBatch, step_start: float) -> dict[str, float]:
@@ -308,3 +351,5 @@ class AsyncGRPOTrainer:
         if self.weight_sync is not None:
             self.weight_sync.close()
             self.weight_sync = None
+        if self._owns_process_group:
+            shutdown_distributed()

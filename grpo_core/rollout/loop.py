@@ -5,24 +5,42 @@
 The loop runs in its own process and its own asyncio event loop. Subclass it (at module level, so
 it pickles) and set ``loop_cls`` on a trainer subclass to change a stage; build clients in
 ``setup()``, which runs inside the event loop, rather than in ``__init__``.
+
+A rollout is a chain of turns. Each turn renders the whole message list with the chat template,
+generates, and, when the model called tools (``tools=`` or the environment's methods, see
+``agent.py``), runs them and feeds their results back for the next turn. Because every turn is a
+fresh tokenisation, the chain is reconciled (``reconcile.py``: CLEAN / REALIGN / FORK) into one or
+more training sequences once the group is scored. Rewards are the weighted sum of the reward
+functions plus ``Rollout.reward``, which the environment's ``get_reward`` or a custom
+``generate_one`` sets.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
-import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
 import numpy as np
 
-from grpo_core.advantages import group_advantages, should_drop_group
+from grpo_core.advantages import group_advantages
 from grpo_core.config import AsyncGRPOConfig
-from grpo_core.rollout.client import GeneratedChoice, VLLMGenerateClient
-from grpo_core.rollout.types import GroupReport, Rollout, RolloutGroup, RolloutSample, TurnRecord
+from grpo_core.rollout.agent import (
+    EnvironmentSession,
+    RolloutTools,
+    append_observation,
+    assistant_message,
+    is_async_callable,
+    record_tool_results,
+    tool_messages,
+)
+from grpo_core.rollout.client import GeneratedChoice, VLLMGenerateClient, VLLMRequestError
+from grpo_core.rollout.reconcile import ReconcileResult, gather_sampling_masks, gather_top_logprobs, reconcile_turns
+from grpo_core.rollout.tool_calls import ParsedToolCalls, parse_tool_calls
+from grpo_core.rollout.types import Rollout, RolloutGroup, RolloutSample, TurnRecord
 
 
 def prompt_order(num_prompts: int, epoch: int, seed: int) -> np.ndarray:
@@ -45,11 +63,24 @@ def version_number(version: str) -> int:
 
 def oldest_version(choice: GeneratedChoice, fallback: int) -> int:
     """The oldest policy version that sampled any token of ``choice`` (conservative staleness)."""
-    if not choice.weight_versions:
-        return fallback
-    return min(version_number(v) for v, start, end in choice.weight_versions if end > start) if any(
-        end > start for _, start, end in choice.weight_versions
-    ) else fallback
+    spans = [version_number(v) for v, start, end in choice.weight_versions if end > start]
+    return min(spans) if spans else fallback
+
+
+def row_columns(row: dict[str, Any]) -> dict[str, Any]:
+    """A dataset row without its prompt: what reward functions and ``reset`` receive as keywords."""
+    return {k: v for k, v in row.items() if k != "prompt"}
+
+
+def transcript(messages: list[dict[str, Any]]) -> str:
+    """Readable text of the messages a rollout added, for completion logging."""
+    if len(messages) == 1:
+        return str(messages[0].get("content") or "")
+    parts = []
+    for m in messages:
+        calls = "".join(f" <call {c['function']['name']}({c['function']['arguments']})>" for c in m.get("tool_calls") or [])
+        parts.append(f"[{m['role']}] {m.get('content') or ''}{calls}")
+    return "\n".join(parts)
 
 
 class AsyncRolloutLoop:
@@ -65,6 +96,9 @@ class AsyncRolloutLoop:
         emit: Callable[[Any], Any],
         start_position: int = 0,
         num_processes: int = 1,
+        tools: list[Callable[..., Any]] | None = None,
+        environment_factory: Callable[[], Any] | None = None,
+        adapter: Any = None,
     ):
         self.config = config
         self.tokenizer = tokenizer
@@ -77,10 +111,29 @@ class AsyncRolloutLoop:
         self.start_position = start_position
         self.num_processes = num_processes
         self.ceiling = config.resolved_max_concurrent_rollouts(num_processes)
+        # Sync tools, environment calls and sync reward functions share this pool: at most `ceiling`
+        # rollouts are in flight, so each can have one blocking call running without waiting.
         self.pool = ThreadPoolExecutor(max_workers=self.ceiling, thread_name_prefix="rollout-tool")
+        self.tools = list(tools or [])
+        self.environment_factory = environment_factory
+        # Built once (and validated here, before any request) for rollouts without an environment.
+        self.shared_tools = RolloutTools(self.tools)
         self.client: VLLMGenerateClient | None = None
         self.current_version = 0
+        # LoRA adapter sync: the trainer's AdapterPointer to the newest registered adapter (None otherwise).
+        self.adapter = adapter
         self.max_model_len = 1 << 30  # read from the server before the first request
+
+    async def connect(self) -> None:
+        """Open the generation client and read the server's context length (the scheduler calls this)."""
+        self.client = VLLMGenerateClient(self.base_url, timeout=self.config.request_timeout)
+        self.max_model_len = await self.client.max_model_len()
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+        # A sync tool that timed out may still be running; do not wait for it.
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- overridable stages -------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -99,21 +152,117 @@ class AsyncRolloutLoop:
             params["top_k"] = c.top_k
         return params
 
-    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The whole conversation so far, rendered by the chat template and tokenised."""
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **(self.config.chat_template_kwargs or {})
+            messages, tools=tools, tokenize=False, add_generation_prompt=True, **(self.config.chat_template_kwargs or {})
         )
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     async def generate_one(self, row_index: int, row: dict[str, Any], rollout_index: int) -> Rollout:
-        """One rollout of the prompt ``row['prompt']``: a single generation turn."""
-        assert self.client is not None
-        messages = list(row["prompt"])
-        prompt_ids = self.prompt_ids(messages)
-        params = self.sampling_params()
-        params["max_tokens"] = self.completion_budget(len(prompt_ids), params["max_tokens"])
-        (choice,) = await self.client.generate(prompt_ids, params, num_top=self.config.num_sampler_logprobs)
-        turn = TurnRecord(
+        """One rollout of ``row['prompt']``: turns until the model stops calling tools or the budget ends."""
+        metrics: dict[str, float] = {}
+        messages = [dict(m) for m in row["prompt"]]
+        num_prompt = len(messages)
+        tools = self.shared_tools
+        session: EnvironmentSession | None = None
+        try:
+            if self.environment_factory is not None:
+                session = await EnvironmentSession.open(self.environment_factory, self.pool, metrics)
+                observation = await session.reset(row_columns(row))
+                if observation:
+                    messages = append_observation(messages, observation)
+                tools = RolloutTools(self.tools, session.env)
+            turns = await self.run_turns(messages, tools, metrics)
+            reward = await session.reward(messages[num_prompt:]) if session is not None else None
+        finally:
+            if session is not None:
+                await session.close()
+        return Rollout(
+            rollout_id=uuid.uuid4().hex,
+            row_index=row_index,
+            messages=messages,
+            turns=turns,
+            completion_text=transcript(messages[num_prompt:]),
+            reward=reward,
+            metrics=metrics,
+        )
+
+    async def run_turns(self, messages: list[dict[str, Any]], tools: RolloutTools, metrics: dict[str, float]) -> list[TurnRecord]:
+        """Generate, run tools and feed results back, appending to ``messages``; returns the turns."""
+        assert self.client is not None, "connect() first"
+        c = self.config
+        schemas = tools.schemas()
+        budget = c.max_completion_length  # summed over the rollout's turns
+        pinned = self.sampling_adapter()  # every turn samples from the adapter version the rollout started with
+        turns: list[TurnRecord] = []
+        tool_rounds = 0
+        while True:
+            prompt_ids = self.prompt_ids(messages, schemas)
+            if turns and len(prompt_ids) >= self.max_model_len:
+                # The conversation outgrew the context; the first turn raises instead (a config error).
+                metrics["rollout/context_exhausted"] = 1.0
+                break
+            params = self.sampling_params()
+            params["max_tokens"] = self.completion_budget(len(prompt_ids), budget)
+            choice, pinned = await self.generate_turn(prompt_ids, params, pinned)
+            turns.append(self.turn_record(prompt_ids, choice, pinned))
+            budget -= len(choice.token_ids)
+            text = self.tokenizer.decode(choice.token_ids, skip_special_tokens=True)
+            parsed = parse_tool_calls(text) if tools else ParsedToolCalls(text, [])
+            messages.append(assistant_message(text, parsed))
+            if not parsed.calls:
+                break
+            if choice.finish_reason == "length" or budget < 1:
+                # Cut off mid-turn, or no tokens left to read the results with: running the calls would
+                # only feed a turn that cannot happen.
+                metrics["rollout/truncated_tool_turns"] = 1.0
+                break
+            if c.max_tool_calling_iterations is not None and tool_rounds >= c.max_tool_calling_iterations:
+                metrics["rollout/tool_iterations_capped"] = 1.0
+                break
+            results = await tools.run(parsed.calls, self.pool, c.tool_timeout_s)
+            tool_rounds += 1
+            record_tool_results(metrics, results, tools)
+            messages.extend(tool_messages(results))
+        metrics["rollout/turns"] = float(len(turns))
+        return turns
+
+    def sampling_adapter(self) -> tuple[str, int] | None:
+        """LoRA adapter sync: ``(name, version)`` of the newest registered adapter; None samples the base."""
+        return self.adapter.get() if self.adapter is not None else None
+
+    async def generate_turn(
+        self, prompt_ids: list[int], params: dict[str, Any], pinned: tuple[str, int] | None
+    ) -> tuple[GeneratedChoice, tuple[str, int] | None]:
+        """One generation under ``pinned``; returns the choice and the adapter it actually used.
+
+        A rollout that outlives its adapter's window finds the name unloaded (HTTP 404). Its sample
+        is stale by then and will be dropped, so it continues under the newest adapter rather than
+        failing the worker; the first turn's older version keeps it marked stale.
+
+        A dropped connection is retried too: the server closes idle keep-alive connections after
+        5 s (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``), as long as httpx keeps them, so a request sent on one
+        just as it closes fails without reaching the server.
+        """
+        assert self.client is not None, "connect() first"
+        num_top = self.config.num_sampler_logprobs
+        for _ in range(3):
+            named = {"model": pinned[0]} if pinned is not None else {}  # no adapter: the call stays as before
+            try:
+                (choice,) = await self.client.generate(prompt_ids, params, num_top=num_top, **named)
+                return choice, pinned
+            except (httpx.ReadError, httpx.RemoteProtocolError):
+                continue
+            except VLLMRequestError as exc:
+                newest = self.sampling_adapter()
+                if pinned is None or "HTTP 404" not in str(exc) or newest is None or newest == pinned:
+                    raise
+                pinned = newest
+        raise VLLMRequestError(f"generation failed three times (dropped connections or unloaded adapters; last {pinned})")
+
+    def turn_record(self, prompt_ids: list[int], choice: GeneratedChoice, pinned: tuple[str, int] | None = None) -> TurnRecord:
+        return TurnRecord(
             prompt_ids=prompt_ids,
             output_ids=choice.token_ids,
             output_logprobs=choice.logprobs,
@@ -121,15 +270,8 @@ class AsyncRolloutLoop:
             top_logprobs=choice.top_logprobs,
             sampling_masks=choice.sampling_masks,
             finish_reason=choice.finish_reason,
-            policy_version=oldest_version(choice, self.current_version),
-        )
-        text = self.tokenizer.decode(choice.token_ids, skip_special_tokens=True)
-        return Rollout(
-            rollout_id=uuid.uuid4().hex,
-            row_index=row_index,
-            messages=messages + [{"role": "assistant", "content": text}],
-            turns=[turn],
-            completion_text=text,
+            # In adapter mode the server's weight version is the base's; the adapter is the policy.
+            policy_version=pinned[1] if pinned is not None else oldest_version(choice, self.current_version),
         )
 
     def completion_budget(self, num_prompt_tokens: int, wanted: int) -> int:
@@ -145,12 +287,12 @@ class AsyncRolloutLoop:
     async def score(self, group: RolloutGroup) -> None:
         """Fill ``group.rewards_per_func`` and ``group.rewards`` (NaN where nothing scored)."""
         g = len(group.rollouts)
-        columns = {k: [v] * g for k, v in group.row.items() if k != "prompt"}
+        columns = {k: [v] * g for k, v in row_columns(group.row).items()}
         prompts = [group.prompt] * g
-        completions = [[m for m in r.messages[len(group.prompt):]] for r in group.rollouts]
+        completions = [list(r.messages[len(group.prompt):]) for r in group.rollouts]
         per_func = np.full((g, len(self.reward_funcs)), np.nan)
         for j, func in enumerate(self.reward_funcs):
-            if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None)):
+            if is_async_callable(func):
                 values = await func(prompts, completions, **columns)
             else:
                 loop = asyncio.get_running_loop()
@@ -158,7 +300,7 @@ class AsyncRolloutLoop:
             if len(values) != g:
                 raise ValueError(f"reward function {self.reward_names[j]} returned {len(values)} values for {g} completions")
             per_func[:, j] = [np.nan if v is None else float(v) for v in values]
-        own = np.array([np.nan if r.reward is None else float(r.reward) for r in group.rollouts])
+        own = rollout_rewards(group)
         weighted = per_func * self.reward_weights[None, :]
         scored_any = ~np.isnan(per_func).all(axis=1) | ~np.isnan(own)
         total = np.nansum(weighted, axis=1) + np.nan_to_num(own)
@@ -171,50 +313,71 @@ class AsyncRolloutLoop:
         return group_advantages(group.rewards, scale=self.config.scale_rewards)
 
     # ---- samples from a scored group ------------------------------------------------------------------
-    def samples_of(self, group: RolloutGroup, advantages: np.ndarray, position: int) -> list[RolloutSample]:
+    def reconcile(self, rollout: Rollout) -> ReconcileResult:
+        """The rollout's training sequences (one per fork), with the CLEAN/REALIGN/FORK counts."""
+        return reconcile_turns(rollout.turns, self.config.fork_threshold_tokens)
+
+    def samples_of(
+        self,
+        group: RolloutGroup,
+        advantages: np.ndarray,
+        position: int,
+        reconciled: list[ReconcileResult] | None = None,
+    ) -> list[RolloutSample]:
+        """One sample per training sequence of every scored rollout; all share the rollout's advantage."""
+        if reconciled is None:
+            reconciled = [self.reconcile(r) for r in group.rollouts]
         samples = []
-        for rollout, advantage, reward in zip(group.rollouts, advantages, group.rewards):
+        for rollout, result, advantage, reward in zip(group.rollouts, reconciled, advantages, group.rewards, strict=True):
             if np.isnan(reward):
                 continue
-            for seq in self.sequences_of(rollout):
+            for seq in result.sequences:
+                top = gather_top_logprobs(seq, rollout.turns)
                 samples.append(
                     RolloutSample(
-                        token_ids=seq["token_ids"],
-                        completion_mask=seq["completion_mask"],
-                        sampler_logprobs=seq["sampler_logprobs"],
+                        token_ids=seq.token_ids,
+                        completion_mask=seq.completion_mask,
+                        sampler_logprobs=seq.sampler_logprobs,
                         advantage=float(advantage),
                         reward=float(reward),
                         group_id=position,
                         row_index=group.row_index,
                         epoch=group.epoch,
                         rollout_id=rollout.rollout_id,
-                        policy_version=seq["policy_version"],
+                        policy_version=seq.policy_version,
                         position=position,
-                        sampler_top_ids=seq.get("top_ids"),
-                        sampler_top_logprobs=seq.get("top_logprobs"),
-                        sampling_masks=seq.get("sampling_masks"),
+                        sampler_top_ids=top[0] if top is not None else None,
+                        sampler_top_logprobs=top[1] if top is not None else None,
+                        sampling_masks=gather_sampling_masks(seq, rollout.turns),
+                        metrics={"turns": float(seq.last_turn - seq.first_turn + 1)},
                     )
                 )
         return samples
 
-    def sequences_of(self, rollout: Rollout) -> list[dict[str, Any]]:
-        """Training sequences of one rollout (single turn: prompt as context, output trained)."""
-        (turn,) = rollout.turns
-        n_prompt, n_out = len(turn.prompt_ids), len(turn.output_ids)
-        if n_out == 0:
-            return []
-        mask = np.zeros(n_prompt + n_out, dtype=bool)
-        mask[n_prompt:] = True
-        logprobs = np.zeros(n_prompt + n_out, dtype=np.float32)
-        logprobs[n_prompt:] = turn.output_logprobs
-        return [
-            {
-                "token_ids": np.asarray(turn.prompt_ids + turn.output_ids, dtype=np.int32),
-                "completion_mask": mask,
-                "sampler_logprobs": logprobs,
-                "policy_version": turn.policy_version,
-                "top_ids": turn.top_ids,
-                "top_logprobs": turn.top_logprobs,
-                "sampling_masks": turn.sampling_masks,
-            }
-        ]
+
+def rollout_rewards(group: RolloutGroup) -> np.ndarray:
+    """[G] ``Rollout.reward`` of each rollout (environment or custom ``generate_one``), NaN where unset."""
+    return np.array([np.nan if r.reward is None else float(r.reward) for r in group.rollouts], dtype=np.float64)
+
+
+def reconcile_metrics(results: list[ReconcileResult]) -> dict[str, float]:
+    """Counters of one group's reconciles; ``rollout/fork_frac`` is derived from them per step."""
+    out = {
+        "rollout/later_turns": 0.0,
+        "rollout/clean_turns": 0.0,
+        "rollout/realign_turns": 0.0,
+        "rollout/fork_turns": 0.0,
+        "rollout/realigned_tokens": 0.0,
+        "rollout/sequences": 0.0,
+        "rollout/dropped_sequences": 0.0,
+    }
+    for r in results:
+        s = r.stats
+        out["rollout/later_turns"] += max(s.turns - 1, 0)
+        out["rollout/clean_turns"] += s.clean
+        out["rollout/realign_turns"] += s.realign
+        out["rollout/fork_turns"] += s.fork
+        out["rollout/realigned_tokens"] += s.realigned_tokens
+        out["rollout/sequences"] += len(r.sequences)
+        out["rollout/dropped_sequences"] += s.dropped_sequences
+    return out

@@ -3,7 +3,9 @@
 Prompts are visited in a seeded per-epoch order from ``start_position`` on (so a resume continues
 exactly where training stopped). Each prompt becomes a group of ``num_generations`` rollouts;
 rollouts are admitted while the number in flight stays under the live concurrency cap. A finished
-group is scored, gets advantages, and is reported (kept or dropped) before its samples are queued.
+group is scored, gets advantages, its rollouts are reconciled into training sequences, and it is
+reported (kept or dropped) before its samples are queued. The report carries the group's summed
+per-rollout counters (tools, environment, CLEAN/REALIGN/FORK) for ``step_metrics``.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from grpo_core.advantages import should_drop_group
-from grpo_core.rollout.client import VLLMGenerateClient
 from grpo_core.rollout.concurrency import ConcurrencyController, parse_vllm_metrics
-from grpo_core.rollout.loop import AsyncRolloutLoop, prompt_order
+from grpo_core.rollout.loop import AsyncRolloutLoop, prompt_order, reconcile_metrics, rollout_rewards
 from grpo_core.rollout.types import GroupReport, RolloutGroup
+from grpo_core.step_metrics import merge_counters
 
 END_OF_DATA = "end-of-data"
 """Queued after the last group when the run is bounded by epochs (``max_steps`` <= 0)."""
@@ -37,6 +39,7 @@ class RolloutScheduler:
         self.last_report_time = time.perf_counter()
         self._room = asyncio.Condition()
         self.failure: BaseException | None = None
+        self.unadmitted = 0  # rollouts of created groups still waiting for a slot
 
     def _on_group_done(self, task: asyncio.Task[None], tasks: set[asyncio.Task[None]]) -> None:
         tasks.discard(task)
@@ -49,9 +52,8 @@ class RolloutScheduler:
 
     # ------------------------------------------------------------------------------------------------
     async def run(self) -> None:
-        loop, config = self.loop, self.loop.config
-        loop.client = VLLMGenerateClient(loop.base_url, timeout=config.request_timeout)
-        loop.max_model_len = await loop.client.max_model_len()
+        loop = self.loop
+        await loop.connect()
         self.controller = await self._make_controller()
         await loop.setup()
         poller = asyncio.create_task(self._poll_metrics())
@@ -66,7 +68,9 @@ class RolloutScheduler:
             poller.cancel()
             for task in tasks:
                 task.cancel()
-            await loop.client.aclose()
+            # Let cancelled rollouts run their cleanup (environment close) before the pool goes.
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await loop.close()
 
     async def _schedule(self, tasks: set[asyncio.Task[None]]) -> None:
         loop, config = self.loop, self.loop.config
@@ -91,12 +95,14 @@ class RolloutScheduler:
                 await loop.emit(_filtered_report(position, row_index, epoch))
                 position += 1
                 continue
-            await self._wait_for_room(config.num_generations)
+            await self._wait_for_room()
             self._raise_failure()
+            self.unadmitted += config.num_generations
             task = asyncio.create_task(self._run_group(position, row_index, row, epoch))
             tasks.add(task)
             task.add_done_callback(lambda t: self._on_group_done(t, tasks))
             position += 1
+            await asyncio.sleep(0)  # let admitted rollouts start before creating more groups
         self._raise_failure()
 
     # ---- admission ----------------------------------------------------------------------------------
@@ -117,16 +123,23 @@ class RolloutScheduler:
                 self._room.notify_all()
             await asyncio.sleep(_METRICS_POLL_S)
 
-    async def _wait_for_room(self, n: int) -> None:
+    async def _wait_for_room(self) -> None:
+        """Wait until a free slot is not already promised to a created-but-unadmitted rollout."""
         assert self.controller is not None
         async with self._room:
-            # A group needs n slots; when the cap is below n, a group may still start on an idle server.
             await self._room.wait_for(
                 lambda: self.stop_event.is_set()
                 or self.failure is not None
-                or (self.controller.in_flight + n <= self.controller.cap and self.controller.can_admit())
-                or self.controller.in_flight == 0
+                or self.controller.free_slots() > self.unadmitted
             )
+
+    async def _admit(self) -> None:
+        assert self.controller is not None
+        async with self._room:
+            await self._room.wait_for(lambda: self.failure is not None or self.controller.can_admit())
+            self.unadmitted -= 1
+            self._raise_failure()
+            self.controller.on_rollout_started()
 
     async def _released(self) -> None:
         assert self.controller is not None
@@ -136,8 +149,7 @@ class RolloutScheduler:
 
     # ---- one group ----------------------------------------------------------------------------------
     async def _run_rollout(self, row_index: int, row: dict[str, Any], i: int):
-        assert self.controller is not None
-        self.controller.on_rollout_started()
+        await self._admit()
         try:
             return await self.loop.generate_one(row_index, row, i)
         finally:
@@ -151,7 +163,13 @@ class RolloutScheduler:
         await loop.score(group)
         advantages = loop.compute_advantages(group)
         dropped = should_drop_group(group.rewards)
-        samples = [] if dropped else loop.samples_of(group, advantages, position)
+        # Reconciled for dropped groups too: fork and realign rates describe the rollouts, kept or not.
+        reconciled = [loop.reconcile(r) for r in group.rollouts]
+        samples = [] if dropped else loop.samples_of(group, advantages, position, reconciled)
+        rewards_per_func = {n: group.rewards_per_func[:, j] for j, n in enumerate(group.reward_func_names)}
+        own = rollout_rewards(group)
+        if not np.isnan(own).all():
+            rewards_per_func["rollout_reward"] = own
         lengths = np.array([sum(len(t.output_ids) for t in r.turns) for r in group.rollouts], dtype=np.float64)
         now = time.perf_counter()
         report = GroupReport(
@@ -159,7 +177,7 @@ class RolloutScheduler:
             row_index=row_index,
             epoch=epoch,
             rewards=group.rewards,
-            rewards_per_func={n: group.rewards_per_func[:, j] for j, n in enumerate(group.reward_func_names)},
+            rewards_per_func=rewards_per_func,
             num_samples=len(samples),
             dropped=dropped,
             generated_tokens=int(lengths.sum()),
@@ -169,7 +187,8 @@ class RolloutScheduler:
                 "rollout/concurrency_cap": float(self.controller.cap if self.controller else 0),
                 "rollout/concurrency": float(self.controller.in_flight if self.controller else 0),
                 "rollout/report_interval_s": now - self.last_report_time,
-                **_merge_rollout_metrics(group),
+                **merge_counters([r.metrics for r in group.rollouts]),
+                **reconcile_metrics(reconciled),
             },
             completions=[r.completion_text for r in group.rollouts],
         )
@@ -178,15 +197,6 @@ class RolloutScheduler:
         self.backpressure_s += await loop.emit(report)
         for sample in samples:
             self.backpressure_s += await loop.emit(sample)
-
-
-def _merge_rollout_metrics(group: RolloutGroup) -> dict[str, float]:
-    """Sum of per-rollout counters (tool calls, forks, ...) over the group."""
-    merged: dict[str, float] = {}
-    for rollout in group.rollouts:
-        for key, value in rollout.metrics.items():
-            merged[key] = merged.get(key, 0.0) + float(value)
-    return merged
 
 
 def _filtered_report(position: int, row_index: int, epoch: int) -> GroupReport:

@@ -16,6 +16,7 @@ splits it back. One layer at a time bounds the sender's extra memory to the larg
 from __future__ import annotations
 
 import logging
+import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -205,6 +206,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             rank_offset=1,
             world_size=init_info.world_size,
         )
+        # This process hosts the store on a socket it binds itself: a tcp:// rendezvous inside a
+        # torchrun rank would only connect as a client (torchrun's agent-store mode) and wait forever.
+        listen = socket.create_server((init_info.master_address, init_info.master_port))
         # The workers block in init until the rendezvous completes, so the HTTP call runs on a
         # thread while this process hosts the store as rank 0.
         with ThreadPoolExecutor(max_workers=1) as pool:
@@ -215,6 +219,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 0,
                 init_info.world_size,
                 backend="gloo",
+                listen_socket=listen,
                 timeout=_RENDEZVOUS_TIMEOUT,
             )
             pending.result()

@@ -1,0 +1,324 @@
+"""``Checkpointer``: the trainer's hooks for saving, finding the newest good checkpoint and resuming."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpo_core.checkpoint.ledger import RunLedger
+from grpo_core.checkpoint.state import (
+    barrier,
+    dataset_length,
+    full_state,
+    gather_objects,
+    load_weights,
+    rng_state,
+    set_rng_state,
+    tied_aliases,
+    write_servable,
+)
+from grpo_core.checkpoint.storage import (
+    MANIFEST,
+    MASTER_FILE,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    RNG_FILE,
+    ROLLOUT_STATE,
+    SCHEDULER_FILE,
+    TRAINER_STATE,
+    CheckpointError,
+    Storage,
+    build_manifest,
+    fsync_dir,
+    read_manifest,
+    verify_local,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ResumeInfo:
+    """Where this process started: the checkpoint (or None), its step and prompt position."""
+
+    checkpoint: str | None
+    step: int
+    position: int
+
+
+class Checkpointer:
+    """Saves, finds and restores checkpoints of one trainer; the trainer calls it from its loop.
+
+    Every run in an ``output_dir`` has a *lineage* id (written by a fresh start, kept by resumes and
+    stored in each manifest), so that ``resume_from_checkpoint=True`` and ``save_total_limit`` only
+    ever consider this run's checkpoints, never those an earlier run left in the same folder.
+    """
+
+    def __init__(self, args: Any, dist: Any):
+        self.args = args
+        self.dist = dist
+        self.storage = Storage(args.output_dir)
+        self.ledger = RunLedger(self.storage)
+        self.resumed = ResumeInfo(None, 0, 0)
+        self.lineage: str | None = None
+        self.attempt = 1
+        self.rerun_until = 0  # steps up to this one were logged by an earlier attempt
+        self._local_copies: dict[str, Path] = {}
+
+    # ---- hooks called by the trainer ----------------------------------------------------------------
+    def should_save(self, step: int) -> bool:
+        return self.args.save_strategy == "steps" and step % self.args.save_steps == 0
+
+    def find_resume_point(self) -> str | None:
+        """The checkpoint to resume from, or None to start fresh (see ``resume_from_checkpoint``)."""
+        wanted = self.args.resume_from_checkpoint
+        if not wanted:
+            return None
+        if isinstance(wanted, str):
+            _, reason = self._check(wanted)
+            if reason is not None:
+                raise CheckpointError(f"resume_from_checkpoint={wanted!r} cannot be used: {reason}")
+            return wanted
+        lineage = self.ledger.lineage()
+        for _step, path in self.storage.checkpoints():
+            url = self.storage.url(path)
+            manifest, reason = read_manifest(self.storage, path)
+            if manifest is not None and lineage is not None and manifest.get("lineage") != lineage:
+                log.info("ignoring %s: an earlier run in this folder wrote it", url)
+                continue
+            if reason is None:
+                manifest, reason = self._check(url)
+            if reason is None:
+                return url
+            log.warning("skipping torn checkpoint %s: %s; trying the previous one", url, reason)
+        log.info("no good checkpoint of this run under %s; starting from step 0", self.args.output_dir)
+        return None
+
+    def restore(self, trainer: Any, checkpoint: str) -> None:
+        """Load weights, optimizer, scheduler, RNG, step and frontier of ``checkpoint`` into ``trainer``."""
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        from grpo_core.batching import TrainingFrontier
+
+        manifest, reason = self._check(checkpoint)  # a no-op when find_resume_point just checked it
+        if reason is not None:
+            raise CheckpointError(f"checkpoint {checkpoint} cannot be restored: {reason}")
+        folder = self._local_copies[checkpoint]
+        try:
+            weights = folder / (MASTER_FILE if (folder / MASTER_FILE).is_file() else MODEL_FILE)
+            load_weights(trainer.model, load_file(str(weights)))
+            optim = torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+            set_optimizer_state_dict(trainer.model, trainer.optimizer, optim, options=StateDictOptions(full_state_dict=True))
+            trainer.lr_scheduler.load_state_dict(json.loads((folder / SCHEDULER_FILE).read_text()))
+            rng = torch.load(folder / RNG_FILE, map_location="cpu", weights_only=True)["ranks"]
+            set_rng_state(rng[self.dist.rank] if self.dist.rank < len(rng) else rng[0])
+            state = json.loads((folder / TRAINER_STATE).read_text())
+            rollout = json.loads((folder / ROLLOUT_STATE).read_text())
+        finally:
+            self._drop_local_copy(checkpoint)
+        trainer.global_step = int(state["global_step"])
+        position = int(rollout["position"])
+        num_prompts = dataset_length(trainer.train_dataset)
+        if num_prompts is None:
+            log.warning("train_dataset has no length (IterableDataset): it restarts at its first prompt")
+            position = 0
+        elif num_prompts != rollout["num_prompts"]:
+            log.warning(
+                "train_dataset has %d prompts, the checkpoint was written with %s: prompt positions now "
+                "name other prompts", num_prompts, rollout["num_prompts"],
+            )
+        trainer.frontier = TrainingFrontier(position)
+        self.lineage = manifest.get("lineage") if manifest else None
+        self.resumed = ResumeInfo(checkpoint, trainer.global_step, position)
+        log.info("resumed from %s: step %d, prompt position %d", checkpoint, trainer.global_step, position)
+
+    def begin_attempt(self, trainer: Any) -> None:
+        """Number this process's attempt in the ledger and find the steps an earlier attempt logged."""
+        if not self.dist.is_main:
+            return
+        if self.resumed.checkpoint is None and not self.args.resume_from_checkpoint:
+            self.lineage = None  # a fresh run: whatever the folder holds belongs to another one
+        current = self.ledger.lineage()
+        if self.lineage is None:
+            self.lineage = current if self.args.resume_from_checkpoint and current else uuid.uuid4().hex
+        if current != self.lineage:
+            self.ledger.clear()
+            self.ledger.set_lineage(self.lineage)
+        self.attempt = self.ledger.start_attempt(self.resumed.checkpoint, self.resumed.step, self.resumed.position)
+        self.rerun_until = trainer.tracker.last_logged_step("train/attempt") or 0
+        if self.attempt > 1:
+            trainer.tracker.set_tags({"resumes": str(self.attempt - 1)})
+        if self.rerun_until > self.resumed.step:
+            log.info("attempt %d: steps %d..%d were logged before and are marked train/rerun_step=1",
+                     self.attempt, self.resumed.step + 1, self.rerun_until)
+
+    def record_step(self, trainer: Any, batch: Any) -> dict[str, float]:
+        """Write this step's consumed prompt positions to the ledger (before the step counts as done);
+        returns the metrics that tell a re-run step (logged before by an earlier attempt) apart."""
+        step = trainer.global_step
+        if self.dist.is_main:
+            self.ledger.record(
+                attempt=self.attempt,
+                step=step,
+                trained=sorted({s.position for s in batch.samples}),
+                dropped_groups=sorted({r.position for r in batch.reports if r.num_samples == 0}),
+                stale_dropped=int(batch.stale_dropped),
+                frontier=trainer.frontier.position,
+            )
+        return {"train/attempt": float(self.attempt), "train/rerun_step": float(step <= self.rerun_until)}
+
+    def save(self, trainer: Any) -> dict[str, float]:
+        """Write ``checkpoint-<global_step>``; every rank calls it (the state gather is a collective).
+
+        ``save_strategy="no"`` is honoured here too, so the trainer's save after the last step writes nothing.
+        """
+        if self.args.save_strategy == "no":
+            return {}
+        start = time.perf_counter()
+        model_state, optim_state = full_state(trainer.model, trainer.optimizer)
+        rng = gather_objects(rng_state())
+        nbytes = 0
+        if self.dist.is_main:
+            url, nbytes = self._write(trainer, model_state, optim_state, rng)
+            self._rotate(keep=self.storage.path(f"checkpoint-{trainer.global_step}"))
+            trainer.tracker.log_artifact_uri("checkpoint", url, step=trainer.global_step)
+        barrier()
+        return {"checkpoint/seconds": time.perf_counter() - start, "checkpoint/bytes": float(nbytes)}
+
+    # ---- writing ------------------------------------------------------------------------------------
+    def _write(self, trainer: Any, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any], rng: list[Any]) -> tuple[str, int]:
+        step = trainer.global_step
+        final = self.storage.path(f"checkpoint-{step}")
+        # Debris of an earlier attempt at this step (a torn write, or a run resumed from further back).
+        self.storage.remove_checkpoint(final)
+        staging = Path(final) if self.storage.is_local else Path(tempfile.mkdtemp(prefix=f"grpo-ckpt-{step}-"))
+        staging.mkdir(parents=True, exist_ok=True)
+        try:
+            self._write_files(staging, trainer, model_state, optim_state, rng)
+            manifest = build_manifest(staging, step, self.lineage or "")
+            if not self.storage.is_local:
+                for name in manifest["files"]:
+                    self.storage.fs.put_file(str(staging / name), self.storage.path_in(final, name))
+            self.storage.write_json(self.storage.path_in(final, MANIFEST), manifest)
+        finally:
+            if not self.storage.is_local:
+                shutil.rmtree(staging, ignore_errors=True)
+        url = self.storage.url(final)
+        log.info("saved checkpoint %s", url)
+        return url, sum(f["size"] for f in manifest["files"].values())
+
+    def _write_files(self, folder: Path, trainer: Any, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any], rng: list[Any]) -> None:
+        from safetensors.torch import save_file
+
+        master_dtype = next(iter(model_state.values())).dtype
+        serve_dtype = torch.bfloat16 if getattr(self.args, "bf16", False) else master_dtype
+        write_servable(folder, trainer.model, model_state, trainer.tokenizer, serve_dtype)
+        if getattr(trainer, "peft_config", None) is not None:
+            from grpo_core.models.lora import adapter_files_state, write_adapter
+
+            # LoRA: the adapter in PEFT's layout beside the weights, so vLLM (--lora-modules) and peft load
+            # it from this folder; .vllm_lora/ is only a serving cache and is not kept.
+            write_adapter(trainer.model, str(folder), trainer.model_path, state=adapter_files_state(model_state))
+        if serve_dtype != master_dtype:
+            aliases = tied_aliases(trainer.model)
+            save_file({k: v.contiguous() for k, v in model_state.items() if k not in aliases}, str(folder / MASTER_FILE))
+        torch.save(optim_state, folder / OPTIMIZER_FILE)
+        (folder / SCHEDULER_FILE).write_text(json.dumps(trainer.lr_scheduler.state_dict()))
+        torch.save({"ranks": rng}, folder / RNG_FILE)
+        position = trainer.frontier.position
+        num_prompts = dataset_length(trainer.train_dataset)
+        (folder / TRAINER_STATE).write_text(json.dumps({
+            "global_step": trainer.global_step,
+            "mlflow_run_id": trainer.tracker.run_id,
+            "attempt": self.attempt,
+            "frontier_position": position,
+            "world_size": self.dist.world_size,
+            "saved_at": time.time(),
+        }, indent=1))
+        (folder / ROLLOUT_STATE).write_text(json.dumps({
+            "position": position,
+            "epoch": position // num_prompts if num_prompts else 0,
+            "index_in_epoch": position % num_prompts if num_prompts else position,
+            "num_prompts": num_prompts,
+            "seed": self.args.seed,
+        }, indent=1))
+        if self.storage.is_local:
+            # Preemption of the process keeps the page cache, losing the machine does not.
+            for path in folder.iterdir():
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
+            fsync_dir(folder)
+
+    def _rotate(self, keep: str) -> None:
+        """Keep this run's newest ``save_total_limit`` good checkpoints; drop torn ones older than the
+        newest good one. Checkpoints an earlier run left here are not this run's to delete."""
+        limit = self.args.save_total_limit
+        good_seen = 0
+        for _step, path in self.storage.checkpoints():
+            if path == keep:
+                good_seen += 1
+                continue
+            manifest, _ = read_manifest(self.storage, path)
+            if manifest is not None and manifest.get("lineage") != self.lineage:
+                continue
+            if manifest is not None:
+                good_seen += 1
+            if (manifest is not None and limit is not None and good_seen > limit) or (manifest is None and good_seen > 0):
+                log.info("removing %s checkpoint %s", "old" if manifest else "torn", self.storage.url(path))
+                self.storage.remove_checkpoint(path)
+
+    # ---- reading ------------------------------------------------------------------------------------
+    def _check(self, url: str) -> tuple[dict[str, Any] | None, str | None]:
+        """``(manifest, None)`` for a good checkpoint (kept downloaded for ``restore`` when remote),
+        else ``(None, why not)``. Sizes come from the listing; hashes need the bytes."""
+        storage = Storage(url)
+        manifest, reason = read_manifest(storage, storage.root)
+        if reason is not None:
+            return None, reason
+        reason = verify_local(self._local_copy(url))
+        if reason is not None:
+            self._drop_local_copy(url)
+            return None, reason
+        return manifest, None
+
+    def _local_copy(self, url: str) -> Path:
+        if url in self._local_copies:
+            return self._local_copies[url]
+        storage = Storage(url)
+        if storage.is_local:
+            folder = Path(storage.root)
+        else:
+            folder = Path(tempfile.mkdtemp(prefix="grpo-resume-"))
+            names = [e["name"] for e in storage.ls(storage.root) if e["type"] == "file"]
+            storage.fs.get(names, [str(folder / n.rsplit("/", 1)[-1]) for n in names])
+        self._local_copies[url] = folder
+        return folder
+
+    def _drop_local_copy(self, url: str) -> None:
+        folder = self._local_copies.pop(url, None)
+        if folder is not None and not Storage(url).is_local:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def saved_run_id(output_dir: str, resume: bool | str = True) -> str | None:
+    """The MLflow run id stored with the checkpoint ``resume`` names (True: the newest one with a
+    manifest under ``output_dir``), so that a run resumed by hand keeps logging into its run."""
+    if isinstance(resume, str):
+        storage = Storage(resume)
+        return storage.read_json(storage.path_in(storage.root, TRAINER_STATE)).get("mlflow_run_id")
+    storage = Storage(output_dir)
+    for _step, path in storage.checkpoints():
+        if read_manifest(storage, path)[1] is None:
+            return storage.read_json(storage.path_in(path, TRAINER_STATE)).get("mlflow_run_id")
+    return None

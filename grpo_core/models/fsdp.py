@@ -1,0 +1,211 @@
+"""FSDP2 for the policy: one ``fully_shard`` unit per decoder layer plus the root, bf16 compute.
+
+``shard_policy(model, settings, device)`` prepares a loaded policy for training on every rank:
+
+* activation checkpointing (transformers' own, per decoder layer) when asked: parameter names stay
+  the checkpoint's, so weight sync and checkpoints need no renaming;
+* FSDP2 over a 1-D mesh of all ranks (every node): each decoder layer is one unit, gathered just
+  before it runs and freed after (``reshard_after_forward``); the embeddings, final norm and LM head
+  form the root unit, so tied embeddings stay one parameter;
+* mixed precision when ``bf16``: parameters are gathered in bf16 for compute while the sharded
+  master weights, the gradient reduction and the optimizer state stay fp32;
+* optional CPU offload of the sharded parameters, gradients and optimizer state.
+
+Gradients are reduced as a *sum* over ranks, not FSDP's default mean: the GRPO loss of every rank is
+already divided by the trained tokens of the whole step (``grpo_core.loss.grpo_loss``), so the sum is
+the step's gradient and a 2-rank step equals a 1-rank step on the same samples.
+
+``iter_full_layers`` and ``full_state_dict`` gather sharded weights back one decoder layer at a
+time, for checkpoints and benchmarks; weight sync does the same through vLLM's ``WeightSource``.
+Run its tests: ``.venv/bin/python -m pytest tests/test_fsdp.py``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+COMPILE_MODES = ("none", "pointwise", "layers")
+
+
+@dataclass(frozen=True)
+class FSDPSettings:
+    """How the policy is sharded and run (built from ``AsyncGRPOConfig`` by ``from_config``)."""
+
+    bf16: bool = False
+    """bf16 parameters in forward/backward; fp32 master weights, gradient reduction and optimizer state."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward."""
+    reshard_after_forward: bool = True
+    """Free a layer's gathered parameters after its forward (gather again in backward)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in host memory (CUDA only)."""
+    compile: str = "none"
+    """``torch.compile`` per decoder layer: ``none``; ``pointwise`` (the MLP and the norms, so
+    element-wise ops fuse while attention and its per-row metadata stay eager); ``layers`` (the
+    whole layer, tree attention traced too)."""
+
+    def __post_init__(self) -> None:
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"FSDPSettings.compile={self.compile!r}: use one of {COMPILE_MODES}")
+
+    @classmethod
+    def from_config(cls, args) -> FSDPSettings:
+        return cls(
+            bf16=args.bf16,
+            activation_checkpointing=args.gradient_checkpointing,
+            reshard_after_forward=args.fsdp_reshard_after_forward,
+            cpu_offload=args.fsdp_cpu_offload,
+            compile=args.compile_mode,
+        )
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's stack of decoder layers (the first ``ModuleList`` named ``layers`` or ``h``)."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ("layers", "h") and isinstance(module, torch.nn.ModuleList) and len(module):
+            return module
+    raise ValueError(f"{type(model).__name__}: no decoder layer list (`layers` or `h`) to shard per layer")
+
+
+def needs_fsdp(settings: FSDPSettings, world_size: int) -> bool:
+    """Several ranks shard; one rank still goes through FSDP2 when bf16 mixed precision is asked."""
+    return world_size > 1 or settings.bf16 or settings.cpu_offload
+
+
+def shard_policy(model: torch.nn.Module, settings: FSDPSettings, device: torch.device) -> torch.nn.Module:
+    """Apply activation checkpointing and (where ``needs_fsdp``) FSDP2 in place; returns ``model``.
+
+    Needs the default process group when FSDP2 applies (``grpo_core.distributed.init_distributed``).
+    Call before the optimizer is built: FSDP2 replaces the parameters with sharded DTensors.
+    """
+    if settings.compile != "none":
+        compile_layers(model, pointwise_only=settings.compile == "pointwise")
+    if settings.activation_checkpointing:
+        # Non-reentrant: the tree-attention metadata passes through as a keyword argument, and
+        # FSDP2 re-gathers a layer's weights in its pre-backward hook, before the recompute.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if not needs_fsdp(settings, world_size):
+        return model
+    if device.type != "cuda" and (settings.bf16 or settings.cpu_offload):
+        raise ValueError(
+            "bf16 mixed precision and fsdp_cpu_offload run on CUDA devices; on CPU train in fp32 "
+            "(bf16=False, fsdp_cpu_offload=False)"
+        )
+    if not dist.is_initialized():
+        raise RuntimeError("FSDP2 needs the default process group: call grpo_core.distributed.init_distributed first")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if settings.bf16
+        else MixedPrecisionPolicy()
+    )
+    offload = CPUOffloadPolicy() if settings.cpu_offload else OffloadPolicy()
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        # The last layer's weights are needed first in backward: keeping them avoids one gather.
+        reshard = settings.reshard_after_forward and i < len(layers) - 1
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=settings.reshard_after_forward)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # A plain SUM over ranks (see the module docstring); forcing SUM also keeps gloo, which
+            # has no pre-multiplied sum, working on CPU.
+            module.set_gradient_divide_factor(1.0)
+            if hasattr(module, "set_force_sum_reduction_for_comms"):  # not in every torch >= 2.6
+                module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def compile_layers(model: torch.nn.Module, pointwise_only: bool) -> None:
+    """Compile, in place, every decoder layer, or only its MLP and norms (see ``FSDPSettings``).
+
+    The row length changes every micro-batch, so shapes are dynamic from the start; layers of one
+    class share their compiled graphs. Done before sharding, so FSDP2's hooks stay outside.
+    """
+    for layer in decoder_layers(model):
+        if not pointwise_only:
+            layer.compile(dynamic=True)
+            continue
+        for name, module in layer.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "mlp" or (leaf.endswith("norm") and not list(module.children())):
+                module.compile(dynamic=True)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def full_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: DTensors (sharded parameters, a global grad norm) are gathered first."""
+    full = getattr(tensor, "full_tensor", None)
+    return full() if callable(full) else tensor
+
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def layer_groups(names: list[str]) -> list[list[str]]:
+    """Names in runs of one decoder layer each (by the first ``.<index>.`` in the name), in order.
+
+    Names without an index (embeddings, final norm, head) form their own runs where they appear.
+    """
+    groups: list[list[str]] = []
+    last_key: object = None
+    for name in names:
+        match = _LAYER_INDEX.search(name)
+        key = (name[: match.start()], match.group(1)) if match else "unindexed"
+        if not groups or key != last_key:
+            groups.append([])
+        groups[-1].append(name)
+        last_key = key
+    return groups
+
+
+def iter_full_layers(
+    model: torch.nn.Module, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Full (gathered) parameters one decoder layer at a time, under their module names.
+
+    A collective on every rank (all ranks must iterate to the end, in step); the previous layer's
+    tensors are dropped by the caller before the next gather, so at most one layer is ever full.
+    Tied parameters appear once (``named_parameters`` deduplicates). ``device="cpu"`` moves each
+    layer to host memory as it is gathered.
+    """
+    params = dict(model.named_parameters())
+    for names in layer_groups(list(params)):
+        group = []
+        for name in names:
+            full = full_value(params[name].detach())
+            if dtype is not None:
+                full = full.to(dtype)
+            if device is not None:
+                full = full.to(device)
+            group.append((name, full))
+        yield group
+
+
+def full_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+    """Every parameter gathered into host memory on rank 0 (None on the other ranks).
+
+    For checkpoints: call on every rank. Gathers a layer at a time, so device memory holds at most
+    one full layer beyond the shards; host memory of rank 0 receives the whole model.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out: dict[str, torch.Tensor] | None = {} if rank == 0 else None
+    for group in iter_full_layers(model, dtype=dtype):
+        if out is not None:
+            out.update({name: t.cpu() for name, t in group})
+    return out

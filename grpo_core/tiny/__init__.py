@@ -1,0 +1,32 @@
+"""Offline tiny model, tokenizer and task data for the embedded default, the examples and the tests.
+
+Nothing is downloaded: a byte-level BPE tokenizer and a small Qwen3 model are built from code and
+seeds, warmed up on synthetic arithmetic so that they answer in ``\\boxed{}`` and are right only part
+of the time, and cached as an HF folder that transformers and vLLM both load.
+
+    from grpo_core.tiny import arithmetic_dataset, build_tiny_model
+    model_path = build_tiny_model()                 # ~/.cache/grpo_core/tiny/arithmetic-<digest>
+    dataset = arithmetic_dataset()                  # DatasetDict with "train" and "eval"
+
+Modules: ``spec`` (hyper-parameters), ``tasks`` (problems, prompts, split, calculator tool),
+``tokenizer`` (BPE + chat template), ``warmup`` (model init and supervised warm-up),
+``evaluate`` (sampled accuracy / format measurement), ``build`` (cache and atomic build).
+"""
+
+from grpo_core.tiny.build import build_from_spec, build_tiny_model, cache_root, model_dir
+from grpo_core.tiny.spec import CODE_VERSION, TinySpec, default_spec
+from grpo_core.tiny.tasks import CALCULATOR_SCHEMA, SYSTEM_PROMPT, arithmetic_dataset, calculator
+
+__all__ = [
+    "CALCULATOR_SCHEMA",
+    "CODE_VERSION",
+    "SYSTEM_PROMPT",
+    "TinySpec",
+    "arithmetic_dataset",
+    "build_from_spec",
+    "build_tiny_model",
+    "cache_root",
+    "calculator",
+    "default_spec",
+    "model_dir",
+]

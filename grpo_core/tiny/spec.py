@@ -1,0 +1,159 @@
+"""Hyper-parameters of the offline tiny model: task, tokenizer, architecture and warm-up.
+
+``TinySpec`` is hashed (with ``CODE_VERSION``) into the cache folder name, so any change to a
+field, or a bump of ``CODE_VERSION`` after a change to the build code, gives a fresh build.
+
+How the defaults were chosen (1 torch thread, temperature-1 sampling, 128-256 prompts per split):
+- Single-digit addition, 80 train / 20 held-out problems. With clean labels the warm-up is still
+  mid-way through learning the table when it has to stop (about 0.3 accuracy at 200 steps, 0.7 at
+  300), so where it lands depends on the seed. Instead, 65% of warm-up answers are near misses
+  (``correct_prob=0.35``): after ~400 steps the policy plateaus at about 0.3 accuracy with the right
+  answer as its most likely one, and a format rate near 0.99. A plain group-baseline policy
+  gradient (8 prompts x 8 samples, lr 2e-4) then took mean accuracy from 0.33 to 0.55-0.6 in 100
+  steps, which is the room RL needs.
+- The tools variant fine-tunes that model for 300 steps on chats with the calculator listed, 20% of
+  which call it: about 10% of sampled answers then make a well-formed call, accuracy is ~0.27 and
+  format ~0.9; calling the tool more is how RL can gain.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, replace
+
+# Bump when the build code changes what it produces for the same spec (corpus text, template, loop).
+CODE_VERSION = 1
+
+VARIANTS = ("arithmetic", "tools")
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """The arithmetic problem space and its fixed train / eval split."""
+
+    max_operand: int = 9
+    """Operands are drawn from 0..max_operand."""
+    ops: tuple[str, ...] = ("+",)
+    """Operators in the problem space ('+' and/or '-'; subtraction keeps results >= 0)."""
+    eval_fraction: float = 0.2
+    """Share of the problems held out for evaluation."""
+    split_seed: int = 1234
+    """Seed of the held-out split. Separate from the model seed so that every model build and every
+    data set agree on which problems are held out."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_operand <= 99:
+            raise ValueError(f"max_operand must be in 1..99, got {self.max_operand}")
+        if not self.ops or any(op not in ("+", "-") for op in self.ops):
+            raise ValueError(f"ops must be a non-empty subset of ('+', '-'), got {self.ops}")
+        if not 0.0 < self.eval_fraction < 0.5:
+            raise ValueError(f"eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Qwen3 architecture sizes (head_dim 64 because vLLM's CPU attention rejects smaller heads)."""
+
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    max_position_embeddings: int = 512
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    """Tied input/output embeddings: fewer parameters to train and to sync to vLLM."""
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.head_dim < 32:
+            raise ValueError("vLLM's CPU attention needs head_dim >= 32 (64 is what was tested)")
+
+
+@dataclass(frozen=True)
+class WarmupSpec:
+    """Supervised warm-up that teaches the answer format and leaves accuracy partial."""
+
+    steps: int = 400
+    batch_size: int = 32
+    lr: float = 5e-3
+    weight_decay: float = 0.01
+    warmup_steps: int = 10
+    correct_prob: float = 0.35
+    """Probability that a warm-up answer states the right result; the rest are off by 1 or 2. Below 1
+    this caps how sure the policy becomes, leaving reward for RL to gain."""
+    tool_prob: float = 0.0
+    """(tools variant) Share of warm-up examples that call the calculator instead of answering."""
+    system_prob: float = 0.5
+    """Share of warm-up examples with the system prompt (the rest have only the user turn)."""
+    num_examples: int = 4096
+    """Size of the pre-tokenised warm-up pool the batches are drawn from."""
+
+    def __post_init__(self) -> None:
+        for name in ("correct_prob", "tool_prob", "system_prob"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        if self.steps < 0 or self.batch_size < 1 or self.warmup_steps < 0:
+            raise ValueError("steps and warmup_steps must be >= 0 and batch_size >= 1")
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    vocab_size: int = 512
+    """Target BPE vocabulary including the 256 byte symbols and the special / added tokens."""
+    corpus_size: int = 3000
+    """Number of synthetic conversations the BPE merges are learned from."""
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Everything that determines the bytes of a built tiny model folder."""
+
+    variant: str = "arithmetic"
+    seed: int = 0
+    task: TaskSpec = field(default_factory=TaskSpec)
+    tokenizer: TokenizerSpec = field(default_factory=TokenizerSpec)
+    model: ModelSpec = field(default_factory=ModelSpec)
+    warmup: WarmupSpec = field(default_factory=WarmupSpec)
+    """Warm-up from the seeded initialisation on plain arithmetic chats."""
+    tools_warmup: WarmupSpec | None = None
+    """(tools variant only) Second warm-up, started from the built arithmetic model, on chats whose
+    prompt lists the calculator tool."""
+    eval_samples: int = 128
+    """Sampled completions per split scored at the end of the build and recorded in build_info.json
+    (0 skips it)."""
+    num_threads: int = 1
+    """Torch threads during the build; CPU reductions depend on it, so it is part of the spec. One
+    thread: on a shared 2-core box two OpenMP threads ran the warm-up 6x slower than one."""
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        if (self.variant == "tools") != (self.tools_warmup is not None):
+            raise ValueError("tools_warmup must be set for the tools variant and only for it")
+        if self.warmup.tool_prob:
+            raise ValueError("warmup.tool_prob must be 0: tool use is taught by tools_warmup")
+
+    def base(self) -> TinySpec:
+        """The arithmetic spec whose built model the tools variant starts from."""
+        return replace(self, variant="arithmetic", tools_warmup=None)
+
+    def to_json(self) -> str:
+        return json.dumps({"code_version": CODE_VERSION, **asdict(self)}, sort_keys=True)
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:12]
+
+
+def default_spec(variant: str = "arithmetic", seed: int = 0) -> TinySpec:
+    """The tuned spec for each variant (see the module docstring for the measurements behind it)."""
+    if variant != "tools":
+        return TinySpec(variant=variant, seed=seed)
+    # Tool calls always give the right answer, direct answers rarely do: accuracy starts near
+    # tool_prob + (1 - tool_prob) * correct_prob and RL can raise it by calling the tool more.
+    tools = WarmupSpec(steps=300, batch_size=16, lr=3e-3, warmup_steps=10, correct_prob=0.2, tool_prob=0.2, num_examples=2048)
+    return TinySpec(variant=variant, seed=seed, tools_warmup=tools)

@@ -1,0 +1,154 @@
+"""The tiny Qwen3 model: config, seeded initialisation and the supervised warm-up.
+
+The warm-up is plain next-token cross-entropy on assistant tokens only (the template's generation
+mask), over a pool of chat examples from the train problems. Its answers are deliberately noisy
+(``WarmupSpec.correct_prob``): the policy should follow the answer format but be right only part of
+the time, so that RL has reward to gain. ``evaluate.sampled_eval`` measures where it landed.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from grpo_core.tiny import tasks
+from grpo_core.tiny.spec import ModelSpec, WarmupSpec
+from grpo_core.tiny.tokenizer import IM_END, PAD_TOKEN
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run with ``n`` intra-op threads and restore the caller's setting afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def make_config(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast) -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
+        dtype="float32",
+    )
+
+
+def init_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen3ForCausalLM:
+    # The global RNG is the only seed HF's init reads; fork it so the caller's stream is untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(make_config(spec, tokenizer))
+    return model.float()
+
+
+def warmup_conversations(
+    w: WarmupSpec, problems: Sequence[tasks.Problem], *, with_tools: bool, seed: int
+) -> Iterator[list[dict[str, Any]]]:
+    """Endless seeded stream of warm-up chats drawn from the train problems.
+
+    With ``with_tools`` the prompt lists the calculator (the caller renders it) and a ``tool_prob``
+    share of the chats call it; the others answer directly, right with probability ``correct_prob``.
+    """
+    rng = random.Random(f"warmup-{seed}-{with_tools}")
+    while True:
+        problem = rng.choice(problems)
+        template = rng.randrange(len(tasks.QUESTION_TEMPLATES))
+        system = tasks.SYSTEM_PROMPT if rng.random() < w.system_prob else None
+        if with_tools and rng.random() < w.tool_prob:
+            yield tasks.tool_conversation(problem, template, system)
+            continue
+        value = problem.value
+        if rng.random() >= w.correct_prob:
+            # Near misses, as a weak model makes them; never negative, so the wrong answer stays wrong.
+            value += rng.choice([d for d in (-2, -1, 1, 2) if value + d >= 0])
+        answer = tasks.answer_text(problem, value, rng.randrange(len(tasks.ANSWER_TEMPLATES)))
+        yield [*tasks.make_prompt(problem, template, system), {"role": "assistant", "content": answer}]
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]  # -100 outside assistant tokens
+
+
+def encode_pool(
+    w: WarmupSpec, tokenizer: PreTrainedTokenizerFast, problems: Sequence[tasks.Problem], *, with_tools: bool, seed: int
+) -> list[Example]:
+    """Tokenise ``w.num_examples`` warm-up chats, labels masked to the assistant tokens."""
+    pool: list[Example] = []
+    stream = warmup_conversations(w, problems, with_tools=with_tools, seed=seed)
+    tools = [tasks.CALCULATOR_SCHEMA] if with_tools else None
+    for _ in range(w.num_examples):
+        enc = tokenizer.apply_chat_template(
+            next(stream), tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+        )
+        ids, mask = enc["input_ids"], enc["assistant_masks"]
+        pool.append(Example(ids, [t if m else -100 for t, m in zip(ids, mask, strict=True)]))
+    return pool
+
+
+def _collate(batch: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    width = max(len(e.input_ids) for e in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    attn = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, ex in enumerate(batch):
+        n = len(ex.input_ids)
+        ids[row, :n] = torch.tensor(ex.input_ids)
+        labels[row, :n] = torch.tensor(ex.labels)
+        attn[row, :n] = 1
+    return ids, labels, attn
+
+
+def _lr_at(step: int, w: WarmupSpec) -> float:
+    # Linear warm-up then cosine decay to 10% of the peak.
+    if step < w.warmup_steps:
+        return w.lr * (step + 1) / w.warmup_steps
+    progress = (step - w.warmup_steps) / max(1, w.steps - w.warmup_steps)
+    return w.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def warmup_train(
+    model: Qwen3ForCausalLM, pool: Sequence[Example], w: WarmupSpec, *, pad_id: int, seed: int, log_every: int = 0
+) -> list[float]:
+    """Run the warm-up in place and return the per-step losses."""
+    rng = random.Random(f"batches-{seed}")
+    opt = torch.optim.AdamW(model.parameters(), lr=w.lr, weight_decay=w.weight_decay, betas=(0.9, 0.98))
+    model.train()
+    losses: list[float] = []
+    start = time.perf_counter()
+    for step in range(w.steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, w)
+        ids, labels, attn = _collate([pool[rng.randrange(len(pool))] for _ in range(w.batch_size)], pad_id)
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if log_every and (step + 1) % log_every == 0:
+            print(f"warmup step {step + 1}/{w.steps} loss {loss.item():.4f} ({time.perf_counter() - start:.1f}s)")
+    model.eval()
+    return losses

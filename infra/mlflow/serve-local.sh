@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# A local MLflow tracking server, the same shape as the cluster one: SQLite store, proxied artifacts.
+#   bash infra/mlflow/serve-local.sh [DIR] [PORT]     then open http://127.0.0.1:PORT
+# Point a job at it with  tracking: {tracking_uri: http://127.0.0.1:PORT}
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+dir="$(realpath -m "${1:-outputs/mlflow}")"
+port="${2:-5000}"
+mkdir -p "$dir/artifacts"
+exec .venv/bin/mlflow server --host 127.0.0.1 --port "$port" \
+  --backend-store-uri "sqlite:///$dir/mlflow.db" --artifacts-destination "$dir/artifacts" --workers 1

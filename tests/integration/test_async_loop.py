@@ -1,0 +1,155 @@
+"""The asynchronous loop against the real CPU vLLM server and a real MLflow server.
+
+(a) weight sync makes the server's log-probs equal the trainer's; (b) stale samples are dropped and
+counted; (c) a lambda reward fails at train() naming it; (d) a killed or frozen worker ends the run
+with an error within the heartbeat timeout; (e) the MLflow run holds the step metrics and the config.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from grpo_core.config import AsyncGRPOConfig
+from grpo_core.rewards import accuracy_reward, format_reward
+from grpo_core.rollout.worker import RolloutWorkerError
+from grpo_core.tiny import arithmetic_dataset
+from grpo_core.trainer import AsyncGRPOTrainer
+
+pytestmark = pytest.mark.integration
+
+
+def fast_config(server_url: str, tmp_path, **overrides) -> AsyncGRPOConfig:
+    values = dict(
+        output_dir=str(tmp_path / "run"), vllm_server_base_url=server_url, report_to="none", max_steps=4,
+        learning_rate=1e-4, num_generations=4, per_device_train_batch_size=16, max_completion_length=16,
+        save_strategy="no", num_sampler_logprobs=4, worker_heartbeat_timeout_s=30.0,
+    )
+    values.update(overrides)
+    return AsyncGRPOConfig(**values)
+
+
+def server_logprobs(url: str, token_ids: list[int], start: int) -> torch.Tensor:
+    """The server's log-prob of every token from ``start`` on, given the tokens before it."""
+    reply = httpx.post(
+        f"{url}/inference/v1/generate",
+        json={"token_ids": token_ids, "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}},
+        timeout=120,
+    ).json()
+    entries = reply["prompt_logprobs"]
+    return torch.tensor([entries[t][str(token_ids[t])]["logprob"] for t in range(start, len(token_ids))])
+
+
+def trainer_logprobs(model: torch.nn.Module, token_ids: list[int], start: int) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        logp = model(torch.tensor([token_ids]), use_cache=False).logits[0].float().log_softmax(-1)
+    return torch.stack([logp[t - 1, token_ids[t]] for t in range(start, len(token_ids))])
+
+
+def test_sync_makes_server_logprobs_equal_trainer(vllm_server, tiny_model_path, tmp_path):
+    from grpo_core.rollout.client import VLLMControlClient
+    from grpo_core.sync.protocol import ProtocolWeightSync
+    from grpo_core.sync.source import ModelWeightSource
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 3 + 4?"}], tokenize=False, add_generation_prompt=True)
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
+    ids = prompt + tok("The answer is \\boxed{7}.", add_special_tokens=False)["input_ids"]
+    control = VLLMControlClient(vllm_server.base_url)
+    sync = ProtocolWeightSync(control, ModelWeightSource(model), backend="gloo")
+    sync.push(100)
+    before = server_logprobs(vllm_server.base_url, ids, len(prompt))
+    assert torch.allclose(before, trainer_logprobs(model, ids, len(prompt)), atol=1e-4)
+
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    stats = sync.push(101)
+    after = server_logprobs(vllm_server.base_url, ids, len(prompt))
+    ours = trainer_logprobs(model, ids, len(prompt))
+    assert control.weight_version() == "101"
+    assert stats.bytes == sum(p.numel() * 4 for p in model.parameters())
+    diff = (after - ours).abs().max().item()
+    assert diff < 1e-4, f"server and trainer log-probs differ by {diff}"
+    assert (after - before).abs().max().item() > 1e-2, "the push did not change the server's weights"
+    sync.close()
+
+
+def test_stale_samples_dropped(vllm_server, tiny_model_path, tmp_path):
+    # max_staleness=0: only samples from the weights being trained count. The worker runs ahead, so
+    # after the first sync the queue holds samples from older versions, which must be dropped.
+    data = arithmetic_dataset()
+    config = fast_config(vllm_server.base_url, tmp_path, max_staleness=0, max_steps=5, max_concurrent_rollouts=64)
+    trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward, format_reward], data["train"], args=config)
+    history = trainer.train()
+    assert len(history) == 5
+    assert max(h["sample/staleness_max"] for h in history) == 0.0
+    assert history[-1]["sample/stale_dropped_total"] > 0
+
+
+def bad_lambda_reward():
+    return lambda prompts, completions, **kw: [0.0] * len(completions)
+
+
+def test_lambda_reward_fails_at_train_naming_it(tiny_model_path, tmp_path):
+    data = arithmetic_dataset()
+    config = fast_config("http://127.0.0.1:9", tmp_path)  # never contacted: the check comes first
+    trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward, bad_lambda_reward()], data["train"], args=config)
+    with pytest.raises(TypeError, match=r"reward function '<lambda>'.*bad_lambda_reward"):
+        trainer.train()
+
+
+@pytest.mark.parametrize("how", ["kill", "freeze"])
+def test_dead_or_silent_worker_ends_the_run(vllm_server, tiny_model_path, tmp_path, how):
+    data = arithmetic_dataset()
+    timeout = 10.0
+    config = fast_config(vllm_server.base_url, tmp_path, max_steps=10_000, worker_heartbeat_timeout_s=timeout)
+    trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward], data["train"], args=config)
+    hit: dict[str, float] = {}
+
+    def strike() -> None:
+        while trainer.global_step < 2:
+            time.sleep(0.1)
+        pid = trainer.worker.process.pid
+        hit["t"] = time.monotonic()
+        os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+
+    threading.Thread(target=strike, daemon=True).start()
+    with pytest.raises(RolloutWorkerError) as info:
+        trainer.train()
+    elapsed = time.monotonic() - hit["t"]
+    assert elapsed < timeout + 5, f"the error took {elapsed:.1f} s"
+    assert ("exited" in str(info.value)) if how == "kill" else ("heartbeat" in str(info.value))
+
+
+def test_mlflow_run_holds_step_metrics_and_config(vllm_server, mlflow_server, tiny_model_path, tmp_path):
+    import mlflow
+
+    from grpo_core.tracking import MLflowTracker
+
+    data = arithmetic_dataset()
+    config = fast_config(vllm_server.base_url, tmp_path, max_steps=3, report_to="mlflow")
+    tracker = MLflowTracker(mlflow_server, "test-skeleton", "skeleton")
+    tracker.log_params(config.to_dict())
+    trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward, format_reward], data["train"], args=config, tracker=tracker)
+    trainer.train()
+    tracker.close()
+    client = mlflow.MlflowClient(mlflow_server)
+    run = client.get_run(tracker.run_id)
+    for name in ("reward", "reward_std", "rewards/accuracy_reward/mean", "rewards/format_reward/mean", "loss",
+                 "sample/staleness_mean", "rollout/generated_tok_s", "perf/rollout_wait_s", "weight_version"):
+        steps = [m.step for m in client.get_metric_history(tracker.run_id, name)]
+        assert steps == [1, 2, 3], f"{name}: logged at steps {steps}"
+    assert float(run.data.params["learning_rate"]) == config.learning_rate
+    assert run.data.params["max_staleness"] == str(config.max_staleness)
+    assert run.info.status == "FINISHED"

@@ -1,0 +1,321 @@
+"""prefect.yaml against a real Prefect server and process worker, as an operator and the UI use them.
+
+A Prefect server (own PREFECT_HOME, loopback port) is started for this module; ``grpo deploy``
+registers every deployment of ``prefect.yaml`` and creates the work pools from ``infra/``; a
+process worker serves the ``grpo-process`` pool. Then: the deployments and pools are as declared;
+bad parameters are refused naming the field; the nightly schedule produces scheduled runs; and a run
+of ``embedded-default`` created through the REST API with edited parameters (as the UI's form does)
+completes, with its metrics, name and tags in the session's MLflow server.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from grpo_core.server import free_port
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+# Generous: on a busy two-core machine the Prefect server can take many seconds per request.
+HTTP = httpx.Client(timeout=60)
+
+
+class Service:
+    """A child process in its own process group, with its log; stopped by that group only."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path):
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def prefect(tmp_path_factory):
+    """A Prefect server; yields (API URL, the environment for clients, the server)."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": api,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_ENABLED": "false",
+        # Schedule within seconds of registration, and let the worker notice runs quickly.
+        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
+    }
+    server = Service([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                     {k: v for k, v in env.items() if k != "PREFECT_API_URL"}, home / "server.log")
+    deadline = time.monotonic() + 180
+    while True:
+        assert server.proc.poll() is None, f"prefect server exited:\n{server.tail()}"
+        try:
+            if HTTP.get(f"{api}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"prefect server did not start in 180 s:\n{server.tail()}"
+        time.sleep(1)
+    yield api, env, server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def deployments(prefect) -> dict[str, dict]:
+    """``grpo deploy`` of the repository's prefect.yaml; the registered deployments by name."""
+    api, env, _ = prefect
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "deploy", "--file", str(ROOT / "prefect.yaml")],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"grpo deploy failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    print(f"grpo deploy: {time.monotonic() - started:.0f} s")
+    return {d["name"]: d for d in HTTP.post(f"{api}/deployments/filter", json={}).json()}
+
+
+@pytest.fixture(scope="module")
+def worker(prefect, deployments, tmp_path_factory):
+    """A process worker on the default queue of grpo-process (started after the pool exists)."""
+    api, env, _ = prefect
+    log = tmp_path_factory.mktemp("prefect-worker") / "worker.log"
+    name = f"test-worker-{uuid.uuid4().hex[:6]}"
+    service = Service([sys.executable, "-m", "prefect", "worker", "start", "--pool", "grpo-process", "--type", "process",
+                       "--work-queue", "default", "--limit", "1", "--name", name], env, log)
+    deadline = time.monotonic() + 120
+    while not any(w["name"] == name for w in HTTP.post(f"{api}/work_pools/grpo-process/workers/filter", json={}).json()):
+        assert service.proc.poll() is None, f"worker exited:\n{service.tail()}"
+        assert time.monotonic() < deadline, f"worker did not register in 120 s:\n{service.tail()}"
+        time.sleep(1)
+    yield service
+    service.stop()
+
+
+def create_run(api: str, deployment: dict, job: dict) -> httpx.Response:
+    """What the UI's "Custom run" form sends: the full parameter values, validated by the server."""
+    return HTTP.post(f"{api}/deployments/{deployment['id']}/create_flow_run",
+                      json={"parameters": {"job": job, "provisioner": "local"}})
+
+
+def wait_terminal(api: str, run_id: str, timeout_s: float, worker) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            run = HTTP.get(f"{api}/flow_runs/{run_id}").json()
+        except httpx.TimeoutException:
+            run = {"state_type": "(no answer)"}  # a slow moment of the server; ask again
+        if run["state_type"] in TERMINAL:
+            return run
+        assert time.monotonic() < deadline, f"flow run still {run['state_type']} after {timeout_s:.0f} s:\n{worker.tail()}"
+        time.sleep(3)
+
+
+def run_logs(api: str, run_id: str) -> str:
+    logs = HTTP.post(f"{api}/logs/filter", json={"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200,
+                                                  "sort": "TIMESTAMP_DESC"}).json()
+    return "\n".join(entry["message"] for entry in reversed(logs))[-6000:]
+
+
+# ------------------------------------------------------------------------------------------ the file itself
+def test_prefect_yaml_jobs_validate_and_match_the_demo():
+    from flows.cli import DEMO_TRAINER
+    from grpo_core.job import JobConfig
+
+    project = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    assert project["definitions"]["trainer"]["demo"] == DEMO_TRAINER  # the deployment is `grpo demo`
+    for deployment in project["deployments"]:
+        JobConfig.model_validate(deployment["parameters"]["job"])  # every shipped job is a valid JobConfig
+    by_name = {d["name"]: d for d in project["deployments"]}
+    # The override example differs from the embedded default in exactly what it says it overrides.
+    base, long = by_name["embedded-default"]["parameters"]["job"], by_name["embedded-long"]["parameters"]["job"]
+    changed = {k for k in {**base["trainer"], **long["trainer"]} if base["trainer"].get(k) != long["trainer"].get(k)}
+    assert changed == {"max_steps", "learning_rate", "output_dir"}
+
+
+# ------------------------------------------------------------------------------------------ registration
+def test_deployments_and_pools_are_registered(prefect, deployments):
+    api, _, _ = prefect
+    project = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    assert set(deployments) == {d["name"] for d in project["deployments"]}
+    pools = {p["name"]: p for p in HTTP.post(f"{api}/work_pools/filter", json={}).json()}
+    assert pools["grpo-process"]["type"] == "process" and pools["grpo-kubernetes"]["type"] == "kubernetes"
+    assert "job_manifest" in pools["grpo-kubernetes"]["base_job_template"]["job_configuration"]
+    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    for name, deployment in deployments.items():
+        assert deployment["version"] == commit
+        assert deployment["enforce_parameter_schema"] is True
+        # Typed parameters: the UI renders the JobConfig form from this schema.
+        schema = deployment["parameter_openapi_schema"]
+        assert schema["properties"]["job"]["$ref"].endswith("/JobConfig")
+        assert "learning_rate" in schema["definitions"]["AsyncGRPOConfig"]["properties"]
+    local_pull = deployments["embedded-default"]["pull_steps"][0]["prefect.deployments.steps.set_working_directory"]
+    assert Path(local_pull["directory"]) == ROOT
+    assert deployments["gpu-cluster"]["work_pool_name"] == "grpo-kubernetes"
+    assert deployments["gpu-cluster"]["parameters"]["provisioner"] == "kubernetes"
+
+
+def test_bad_parameters_are_refused_naming_the_field(prefect, deployments, worker):
+    api, _, _ = prefect
+    deployment = deployments["embedded-default"]
+    job = deployment["parameters"]["job"]
+    # Only this deployment's runs: the scheduler adds nightly runs in the meantime.
+    of_this_deployment = {"flow_runs": {"deployment_id": {"any_": [deployment["id"]]}}}
+    runs_before = len(HTTP.post(f"{api}/flow_runs/filter", json=of_this_deployment).json())
+
+    # Refused by the API before a run exists: the schema says why and names the field.
+    for path, value, field in [(("eval_prompts",), -1, "eval_prompts"),
+                               (("trainer", "learning_rate"), "fast", "learning_rate"),
+                               (("server", "max_model_len"), 8, "max_model_len")]:
+        bad = copy.deepcopy(job)
+        target = bad
+        for key in path[:-1]:
+            target = target.setdefault(key, {})
+        target[path[-1]] = value
+        reply = create_run(api, deployment, bad)
+        assert reply.status_code == 409, reply.text
+        assert field in reply.json()["detail"], reply.text
+    assert len(HTTP.post(f"{api}/flow_runs/filter", json=of_this_deployment).json()) == runs_before
+
+    # A negative learning rate: AsyncGRPOConfig.validate() refuses it. Where the parameter schema
+    # carries the bound, the API refuses it like the cases above; otherwise the flow's typed
+    # parameter refuses it when the worker picks the run up: the run fails before it ever runs
+    # (never RUNNING, no task started), naming the field.
+    bad = copy.deepcopy(job)
+    bad["trainer"]["learning_rate"] = -1e-4
+    reply = create_run(api, deployment, bad)
+    if reply.status_code == 409:
+        assert "learning_rate" in reply.json()["detail"], reply.text
+        return
+    assert reply.status_code == 201, reply.text
+    run = wait_terminal(api, reply.json()["id"], 300, worker)
+    states = [s["type"] for s in HTTP.get(f"{api}/flow_run_states/", params={"flow_run_id": run["id"]}).json()]
+    assert run["state_type"] == "FAILED", states
+    assert "RUNNING" not in states, states
+    assert "learning_rate" in run["state"]["message"], run["state"]["message"]
+    tasks = HTTP.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [run["id"]]}}}).json()
+    assert tasks == []
+
+
+def test_nightly_schedule_produces_scheduled_runs(prefect, deployments):
+    api, _, server = prefect
+    deployment = deployments["embedded-nightly"]
+    assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["0 2 * * *"]
+    deadline = time.monotonic() + 120
+    while True:
+        runs = HTTP.post(f"{api}/flow_runs/filter", json={"flow_runs": {
+            "deployment_id": {"any_": [deployment["id"]]}, "state": {"type": {"any_": ["SCHEDULED"]}}}}).json()
+        if runs:
+            break
+        assert time.monotonic() < deadline, f"no scheduled run within 120 s; server log:\n{server.tail()}"
+        time.sleep(2)
+    now = dt.datetime.now(dt.timezone.utc)
+    for run in runs:
+        start = dt.datetime.fromisoformat(run["expected_start_time"].replace("Z", "+00:00"))
+        assert start > now and (start.hour, start.minute) == (2, 0), run["expected_start_time"]
+        assert run["work_queue_name"] == "nightly"  # not picked up by a worker serving only "default"
+        assert run["parameters"]["job"]["tracking"]["experiment"] == "grpo-nightly"
+
+
+# ------------------------------------------------------------------------------------------ a real run
+@pytest.mark.slow
+@pytest.mark.timeout(1500, func_only=True)  # shared fixtures (model build, vLLM start) are not this test's time
+def test_embedded_default_run_completes_with_metrics_in_mlflow(
+    prefect, deployments, worker, mlflow_server, vllm_server, tiny_model_path, tmp_path
+):
+    import mlflow
+
+    api, _, _ = prefect
+    deployment = deployments["embedded-default"]
+    experiment = f"deployment-test-{uuid.uuid4().hex[:6]}"
+    # The deployment's job with a few fields edited, as a person would in the form: a short run on the
+    # session's vLLM server (same tiny model), tracked in the session's MLflow server.
+    job = copy.deepcopy(deployment["parameters"]["job"])
+    job["model"] = tiny_model_path
+    job["server"] = {"managed": False, "base_url": vllm_server.base_url}
+    job["tracking"] = {"tracking_uri": mlflow_server, "experiment": experiment}
+    job["eval_prompts"] = 4
+    job["eval_samples_per_prompt"] = 1
+    job["trainer"].update(max_steps=3, per_device_train_batch_size=16, output_dir=str(tmp_path / "run"))
+
+    started = time.monotonic()
+    reply = create_run(api, deployment, job)
+    assert reply.status_code == 201, reply.text
+    run = wait_terminal(api, reply.json()["id"], 1200, worker)
+    elapsed = time.monotonic() - started
+    assert run["state_type"] == "COMPLETED", f"{run['state']['message']}\n{run_logs(api, run['id'])}\n{worker.tail()}"
+    print(f"embedded-default flow run: {elapsed:.0f} s")
+
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    client = mlflow.MlflowClient(mlflow_server)
+    assert summary["mlflow_tracking_uri"] == mlflow_server
+    mlflow_run = client.get_run(summary["mlflow_run_id"])
+    assert mlflow_run.info.experiment_id == client.get_experiment_by_name(experiment).experiment_id
+    assert mlflow_run.info.status == "FINISHED"
+    rewards = client.get_metric_history(mlflow_run.info.run_id, "reward")
+    assert sorted({m.step for m in rewards}) == [1, 2, 3]
+    metrics = mlflow_run.data.metrics
+    for key in ("batch/packing_ratio", "sample/staleness_mean", "rollout/generated_tok_s", "loss"):
+        assert key in metrics, sorted(metrics)
+    assert any(k.startswith("system/") for k in metrics), sorted(metrics)  # system metrics on
+    tags = mlflow_run.data.tags
+    assert tags["task"] == "arithmetic" and tags["model"] == tiny_model_path
+    assert len(tags["config_hash"]) == 12 and mlflow_run.info.run_name.endswith(tags["config_hash"][:8])
+    assert tags["git_commit"] == subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                                text=True).stdout.strip()
+
+    # The checkpoint the trainer wrote after its last step is referenced by URI, not copied...
+    run_id = mlflow_run.info.run_id
+    refs = mlflow.artifacts.download_artifacts(artifact_uri=f"runs:/{run_id}/checkpoints", tracking_uri=mlflow_server,
+                                               dst_path=str(tmp_path / "refs"))
+    reference = json.loads((Path(refs) / "checkpoint-step-000003.json").read_text())
+    assert Path(reference["uri"]) == tmp_path / "run" / "checkpoint-3" and reference["step"] == 3
+    # ...and the final model's servable files are in the run (not the optimizer), and load as a model.
+    assert summary["final_model_uri"] == f"runs:/{run_id}/model"
+    served = Path(mlflow.artifacts.download_artifacts(artifact_uri=summary["final_model_uri"], tracking_uri=mlflow_server,
+                                                      dst_path=str(tmp_path / "served")))
+    names = {f.name for f in served.iterdir()}
+    assert {"config.json", "model.safetensors"} <= names and "optimizer.pt" not in names, names
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(served)
+
+
+def test_deploy_selects_by_name_and_names_unknown_ones():
+    from flows.deploy import load_pool_specs, load_project, selected_deployments
+
+    project = load_project(ROOT / "prefect.yaml")
+    assert [d["name"] for d in selected_deployments(project, ["grpo-train/embedded-long"])] == ["embedded-long"]
+    with pytest.raises(ValueError, match="embedded-default"):
+        selected_deployments(project, ["embeded-default"])
+    # Every pool a deployment names has a template, of the type the worker expects.
+    specs = load_pool_specs(ROOT)
+    assert {d["work_pool"]["name"] for d in project["deployments"]} <= specs.keys()
+    assert {s.type for s in specs.values()} == {"process", "kubernetes"}

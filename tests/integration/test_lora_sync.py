@@ -1,0 +1,317 @@
+"""LoRA weight sync against the real CPU vLLM server (the session's shared server serves LoRA).
+
+(a) after an adapter sync the server's log-probs under the new adapter equal the trainer's, and after
+a merged sync the base name's log-probs do; (b) the registered versions never exceed the window and
+an old-version request in flight during syncs completes under its version; (c) the rollout loop
+names the newest adapter and its samples carry that version; (d) the start-up checks fail with the
+restart command when ``--max-loras`` or ``--max-lora-rank`` is too small (a second, small server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
+
+from grpo_core.config import AsyncGRPOConfig
+from grpo_core.models.loading import DistInfo, load_policy
+from grpo_core.models.lora import apply_lora
+from grpo_core.rollout.client import VLLMControlClient
+from grpo_core.server import VLLMServer, VLLMServerSpec
+from grpo_core.server_checks import ServerConfigError
+from grpo_core.sync.factory import make_weight_sync
+
+pytestmark = pytest.mark.integration
+
+# Measured on the shared CPU server (fp32 weights): adapter 8e-6, merged 7e-6 at most; the adapter
+# moves the same log-probs by ~0.5, so this bound separates "same policy" from "other policy" widely.
+FP32_TOL = 2e-4
+PROMPT = list(range(5, 25))
+
+
+def lora_policy(model_path: str, r: int = 8, seed: int = 0) -> torch.nn.Module:
+    model, _ = load_policy(model_path, torch.device("cpu"))
+    model = apply_lora(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"))
+    randomize_adapter(model, seed)
+    return model.eval()
+
+
+def randomize_adapter(model: torch.nn.Module, seed: int) -> None:
+    """Give B non-zero values (peft starts at B = 0, where adapter and base agree and nothing is tested)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+
+
+def trainer_of(model: torch.nn.Module, model_path: str, args: AsyncGRPOConfig, r: int = 8) -> SimpleNamespace:
+    """What ``make_weight_sync`` reads from an ``AsyncGRPOTrainer``."""
+    return SimpleNamespace(
+        args=args, model=model, dist=DistInfo(), model_path=model_path,
+        peft_config=LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"),
+    )
+
+
+def lora_args(url: str, tmp_path, **overrides) -> AsyncGRPOConfig:
+    values = dict(output_dir=str(tmp_path / "run"), vllm_server_base_url=url, report_to="none", max_staleness=1)
+    values.update(overrides)
+    return AsyncGRPOConfig(**values)
+
+
+def generate(url: str, token_ids: list[int], params: dict, model: str | None = None, timeout: float = 300) -> httpx.Response:
+    body: dict = {"token_ids": token_ids, "sampling_params": params}
+    if model is not None:
+        body["model"] = model
+    return httpx.post(f"{url}/inference/v1/generate", json=body, timeout=timeout)
+
+
+def server_logprobs(url: str, token_ids: list[int], model: str | None) -> torch.Tensor:
+    """The server's log-prob of every token after the first, scored as a prompt."""
+    reply = generate(url, token_ids, {"max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}, model)
+    reply.raise_for_status()
+    entries = reply.json()["prompt_logprobs"]
+    return torch.tensor([entries[t][str(token_ids[t])]["logprob"] for t in range(1, len(token_ids))])
+
+
+def trainer_logprobs(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logp = model(input_ids=torch.tensor([token_ids])).logits[0].float().log_softmax(-1)
+    return torch.stack([logp[t - 1, token_ids[t]] for t in range(1, len(token_ids))])
+
+
+def sampled(url: str, model: str | None, max_tokens: int = 32, seed: int = 0) -> list[int]:
+    reply = generate(url, PROMPT, {"max_tokens": max_tokens, "temperature": 1.0, "seed": seed, "ignore_eos": True}, model)
+    reply.raise_for_status()
+    return PROMPT + reply.json()["choices"][0]["token_ids"]
+
+
+def our_adapters(control: VLLMControlClient, run_tag: str) -> set[str]:
+    return {m["id"] for m in control.models() if str(m["id"]).startswith(run_tag)}
+
+
+@pytest.fixture
+def control(vllm_server):
+    client = VLLMControlClient(vllm_server.base_url)
+    yield client
+    client.close()
+
+
+# ---- (a) log-probs after a sync ----------------------------------------------------------------------------
+def test_adapter_sync_server_logprobs_equal_trainer(vllm_server, control, tiny_model_path, tmp_path):
+    model = lora_policy(tiny_model_path)
+    sync = make_weight_sync(trainer_of(model, tiny_model_path, lora_args(vllm_server.base_url, tmp_path)), control)
+    try:
+        assert sync.mode == "adapter"  # auto: the shared server loads adapters at run time
+        stats = sync.push(0)
+        name = sync.served_model_name(0)
+        tokens = sampled(vllm_server.base_url, name)
+        served = server_logprobs(vllm_server.base_url, tokens, name)
+        ours = trainer_logprobs(model, tokens)
+        with model.disable_adapter():
+            base = trainer_logprobs(model, tokens)
+        assert (served - ours).abs().max().item() < FP32_TOL
+        assert (served - base).abs().max().item() > 100 * FP32_TOL  # the adapter really is in use
+
+        randomize_adapter(model, seed=7)
+        second = sync.push(1)
+        served = server_logprobs(vllm_server.base_url, tokens, sync.served_model_name(1))
+        assert (served - trainer_logprobs(model, tokens)).abs().max().item() < FP32_TOL
+        # The first push also sent the base weights; later pushes send the adapter alone.
+        adapter_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if "lora_" in n)
+        assert adapter_bytes < second.bytes < adapter_bytes + 16_384
+        assert stats.bytes > 10 * second.bytes
+    finally:
+        sync.close()
+    assert our_adapters(control, sync.run_tag) == set()
+    assert not list((tmp_path / "run" / ".vllm_lora").glob("*"))
+
+
+def test_merged_sync_server_logprobs_equal_trainer(vllm_server, control, tiny_model_path, tmp_path):
+    model = lora_policy(tiny_model_path, seed=3)
+    args = lora_args(vllm_server.base_url, tmp_path, lora_sync_mode="merged")
+    sync = make_weight_sync(trainer_of(model, tiny_model_path, args), control)
+    try:
+        assert sync.mode == "merged"
+        stats = sync.push(5)
+        tokens = sampled(vllm_server.base_url, None)
+        served = server_logprobs(vllm_server.base_url, tokens, None)
+        assert (served - trainer_logprobs(model, tokens)).abs().max().item() < FP32_TOL
+        with model.disable_adapter():
+            assert (served - trainer_logprobs(model, tokens)).abs().max().item() > 100 * FP32_TOL
+        assert control.weight_version() == "5"
+        assert stats.bytes == sum(p.numel() * 4 for n, p in model.named_parameters() if "lora_" not in n)
+    finally:
+        sync.close()
+    # Merging computed W + scale * B @ A on the side: the trained adapter is still separate and unchanged.
+    assert any("lora_B" in n for n, _ in model.named_parameters())
+
+
+# ---- (b) the window and an old rollout in flight ---------------------------------------------------------
+def test_window_bounds_registered_versions_and_old_rollout_finishes_under_its_version(
+    vllm_server, control, tiny_model_path, tmp_path
+):
+    url = vllm_server.base_url
+    model = lora_policy(tiny_model_path, seed=11)
+    sync = make_weight_sync(trainer_of(model, tiny_model_path, lora_args(url, tmp_path, max_staleness=1)), control)
+    window = 2  # max_staleness + 1
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        watcher = VLLMControlClient(url)
+        while not stop.is_set():
+            seen.append(len(our_adapters(watcher, sync.run_tag)))
+            time.sleep(0.01)
+        watcher.close()
+
+    poller = threading.Thread(target=poll, daemon=True)
+    try:
+        sync.push(0)
+        v0_state = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
+        poller.start()
+
+        # A long request under v0, in flight while v1 and v2 are pushed (v2 retires v0).
+        result: dict = {}
+
+        def old_rollout() -> None:
+            reply = generate(url, PROMPT, {"max_tokens": 512 - len(PROMPT), "temperature": 1.0, "seed": 3,
+                                           "ignore_eos": True, "logprobs": 20}, sync.served_model_name(0))
+            result["reply"], result["end"] = reply, time.monotonic()
+
+        request = threading.Thread(target=old_rollout)
+        request.start()
+        wait_until_running(control)
+        for version in (1, 2):
+            randomize_adapter(model, seed=100 + version)
+            sync.push(version)
+            assert sync.registered_versions == list(range(max(0, version - window + 1), version + 1))
+        retired_at = time.monotonic()
+        refused = generate(url, PROMPT, {"max_tokens": 1}, sync.adapter_name(0))
+        request.join(timeout=300)
+
+        assert refused.status_code == 404  # v0 had left the server's names while the request ran on
+        reply = result["reply"]
+        assert reply.status_code == 200, reply.text
+        assert result["end"] > retired_at, "the old request finished before the sync; it proves nothing"
+        choice = reply.json()["choices"][0]
+        tokens = PROMPT + choice["token_ids"]
+        served = torch.tensor([entry["logprob"] for entry in choice["logprobs"]["content"]])
+        newest = trainer_logprobs(model, tokens)[len(PROMPT) - 1 :]
+        set_peft_model_state_dict(model, v0_state)
+        under_v0 = trainer_logprobs(model, tokens)[len(PROMPT) - 1 :]
+        assert (served - under_v0).abs().max().item() < FP32_TOL  # every token sampled by v0
+        assert (served - newest).abs().max().item() > 100 * FP32_TOL
+        # Retired folders outlive their unload by the grace period (requests may still read them) ...
+        assert (tmp_path / "run" / ".vllm_lora" / sync.adapter_name(0)).is_dir()
+        # ... and go once it is over.
+        sync.window.delete_grace_s = 0.0
+        sync.push(3)
+        left = {p.name for p in (tmp_path / "run" / ".vllm_lora").iterdir()}
+        assert left == {sync.adapter_name(2), sync.adapter_name(3)}
+        assert our_adapters(control, sync.run_tag) == {sync.adapter_name(2), sync.adapter_name(3)}
+    finally:
+        stop.set()
+        if poller.is_alive():
+            poller.join(timeout=10)
+        sync.close()
+    # The next version is loaded before the oldest goes, so the server holds one extra for a moment.
+    assert seen and max(seen) <= window + 1
+    assert seen[-1] <= window
+
+
+def wait_until_running(control: VLLMControlClient, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)", control.metrics_text() or "", re.M)
+        if found and float(found.group(1)) >= 1:
+            return
+        time.sleep(0.02)
+    raise AssertionError("the long request never started running")
+
+
+# ---- (c) the rollout loop names its adapter ----------------------------------------------------------------
+def test_rollout_samples_carry_the_adapter_version_they_were_sampled_from(vllm_server, control, tiny_model_path, tmp_path):
+    from transformers import AutoTokenizer
+
+    from grpo_core.rollout.loop import AsyncRolloutLoop
+
+    url = vllm_server.base_url
+    model = lora_policy(tiny_model_path, seed=21)
+    args = lora_args(url, tmp_path, max_staleness=0, num_sampler_logprobs=0, max_completion_length=24, num_generations=2)
+    sync = make_weight_sync(trainer_of(model, tiny_model_path, args), control)
+    try:
+        for version in (0, 4):  # versions are the trainer's step numbers, not a counter
+            randomize_adapter(model, seed=30 + version)
+            sync.push(version)
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+        loop = AsyncRolloutLoop(args, tokenizer, [], [], url, emit=None, adapter=sync.pointer)
+
+        async def run() -> tuple:
+            await loop.connect()
+            try:
+                rollout = await loop.generate_one(0, {"prompt": [{"role": "user", "content": "2+3"}]}, 0)
+                # An adapter unloaded between reading the pointer and the request: continue under the newest.
+                choice, pinned = await loop.generate_turn(PROMPT, {"max_tokens": 2}, (sync.adapter_name(0), 0))
+                return rollout, pinned
+            finally:
+                await loop.close()
+
+        rollout, pinned = asyncio.run(run())
+        (turn,) = rollout.turns
+        assert turn.policy_version == 4
+        assert pinned == (sync.adapter_name(4), 4)
+        tokens = turn.prompt_ids + turn.output_ids
+        ours = trainer_logprobs(model, tokens)[len(turn.prompt_ids) - 1 :]
+        assert (torch.tensor(turn.output_logprobs) - ours).abs().max().item() < FP32_TOL
+    finally:
+        sync.close()
+
+
+# ---- (d) start-up checks -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_lora_server(tiny_model_path, server_logs):
+    """A second server whose LoRA limits are too small: only the start-up check test needs it."""
+    spec = VLLMServerSpec(model=tiny_model_path, enable_lora=True, max_loras=2, max_lora_rank=8)
+    server = VLLMServer(spec, server_logs / "small-lora")
+    server.start(timeout_s=900)
+    yield server
+    server.stop()
+
+
+def test_startup_checks_name_the_flags_and_the_restart_command(small_lora_server, tiny_model_path, tmp_path):
+    url = small_lora_server.base_url
+    control = VLLMControlClient(url)
+    try:
+        # Rank 16 adapter, window fits (max_staleness 0 needs 2 adapters).
+        args = lora_args(url, tmp_path, max_staleness=0)
+        with pytest.raises(ServerConfigError) as err:
+            make_weight_sync(trainer_of(lora_policy(tiny_model_path, r=16), tiny_model_path, args, r=16), control)
+        message = str(err.value)
+        assert "--max-lora-rank 8 is below the adapter's rank 16" in message
+        assert "--max-loras 2 is below" not in message
+        assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" in message and "--max-lora-rank 16" in message
+
+        # Rank 8 fits, the window does not (max_staleness 1 needs 3 adapters).
+        args = lora_args(url, tmp_path, max_staleness=1)
+        with pytest.raises(ServerConfigError) as err:
+            make_weight_sync(trainer_of(lora_policy(tiny_model_path, r=8), tiny_model_path, args, r=8), control)
+        message = str(err.value)
+        assert "--max-loras 2 is below max_staleness + 2 = 3" in message
+        assert "--max-lora-rank 8 is below" not in message
+        assert "--max-loras 3" in message and f"--model {tiny_model_path}" in message
+
+        # Asked for merged sync, the limits do not matter.
+        args = lora_args(url, tmp_path, max_staleness=1, lora_sync_mode="merged")
+        sync = make_weight_sync(trainer_of(lora_policy(tiny_model_path, r=16), tiny_model_path, args, r=16), control)
+        assert sync.mode == "merged"
+        sync.close()
+    finally:
+        control.close()
