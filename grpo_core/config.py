@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+from annotated_types import Gt
 
 
 class ConfigError(ValueError):
@@ -42,7 +44,7 @@ class AsyncGRPOConfig:
     """Where metrics go: ``mlflow`` or ``none`` (console only)."""
 
     # ---- optimisation ----------------------------------------------------------------------------
-    learning_rate: float = 1e-6
+    learning_rate: Annotated[float, Gt(0)] = 1e-6
     """Peak AdamW learning rate."""
     lr_scheduler_type: str = "constant"
     """``constant``, ``linear`` or ``cosine`` decay after warm-up."""
@@ -226,7 +228,7 @@ class AsyncGRPOConfig:
         need(self.lr_scheduler_type in ("constant", "linear", "cosine"), "lr_scheduler_type", "use constant, linear or cosine")
         need(self.ignore_data_skip is True, "ignore_data_skip", "replaying data is not supported; leave it True")
         need(self.report_to in ("mlflow", "none"), "report_to", "use 'mlflow' or 'none'")
-        need(self.fork_threshold_tokens >= 0, "fork_threshold_tokens", "use >= 0")
+        need(self.fork_threshold_tokens >= 1, "fork_threshold_tokens", "use >= 1 (a drift of that many tokens forks)")
         need(self.tool_timeout_s > 0, "tool_timeout_s", "use a positive timeout")
         need(self.worker_heartbeat_timeout_s > 0, "worker_heartbeat_timeout_s", "use a positive timeout")
 

@@ -103,9 +103,10 @@ def resolve_model(spec: str) -> str:
 def resolve_dataset(spec: str) -> Any:
     """A ``DatasetDict`` with ``train`` (and optionally ``eval``) for ``spec``."""
     if spec.startswith("tiny:"):
-        from grpo_core.tiny import arithmetic_dataset, tool_dataset
+        from grpo_core.tiny import arithmetic_dataset
 
-        builders = {"arithmetic": arithmetic_dataset, "tools": tool_dataset}
+        # The tools variant uses the same arithmetic prompts; only the model knows the calculator.
+        builders = {"arithmetic": arithmetic_dataset, "tools": arithmetic_dataset}
         task = spec.removeprefix("tiny:")
         if task not in builders:
             raise ValueError(f"dataset {spec!r}: unknown tiny task; use one of {sorted(builders)}")

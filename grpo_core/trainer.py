@@ -165,9 +165,10 @@ class AsyncGRPOTrainer:
         self.checkpointer.begin_attempt(self)
         control = None
         if self.dist.is_main:
+            control = VLLMControlClient(args.vllm_server_base_url, timeout=args.request_timeout)
+            _resume_if_paused(control)
             caps = check_server(args.vllm_server_base_url, args, self.model_path or "<model>")
             self.candidate_sets = caps.candidate_sets
-            control = VLLMControlClient(args.vllm_server_base_url, timeout=args.request_timeout)
         self.candidate_sets = broadcast_object(self.candidate_sets)  # every rank must compute the same loss
         self.weight_sync = make_weight_sync(self, control)
         if self.dist.is_main:
@@ -353,3 +354,17 @@ class AsyncGRPOTrainer:
             self.weight_sync = None
         if self._owns_process_group:
             shutdown_distributed()
+
+
+def _resume_if_paused(control: Any) -> None:
+    """A trainer killed during a weight sync (preemption) leaves the server paused: every request
+    would wait forever. Its successor resumes it; the weights it then pushes replace any half-loaded ones."""
+    from grpo_core.rollout.client import VLLMRequestError
+
+    try:
+        paused = control.is_paused()
+    except VLLMRequestError:
+        return  # no dev-mode routes: check_server names the missing flag
+    if paused:
+        log.warning("the vLLM server was left paused, by a trainer that died during a weight sync; resuming it")
+        control.resume()

@@ -78,12 +78,12 @@ def all_problems(max_operand: int, ops: tuple[str, ...]) -> list[Problem]:
 def split_problems(
     max_operand: int, ops: tuple[str, ...], eval_fraction: float, seed: int
 ) -> tuple[list[Problem], list[Problem]]:
-    """Split the problem space into (train, eval) with no operand pair shared between them.
+    """Split the problem space into (train, eval) by ordered operand pair: no problem is in both.
 
-    For addition, a held-out ``a + b`` always has its mirror ``b + a`` in train: the single-digit
-    space is too small to hold out whole unordered pairs and still leave a model that can answer
-    the held-out ones, while commutativity gives a fair route to generalise. Subtraction problems
-    have no mirror and are held out at random.
+    For addition, a held-out ``a + b`` always has its mirror ``b + a`` in train (and ``a != b``): the
+    single-digit space is too small to hold out whole unordered pairs and still leave a tiny model
+    able to answer the held-out ones, while commutativity gives a fair route to generalise.
+    Subtraction problems have no mirror and are held out at random.
     """
     rng = random.Random(f"split-{seed}")
     problems = all_problems(max_operand, ops)

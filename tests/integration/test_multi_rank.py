@@ -37,7 +37,7 @@ from grpo_core.rollout.scheduler import END_OF_DATA
 from grpo_core.tiny import arithmetic_dataset
 from grpo_core.trainer import AsyncGRPOTrainer
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.pending]
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -190,6 +190,8 @@ def test_two_ranks_train_like_one_on_the_same_samples(vllm_server, tiny_model_pa
             # Throughput is logged on the CPU; MFU is not (no known peak), and training went on.
             assert b["perf/tokens_per_s_fwd_bwd"] > 0 and "perf/mfu_fwd_bwd" not in b
     assert any(abs(h["loss"]) > 1e-4 for h in one), "a loss of zero everywhere would make the comparison empty"
+    loss_gap = max(abs(b["loss"] - a["loss"]) for r in ranks for a, b in zip(one, r["history"]))
+    norm_gap = max(abs(b["grad_norm"] / a["grad_norm"] - 1) for r in ranks for a, b in zip(one, r["history"]))
 
     # The 2-rank weights match the 1-process weights, and the server serves them (rank 0's last sync).
     final = torch.load(out / "final_weights.pt", weights_only=True)
@@ -197,6 +199,8 @@ def test_two_ranks_train_like_one_on_the_same_samples(vllm_server, tiny_model_pa
     assert final.keys() == ref_weights.keys()
     worst = max(float((final[k] - ref_weights[k].detach()).norm() / ref_weights[k].detach().norm()) for k in final)
     assert worst < 1e-4, f"final weights differ by {worst:.2e} (relative, worst tensor)"
+    print(f"losses {[round(h['loss'], 6) for h in one]}: max |2-rank - 1-rank| {loss_gap:.1e}; grad norm "
+          f"max relative gap {norm_gap:.1e}; final weights worst relative gap {worst:.1e}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
@@ -219,8 +223,8 @@ def test_flow_launch_runs_two_ranks(vllm_server, tiny_model_path, tmp_path):
     trainer = run_config(vllm_server.base_url, tmp_path / "run", ranks=2)
     trainer.pop("vllm_server_base_url")
     trainer["max_steps"] = 2
-    job = JobConfig(model="tiny:arithmetic", dataset="tiny:arithmetic", nproc_per_node=2, nnodes=1, eval_prompts=0,
-                    trainer=trainer)
+    job = JobConfig(model="tiny:arithmetic", dataset="grpo_core.tiny:arithmetic_dataset", nproc_per_node=2,
+                    nnodes=1, eval_prompts=0, trainer=trainer)
     job_file = tmp_path / "job.json"
     job_file.write_text(job.model_dump_json())
     launch = TrainingLaunch(

@@ -39,7 +39,7 @@ from grpo_core.checkpoint import MANIFEST, Storage, read_ledger, surviving_steps
 from grpo_core.job import JobConfig
 from grpo_core.server import VLLMServer, VLLMServerSpec, free_port
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.pending]
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_STEPS = 30
@@ -89,6 +89,18 @@ def kill_group(pid: int) -> None:
             os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def writers_into(folder: Path) -> set[int]:
+    """Process-group leaders whose stdout is a file in ``folder`` (servers this run started)."""
+    leaders = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and os.readlink(proc / "fd" / "1").startswith(f"{folder}/"):
+                leaders.add(os.getpgid(int(proc.name)))
+        except OSError:
+            continue
+    return leaders - {os.getpgid(0)}
 
 
 @dataclass
@@ -213,6 +225,10 @@ class FlowRun:
             except subprocess.TimeoutExpired:
                 kill_group(self.proc.pid)
         for pid in self.seen_pids:
+            kill_group(pid)
+        # A server interrupted while starting is not yet known to the flow, so it survives the
+        # flow's cleanup; it is found by the log file in this run's folder that it writes to.
+        for pid in writers_into(self.local):
             kill_group(pid)
 
 
