@@ -93,6 +93,8 @@ class RolloutWorker:
         if error is not None:
             raise RolloutWorkerError(f"rollout worker failed:\n{error}")
         if not self.process.is_alive():
+            if self.process.exitcode == 0:
+                return  # it finished its epochs; the queue still holds its last items
             raise RolloutWorkerError(f"rollout worker exited unexpectedly (exit code {self.process.exitcode})")
         silent = time.time() - self.heartbeat.value
         if silent > self.heartbeat_timeout_s:
@@ -109,6 +111,9 @@ class RolloutWorker:
 
     def get(self, timeout_s: float) -> Any:
         """Next GroupReport or RolloutSample; checks the worker's health while waiting."""
+        # Check health on every call, not only when the queue runs dry: a frozen worker can leave a
+        # full queue behind, and the trainer must not train through it before noticing.
+        self.check()
         deadline = time.monotonic() + timeout_s
         while True:
             try:

@@ -23,7 +23,7 @@ from grpo_core.trainer import AsyncGRPOTrainer
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.pending]
 
 LEARN = dict(
-    max_steps=50, learning_rate=5e-3, num_generations=8, per_device_train_batch_size=32, max_completion_length=24,
+    max_steps=60, learning_rate=2e-3, num_generations=8, per_device_train_batch_size=64, max_completion_length=24,
     max_staleness=2, num_sampler_logprobs=8, token_budget=4096, seed=0,
 )
 MARGIN = 0.10

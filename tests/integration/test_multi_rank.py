@@ -184,7 +184,7 @@ def test_two_ranks_train_like_one_on_the_same_samples(vllm_server, tiny_model_pa
             # Two rows per micro-batch instead of one: the planner really split the step over the ranks.
             assert b["batch/samples_per_step"] == a["batch/samples_per_step"]
             assert b["batch/samples_per_step"] / b["batch/samples_per_row"] == 2.0
-            # Measured on this test: |loss diff| <= 3e-8 and |grad_norm diff| / grad_norm <= 1e-6.
+            # Measured here: |loss gap| 3.4e-8 on losses of 0.03-0.08, grad norm relative gap 5.6e-7.
             assert abs(b["loss"] - a["loss"]) <= 1e-6 * max(1.0, abs(a["loss"])), (a["loss"], b["loss"])
             assert abs(b["grad_norm"] - a["grad_norm"]) <= 1e-5 * a["grad_norm"], (a["grad_norm"], b["grad_norm"])
             # Throughput is logged on the CPU; MFU is not (no known peak), and training went on.
@@ -198,7 +198,7 @@ def test_two_ranks_train_like_one_on_the_same_samples(vllm_server, tiny_model_pa
     ref_weights = dict(reference.model.named_parameters())
     assert final.keys() == ref_weights.keys()
     worst = max(float((final[k] - ref_weights[k].detach()).norm() / ref_weights[k].detach().norm()) for k in final)
-    assert worst < 1e-4, f"final weights differ by {worst:.2e} (relative, worst tensor)"
+    assert worst < 1e-5, f"final weights differ by {worst:.2e} (relative, worst tensor; measured 1.9e-7)"
     print(f"losses {[round(h['loss'], 6) for h in one]}: max |2-rank - 1-rank| {loss_gap:.1e}; grad norm "
           f"max relative gap {norm_gap:.1e}; final weights worst relative gap {worst:.1e}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
