@@ -140,6 +140,19 @@ def train_attempt(provisioner: Provisioner, launch: TrainingLaunch, pid_file: st
     return provisioner.run_training(launch, on_start=note_pid)
 
 
+def server_usable(provisioner: Provisioner, base_url: str) -> bool:
+    """The server process runs and its engine answers: a trainer killed during a weight sync can
+    leave the API process up over a dead engine, which only a new server fixes."""
+    import httpx
+
+    if not provisioner.server_alive(base_url):
+        return False
+    try:
+        return httpx.get(f"{base_url}/health", timeout=30).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def local_run_dir(job: JobConfig) -> Path:
     """Where the job file, logs and pid file go: ``output_dir`` when it is a local folder, else a
     folder under the temp dir named after the URL (object stores hold no logs that grow)."""
@@ -245,7 +258,8 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_secret: str |
                 raise RuntimeError(f"training failed with exit code {code} after {resumes} resumes; see {out / 'train.log'}")
             resumes += 1
             _logger().warning("training process exited with %s; resume %d/%d", code, resumes, job.max_resumes)
-            if job.server.managed and not prov.server_alive(server_url):
+            if job.server.managed and not server_usable(prov, server_url):
+                _logger().warning("vLLM server at %s is down or unhealthy; starting a new one", server_url)
                 prov.stop_server(server_url)
                 server_url = start_server(prov, job, model_path, str(out))
         resume_counts = report_resumes(job, tracking_uri, run_id, resumes)

@@ -166,11 +166,16 @@ class AsyncGRPOTrainer:
         control = None
         if self.dist.is_main:
             control = VLLMControlClient(args.vllm_server_base_url, timeout=args.request_timeout)
-            _resume_if_paused(control)
+        if broadcast_object(self.dist.is_main and _left_paused(control)):
+            # A trainer killed during a weight sync (preemption) left the server paused with half-loaded
+            # weights, on which the next request would crash it: complete a push (it resumes) first.
+            self.weight_sync = make_weight_sync(self, control)
+            self._sync_weights()
+        if self.dist.is_main:
             caps = check_server(args.vllm_server_base_url, args, self.model_path or "<model>")
             self.candidate_sets = caps.candidate_sets
         self.candidate_sets = broadcast_object(self.candidate_sets)  # every rank must compute the same loss
-        self.weight_sync = make_weight_sync(self, control)
+        self.weight_sync = self.weight_sync or make_weight_sync(self, control)
         if self.dist.is_main:
             self.tracker.set_tags({"sync/mode": self.weight_sync.mode})
         # The server may hold other weights than ours (another revision, a resumed run): push first.
@@ -356,15 +361,14 @@ class AsyncGRPOTrainer:
             shutdown_distributed()
 
 
-def _resume_if_paused(control: Any) -> None:
-    """A trainer killed during a weight sync (preemption) leaves the server paused: every request
-    would wait forever. Its successor resumes it; the weights it then pushes replace any half-loaded ones."""
+def _left_paused(control: Any) -> bool:
+    """Whether the server is paused, as a trainer that died during a weight sync leaves it."""
     from grpo_core.rollout.client import VLLMRequestError
 
     try:
         paused = control.is_paused()
     except VLLMRequestError:
-        return  # no dev-mode routes: check_server names the missing flag
+        return False  # no dev-mode routes: check_server names the missing flag
     if paused:
-        log.warning("the vLLM server was left paused, by a trainer that died during a weight sync; resuming it")
-        control.resume()
+        log.warning("the vLLM server was left paused, by a trainer that died during a weight sync; pushing weights")
+    return paused

@@ -58,8 +58,6 @@ def apply_lora(model: torch.nn.Module, peft_config: Any) -> torch.nn.Module:
     )
     if others:
         raise LoraConfigError(f"LoRA targets non-linear layers, which the merge does not handle: {others[:5]}")
-    # The training loop reads these through the wrapper; keep the base model's settings.
-    wrapped.config.use_cache = False
     return wrapped
 
 
@@ -67,12 +65,6 @@ def max_rank(peft_config: Any) -> int:
     """The largest adapter rank in the config (``rank_pattern`` may raise it for some layers)."""
     pattern = getattr(peft_config, "rank_pattern", None) or {}
     return max([int(peft_config.r), *(int(r) for r in pattern.values())])
-
-
-def is_peft_model(model: torch.nn.Module) -> bool:
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
 
 
 def _is_lora_layer(module: torch.nn.Module) -> bool:

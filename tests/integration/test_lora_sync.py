@@ -34,6 +34,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.pending]
 # moves the same log-probs by ~0.5, so this bound separates "same policy" from "other policy" widely.
 FP32_TOL = 2e-4
 PROMPT = list(range(5, 25))
+OLD_ROLLOUTS = 8
 
 
 def lora_policy(model_path: str, r: int = 8, seed: int = 0) -> torch.nn.Module:
@@ -178,37 +179,49 @@ def test_window_bounds_registered_versions_and_old_rollout_finishes_under_its_ve
         v0_state = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
         poller.start()
 
-        # A long request under v0, in flight while v1 and v2 are pushed (v2 retires v0).
-        result: dict = {}
+        # Long requests under v0, in flight while v1 and v2 are pushed (v2 retires v0). Several run
+        # at once so that some outlast both pushes even on an idle server. A request the server
+        # answers with 200 was bound to v0 on arrival (after the unload it would get a 404), so one
+        # that ends after the unload was in flight across it.
+        finished: list[tuple[float, httpx.Response]] = []
+        http = httpx.Client(timeout=300)
+        body = {"token_ids": PROMPT, "model": sync.served_model_name(0),
+                "sampling_params": {"max_tokens": 512 - len(PROMPT), "temperature": 1.0, "ignore_eos": True, "logprobs": 20}}
 
-        def old_rollout() -> None:
-            reply = generate(url, PROMPT, {"max_tokens": 512 - len(PROMPT), "temperature": 1.0, "seed": 3,
-                                           "ignore_eos": True, "logprobs": 20}, sync.served_model_name(0))
-            result["reply"], result["end"] = reply, time.monotonic()
+        def old_rollout(seed: int) -> None:
+            reply = http.post(f"{url}/inference/v1/generate", json={**body, "sampling_params": {**body["sampling_params"], "seed": seed}})
+            finished.append((time.monotonic(), reply))
 
-        request = threading.Thread(target=old_rollout)
-        request.start()
-        wait_until_running(control)
+        requests = [threading.Thread(target=old_rollout, args=(seed,)) for seed in range(OLD_ROLLOUTS)]
+        for request in requests:
+            request.start()
+        wait_until_running(control, 1)
         for version in (1, 2):
             randomize_adapter(model, seed=100 + version)
             sync.push(version)
             assert sync.registered_versions == list(range(max(0, version - window + 1), version + 1))
         retired_at = time.monotonic()
         refused = generate(url, PROMPT, {"max_tokens": 1}, sync.adapter_name(0))
-        request.join(timeout=300)
+        for request in requests:
+            request.join(timeout=300)
+        http.close()
 
-        assert refused.status_code == 404  # v0 had left the server's names while the request ran on
-        reply = result["reply"]
-        assert reply.status_code == 200, reply.text
-        assert result["end"] > retired_at, "the old request finished before the sync; it proves nothing"
-        choice = reply.json()["choices"][0]
-        tokens = PROMPT + choice["token_ids"]
-        served = torch.tensor([entry["logprob"] for entry in choice["logprobs"]["content"]])
-        newest = trainer_logprobs(model, tokens)[len(PROMPT) - 1 :]
-        set_peft_model_state_dict(model, v0_state)
-        under_v0 = trainer_logprobs(model, tokens)[len(PROMPT) - 1 :]
-        assert (served - under_v0).abs().max().item() < FP32_TOL  # every token sampled by v0
-        assert (served - newest).abs().max().item() > 100 * FP32_TOL
+        assert refused.status_code == 404  # v0 had left the server's names while its requests ran on
+        assert len(finished) == OLD_ROLLOUTS and all(reply.status_code == 200 for _, reply in finished)
+        late = [reply for end, reply in finished if end > retired_at]
+        assert late, "every old request finished before v0 was retired; the test proves nothing"
+        newest_state = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
+        for reply in late:
+            choice = reply.json()["choices"][0]
+            assert choice["finish_reason"] == "length"
+            tokens = PROMPT + choice["token_ids"]
+            served = torch.tensor([entry["logprob"] for entry in choice["logprobs"]["content"]])
+            set_peft_model_state_dict(model, newest_state)
+            newest = trainer_logprobs(model, tokens)[len(PROMPT) - 1 :]
+            set_peft_model_state_dict(model, v0_state)
+            under_v0 = trainer_logprobs(model, tokens)[len(PROMPT) - 1 :]
+            assert (served - under_v0).abs().max().item() < FP32_TOL  # every token sampled by v0
+            assert (served - newest).abs().max().item() > 100 * FP32_TOL
         # Retired folders outlive their unload by the grace period (requests may still read them) ...
         assert (tmp_path / "run" / ".vllm_lora" / sync.adapter_name(0)).is_dir()
         # ... and go once it is over.
@@ -227,14 +240,14 @@ def test_window_bounds_registered_versions_and_old_rollout_finishes_under_its_ve
     assert seen[-1] <= window
 
 
-def wait_until_running(control: VLLMControlClient, timeout_s: float = 60.0) -> None:
+def wait_until_running(control: VLLMControlClient, count: int, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         found = re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)", control.metrics_text() or "", re.M)
-        if found and float(found.group(1)) >= 1:
+        if found and float(found.group(1)) >= count:
             return
         time.sleep(0.02)
-    raise AssertionError("the long request never started running")
+    raise AssertionError(f"{count} long requests never ran at once")
 
 
 # ---- (c) the rollout loop names its adapter ----------------------------------------------------------------

@@ -57,11 +57,13 @@ TRAINER = {
     "per_device_train_batch_size": 16,
     "max_completion_length": 16,
     "num_sampler_logprobs": 4,
-    # The worker can run at most (queue + in flight) / 16 = 4 steps ahead, so no sample goes
-    # stale: every prompt the ledger does not list as trained would be a prompt the resume skipped.
-    "max_staleness": 8,
+    # No sample may go stale, so that a prompt the ledger does not list as trained can only be one
+    # the resume skipped. The rollout worker is not held back by a full queue (groups keep being
+    # generated while finished ones wait to be queued, in no order), so the queue is made large
+    # enough never to fill and staleness is not limited within these 30 steps.
+    "max_staleness": 1000,
     "max_concurrent_rollouts": 32,
-    "queue_maxsize": 32,
+    "queue_maxsize": 8192,
     "token_budget": 2048,
     "worker_heartbeat_timeout_s": 120.0,
 }
@@ -256,9 +258,11 @@ def run_with_kills(run: FlowRun, rng: random.Random, kill_server: bool) -> tuple
     time.sleep(rng.uniform(0.0, 1.5))
     if kill_server:
         server = run.server_pid()
+        assert alive(server) and os.getpgid(server) == server, f"server {server} is not a live group leader"
         kill_group(server)
         while alive(server):
             time.sleep(0.05)
+        print(f"killed the vLLM server's group {server}")
     kill_group(pid)
     run.kills.append(Kill(3, pid, "random" + (" + server" if kill_server else ""), target))
     run.wait_new_trainer()
