@@ -29,7 +29,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_run_logger
+from prefect import task as prefect_task
+from prefect.cache_policies import NO_CACHE
 
 from flows.progress import TrainingProgress, stage
 from flows.provision import LocalProvisioner, Provisioner, TrainingLaunch
@@ -45,6 +47,13 @@ def _logger() -> Any:
         return get_run_logger()
     except Exception:  # noqa: BLE001 - outside a run context
         return log
+
+
+def task(**options: Any):  # noqa: ANN201
+    """A Prefect task that is never cached: every task here acts on the world (servers, processes,
+    storage, MLflow), so a result remembered from equal inputs would be wrong, and some inputs (the
+    provisioner holds locks) cannot be hashed at all."""
+    return prefect_task(cache_policy=NO_CACHE, **options)
 
 
 @task(name="prepare-model", retries=1)
@@ -217,7 +226,9 @@ def reward_summary(tracking_uri: str, run_id: str) -> dict[str, float]:
     }
 
 
-@flow(name="grpo-train", log_prints=True)
+# Prints are not captured as run logs: libraries print stray output (dill disassembles functions
+# through print while datasets fingerprints them); the flow reports through its logger and console.
+@flow(name="grpo-train", log_prints=False)
 def grpo_train(job: JobConfig, provisioner: str = "local", storage_secret: str | None = None) -> dict[str, Any]:
     """Run one GRPO training job end to end; returns the summary."""
     if storage_secret:

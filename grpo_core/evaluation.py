@@ -33,7 +33,7 @@ async def _evaluate(
     samples_per_prompt: int,
     temperature: float,
     max_tokens: int,
-    seed: int,
+    seed: int | None,
     concurrency: int,
 ) -> EvalResult:
     client = VLLMGenerateClient(base_url)
@@ -42,7 +42,9 @@ async def _evaluate(
     async def one(i: int) -> list[tuple[str, int]]:
         text = tokenizer.apply_chat_template(prompts[i], tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        params = {"max_tokens": max_tokens, "temperature": temperature, "n": samples_per_prompt, "seed": seed + i}
+        params: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "n": samples_per_prompt}
+        if seed is not None:
+            params["seed"] = seed + i
         async with gate:
             choices = await client.generate(ids, params)
         return [(tokenizer.decode(c.token_ids, skip_special_tokens=True), len(c.token_ids)) for c in choices]
@@ -79,11 +81,17 @@ def evaluate_on_server(
     samples_per_prompt: int = 4,
     temperature: float = 1.0,
     max_tokens: int = 64,
-    seed: int = 1234,
+    seed: int | None = None,
     concurrency: int = 32,
     max_prompts: int | None = None,
 ) -> EvalResult:
-    """Mean of ``reward_func`` over sampled completions of ``dataset``'s prompts (NaN-scored ones skipped)."""
+    """Mean of ``reward_func`` over sampled completions of ``dataset``'s prompts (NaN-scored ones skipped).
+
+    ``seed`` (prompt i gets ``seed + i``) makes the samples repeatable on GPU servers. It stays off by
+    default because vLLM's CPU build fails its engine on a seeded request whose prefill is split
+    across scheduler steps ("CPU Generator does not use offset"), which happens as soon as the
+    prompts in flight exceed the server's batched-token budget.
+    """
     n = len(dataset) if max_prompts is None else min(max_prompts, len(dataset))
     rows = [dataset[i] for i in range(n)]
     prompts = [list(r["prompt"]) for r in rows]

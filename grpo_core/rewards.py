@@ -11,6 +11,7 @@ The functions live at module level so that they pickle into the rollout worker p
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from collections.abc import Sequence
@@ -45,6 +46,18 @@ def _parse_timeout() -> int | None:
     # math_verify's timeout uses signal.alarm, which only works on the main thread; elsewhere the
     # inputs here are short boxed answers, so running without a timeout is the lesser risk.
     return 5 if threading.current_thread() is threading.main_thread() else None
+
+
+class _DropDisabledTimeoutNotice(logging.Filter):
+    """math_verify warns once per process when called without a timeout; that is our deliberate
+    choice off the main thread (see ``_parse_timeout``), so the notice would only be noise in logs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_DropDisabledTimeoutNotice())
 
 
 def accuracy_reward(prompts: Sequence[Any], completions: Sequence[Any], solution: Sequence[str], **kwargs: Any) -> list[float | None]:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from grpo_core.server import VLLMServer, VLLMServerSpec, free_port
 
@@ -49,7 +50,13 @@ def vllm_server(tiny_model_path: str, server_logs: Path):
     )
     server = VLLMServer(spec, server_logs / "shared")
     server.start(timeout_s=900)
+    # From here on the server's CPU worker shares the cores with trainers in this process; OpenMP
+    # threads on the same cores stall each other (see LocalProvisioner.training_env), so the
+    # trainers take half of them, as the flow's do.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     yield server
+    torch.set_num_threads(threads)
     server.stop()
 
 

@@ -200,3 +200,31 @@ def test_custom_generate_one_reward_is_summed_and_reported(tokenizer) -> None:  
     np.testing.assert_allclose(report.rewards_per_func["rollout_reward"], [0.0, 0.25, 0.5])
     assert not report.dropped and report.num_samples == 3
     assert group_metrics([report])["rewards/rollout_reward/mean"] == 0.25
+
+
+class CountingLoop(ScriptedLoop):
+    async def generate_one(self, row_index: int, row: dict[str, Any], rollout_index: int) -> Any:
+        self.started = getattr(self, "started", 0) + 1
+        return await super().generate_one(row_index, row, rollout_index)
+
+
+def test_a_full_queue_stops_new_groups_until_it_drains(tokenizer) -> None:  # noqa: ANN001
+    # The first emits find the queue full for 0.5 s. Meanwhile only groups created before the first
+    # one blocked may run (two caps' worth here); without back-pressure all 40 rollouts are generated.
+    config = AsyncGRPOConfig(num_generations=2, max_completion_length=64, num_sampler_logprobs=0,
+                             max_concurrent_rollouts=4, max_steps=0, num_train_epochs=1, report_to="none")
+    items: list[Any] = []
+    started_while_full: list[int] = []
+
+    async def emit(item: Any) -> float:
+        if not items and not started_while_full:
+            await asyncio.sleep(0.5)
+            started_while_full.append(loop.started)
+        items.append(item)
+        return 0.0
+
+    loop = CountingLoop(config, tokenizer, dataset(20), [right_or_wrong], "http://unused", emit)
+    asyncio.run(RolloutScheduler(loop, threading.Event()).run())
+    assert max(started_while_full) <= 2 * 4, started_while_full
+    assert loop.started == 40  # and everything runs once the queue drains
+    assert sorted(r.position for r in reports(items)) == list(range(20))

@@ -6,6 +6,10 @@ rollouts are admitted while the number in flight stays under the live concurrenc
 group is scored, gets advantages, its rollouts are reconciled into training sequences, and it is
 reported (kept or dropped) before its samples are queued. The report carries the group's summed
 per-rollout counters (tools, environment, CLEAN/REALIGN/FORK) for ``step_metrics``.
+
+Back-pressure: while a finished group waits for room on the trainer's full queue, no new group is
+created. Rollouts already admitted run on, so generation stops at most one cap's worth of rollouts
+past a full queue instead of running ahead of the trainer with samples that would only go stale.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class RolloutScheduler:
         self._room = asyncio.Condition()
         self.failure: BaseException | None = None
         self.unadmitted = 0  # rollouts of created groups still waiting for a slot
+        self.blocked_groups = 0  # finished groups waiting for room on the full queue
 
     def _on_group_done(self, task: asyncio.Task[None], tasks: set[asyncio.Task[None]]) -> None:
         tasks.discard(task)
@@ -124,13 +129,14 @@ class RolloutScheduler:
             await asyncio.sleep(_METRICS_POLL_S)
 
     async def _wait_for_room(self) -> None:
-        """Wait until a free slot is not already promised to a created-but-unadmitted rollout."""
+        """Wait until a free slot is not already promised to a created-but-unadmitted rollout, and
+        the trainer's queue takes what finished groups produce."""
         assert self.controller is not None
         async with self._room:
             await self._room.wait_for(
                 lambda: self.stop_event.is_set()
                 or self.failure is not None
-                or self.controller.free_slots() > self.unadmitted
+                or (self.controller.free_slots() > self.unadmitted and self.blocked_groups == 0)
             )
 
     async def _admit(self) -> None:
@@ -194,9 +200,17 @@ class RolloutScheduler:
         )
         self.last_report_time = now
         self.backpressure_s = 0.0
-        self.backpressure_s += await loop.emit(report)
-        for sample in samples:
-            self.backpressure_s += await loop.emit(sample)
+        # An emit that finds room returns without suspending, so the count is only ever seen above
+        # zero while a group really waits on a full queue.
+        self.blocked_groups += 1
+        try:
+            self.backpressure_s += await loop.emit(report)
+            for sample in samples:
+                self.backpressure_s += await loop.emit(sample)
+        finally:
+            self.blocked_groups -= 1
+            async with self._room:
+                self._room.notify_all()
 
 
 def _filtered_report(position: int, row_index: int, epoch: int) -> GroupReport:
