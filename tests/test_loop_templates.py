@@ -54,6 +54,15 @@ NO_THINK_TEMPLATE = _edit(
     + "\n{%- if '</think>' in text -%}{%- set text = text.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}",
 )
 
+# Drops the reasoning of earlier assistant turns and nothing else (no think block in the generation
+# prompt): what the model wrote before ``</think>`` leaves the history when it is re-rendered.
+DROP_REASONING_TEMPLATE = _edit(
+    CHAT_TEMPLATE,
+    _ASSISTANT_TEXT,
+    _ASSISTANT_TEXT
+    + "\n{%- if '</think>' in text -%}{%- set text = text.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}",
+)
+
 COMPACT_ARGS_TEMPLATE = _edit(CHAT_TEMPLATE, _ARGUMENTS, "{{- fn.arguments | tojson(separators=(',', ':')) -}}")
 
 
@@ -119,3 +128,24 @@ def test_no_think_template_forks(tokenizer) -> None:  # noqa: ANN001
     )
     assert "<think>" not in rendered and rendered.endswith("<|im_start|>assistant\n\\boxed{12}<|im_end|>\n")
     assert _classify(variant, SAMPLED_CALL) is TurnKind.FORK
+
+
+def test_dropped_reasoning_realigns_or_forks_by_its_length(tokenizer) -> None:  # noqa: ANN001
+    # The tools model thinks before it calls; this template drops that thought from the history, a
+    # drift of the thought's length inside the previous answer: REALIGN below the threshold, FORK above.
+    variant = with_template(tokenizer, DROP_REASONING_TEMPLATE)
+    thought = "<think>\n7 + 5\n</think>"
+    assert variant.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True).endswith("<|im_start|>assistant\n")
+    first = _ids(variant, PROMPT)
+    output = variant(f"{thought}\n{SAMPLED_CALL}", add_special_tokens=False)["input_ids"] + [variant.eos_token_id]
+    history = PROMPT + [{"role": "assistant", "content": thought, "tool_calls": [CALL]},
+                        {"role": "tool", "name": "calculator", "content": "12"}]
+    assert "<think>" not in variant.apply_chat_template(history, tokenize=False)
+    drift = len(variant(f"{thought}\n", add_special_tokens=False)["input_ids"])
+    below = align_turn(first + output, len(first), _ids(variant, history), fork_threshold_tokens=drift + 1)
+    assert below.kind is TurnKind.REALIGN and below.drift_tokens == drift
+    above = align_turn(first + output, len(first), _ids(variant, history), fork_threshold_tokens=drift - 1)
+    assert above.kind is TurnKind.FORK
+    # The tiny template keeps the thought, so the same turn is CLEAN there.
+    plain = align_turn(first + output, len(first), _ids(tokenizer, history), fork_threshold_tokens=1)
+    assert plain.kind is TurnKind.CLEAN

@@ -14,7 +14,9 @@ How the defaults were chosen (1 torch thread, temperature-1 sampling, 128-256 pr
   0.55-0.6 mean accuracy in 100 steps, which is the room RL needs.
 - The tools variant fine-tunes that model for 300 steps on chats with the calculator listed, 20% of
   which call it: about 10% of sampled answers then make a well-formed call, accuracy is ~0.27 and
-  format ~0.9; calling the tool more is how RL can gain.
+  format ~0.9; calling the tool more is how RL can gain. Every call first thinks in a short
+  ``<think>`` block (``reasoning_prob=1``), so a chat template that drops earlier reasoning, as
+  Qwen3's does, rewrites the calling turn and the multi-turn reconcile must fork.
 """
 
 from __future__ import annotations
@@ -88,13 +90,16 @@ class WarmupSpec:
     this caps how sure the policy becomes, leaving reward for RL to gain."""
     tool_prob: float = 0.0
     """(tools variant) Share of warm-up examples that call the calculator instead of answering."""
+    reasoning_prob: float = 0.0
+    """(tools variant) Share of those calls that first think in a short ``<think>`` block, as
+    reasoning models do; templates that drop earlier reasoning then rewrite the call's turn."""
     system_prob: float = 0.5
     """Share of warm-up examples with the system prompt (the rest have only the user turn)."""
     num_examples: int = 4096
     """Size of the pre-tokenised warm-up pool the batches are drawn from."""
 
     def __post_init__(self) -> None:
-        for name in ("correct_prob", "tool_prob", "system_prob"):
+        for name in ("correct_prob", "tool_prob", "reasoning_prob", "system_prob"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value}")
@@ -144,10 +149,22 @@ class TinySpec:
         return replace(self, variant="arithmetic", tools_warmup=None)
 
     def to_json(self) -> str:
-        return json.dumps({"code_version": CODE_VERSION, **asdict(self)}, sort_keys=True)
+        return json.dumps({"code_version": CODE_VERSION, **_without_late_defaults(asdict(self))}, sort_keys=True)
 
     def digest(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:12]
+
+
+# Fields added after models were first cached, with the default that reproduces the older build.
+# Left out of the digest at that default, so adding them does not invalidate existing caches.
+_LATE_FIELD_DEFAULTS = {"reasoning_prob": 0.0}
+
+
+def _without_late_defaults(value: object) -> object:
+    if isinstance(value, dict):
+        return {k: _without_late_defaults(v) for k, v in value.items()
+                if not (k in _LATE_FIELD_DEFAULTS and v == _LATE_FIELD_DEFAULTS[k])}
+    return value
 
 
 def default_spec(variant: str = "arithmetic", seed: int = 0) -> TinySpec:
@@ -156,5 +173,6 @@ def default_spec(variant: str = "arithmetic", seed: int = 0) -> TinySpec:
         return TinySpec(variant=variant, seed=seed)
     # Tool calls always give the right answer, direct answers rarely do: accuracy starts near
     # tool_prob + (1 - tool_prob) * correct_prob and RL can raise it by calling the tool more.
-    tools = WarmupSpec(steps=300, batch_size=16, lr=3e-3, warmup_steps=10, correct_prob=0.2, tool_prob=0.2, num_examples=2048)
+    tools = WarmupSpec(steps=300, batch_size=16, lr=3e-3, warmup_steps=10, correct_prob=0.2, tool_prob=0.2,
+                       reasoning_prob=1.0, num_examples=2048)
     return TinySpec(variant=variant, seed=seed, tools_warmup=tools)

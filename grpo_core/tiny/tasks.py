@@ -167,13 +167,15 @@ CALCULATOR_SCHEMA: dict[str, Any] = {
 }
 
 
-def tool_conversation(problem: Problem, template: int, system_prompt: str | None) -> list[Message]:
-    """A full tool-using exchange: the call, the calculator's reply and the boxed answer."""
+def tool_conversation(problem: Problem, template: int, system_prompt: str | None, reasoning: bool = False) -> list[Message]:
+    """A full tool-using exchange: the call, the calculator's reply and the boxed answer. With
+    ``reasoning`` the call is preceded by a short think block naming the expression."""
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": problem.expr}}}
     result = calculator(problem.expr)
+    thought = f"<think>\n{problem.expr}\n</think>" if reasoning else ""
     return [
         *make_prompt(problem, template, system_prompt),
-        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "assistant", "content": thought, "tool_calls": [call]},
         {"role": "tool", "name": "calculator", "content": result},
         {"role": "assistant", "content": f"The answer is \\boxed{{{result}}}"},
     ]

@@ -76,7 +76,7 @@ def warmup_conversations(
         template = rng.randrange(len(tasks.QUESTION_TEMPLATES))
         system = tasks.SYSTEM_PROMPT if rng.random() < w.system_prob else None
         if with_tools and rng.random() < w.tool_prob:
-            yield tasks.tool_conversation(problem, template, system)
+            yield tasks.tool_conversation(problem, template, system, reasoning=rng.random() < w.reasoning_prob)
             continue
         value = problem.value
         if rng.random() >= w.correct_prob:

@@ -3,15 +3,12 @@
 (a) Through ``AsyncGRPOTrainer``: rollouts call the tool, and their multi-turn samples (tool result as
 context, the call and the answer trained) reach the optimizer step. Run three times, so that the second
 turn's prompt lines up with the held tokens in each of the three ways (``tests/test_loop_templates.py``):
-the tiny template re-renders a call byte for byte (CLEAN); a template that re-serialises the arguments
-compactly drifts inside the previous answer (REALIGN); the same drift with ``fork_threshold_tokens=1``
-forks (FORK: two samples per rollout). The CLEAN run hands the tool over as an environment's method,
-so environments go through the same path.
-
-FORK by a template that drops earlier reasoning (``NO_THINK_TEMPLATE``) runs on scripted outputs in
-``tests/test_loop_multiturn.py`` only: the tiny tools model never reasons before a call, and after
-Qwen3's empty reasoning block in the generation prompt it stops writing well-formed calls (0 of 64
-rollouts on the shared server), so that template yields no second turn to fork here.
+the tiny template re-renders a call, thought included, byte for byte (CLEAN); a template that
+re-serialises the arguments compactly drifts inside the previous answer (REALIGN); a template that
+drops earlier reasoning, as Qwen3's does, removes the thought the tools model writes before every
+call, a drift of about eight tokens, which forks at ``fork_threshold_tokens=2`` (FORK: two samples per
+rollout). The CLEAN run hands the tool over as an environment's method, so environments go through
+the same path.
 (b) On the loop directly: while tools sleep in the pool, rollouts that call none take as long as
 their generation; with the same tool run on the event loop (the control) they wait out the sleeps.
 
@@ -39,7 +36,7 @@ from grpo_core.rollout.types import RolloutSample
 from grpo_core.tiny import arithmetic_dataset, build_tiny_model
 from grpo_core.tiny import calculator as tiny_calculator
 from grpo_core.trainer import AsyncGRPOTrainer
-from tests.test_loop_templates import COMPACT_ARGS_TEMPLATE, with_template
+from tests.test_loop_templates import COMPACT_ARGS_TEMPLATE, DROP_REASONING_TEMPLATE, with_template
 
 pytestmark = pytest.mark.integration
 
@@ -131,7 +128,7 @@ def context_text(tokenizer: Any, sample: RolloutSample) -> str:
     return tokenizer.decode(sample.token_ids[~sample.completion_mask].tolist())
 
 
-TEMPLATES = {"clean": None, "realign": COMPACT_ARGS_TEMPLATE, "fork": COMPACT_ARGS_TEMPLATE}
+TEMPLATES = {"clean": None, "realign": COMPACT_ARGS_TEMPLATE, "fork": DROP_REASONING_TEMPLATE}
 
 
 @pytest.mark.parametrize("kind", ["clean", "realign", "fork"])
@@ -141,7 +138,7 @@ def test_tool_rollouts_reach_the_trainer(vllm_server, tools_model_path, tools_to
     data = arithmetic_dataset(num_train=64, num_eval=4)["train"]
     trainer = RecordingTrainer(
         tools_model_path, [called_calculator, accuracy_reward], data,
-        args=config(vllm_server.base_url, tmp_path, fork_threshold_tokens=1 if kind == "fork" else 1024),
+        args=config(vllm_server.base_url, tmp_path, fork_threshold_tokens=2 if kind == "fork" else 1024),
         processing_class=tokenizer, **tool_kwargs,
     )
     history = trainer.train()
@@ -180,6 +177,10 @@ def test_tool_rollouts_reach_the_trainer(vllm_server, tools_model_path, tools_to
         restarted = [s for s, end in split if not s.completion_mask[:end].any() and s.completion_mask[end:].any()]
         assert restarted and all(s.metrics["turns"] == 1 for s in restarted)
         assert any(t.rollout_id == s.rollout_id and t is not s for s in restarted for t in samples)
+        # What forked it: the thought was trained in the first sequence and is gone from the re-rendered one.
+        assert all("<think>" not in context_text(tokenizer, s) for s in restarted)
+        firsts = [t for s in restarted for t in samples if t.rollout_id == s.rollout_id and t is not s]
+        assert any("<think>" in tokenizer.decode(t.token_ids[t.completion_mask].tolist()) for t in firsts)
 
 
 # --------------------------------------------------------------------------------------------------
