@@ -20,7 +20,7 @@ from grpo_core.sync.factory import SYNC_MODE_CODES
 from grpo_core.tiny import arithmetic_dataset
 from grpo_core.trainer import AsyncGRPOTrainer
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.pending]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 LEARN = dict(
     max_steps=60, learning_rate=2e-3, num_generations=8, per_device_train_batch_size=64, max_completion_length=24,

@@ -28,7 +28,7 @@ from grpo_core.server import VLLMServer, VLLMServerSpec
 from grpo_core.server_checks import ServerConfigError
 from grpo_core.sync.factory import make_weight_sync
 
-pytestmark = [pytest.mark.integration, pytest.mark.pending]
+pytestmark = pytest.mark.integration
 
 # Measured on the shared CPU server (fp32 weights): adapter 8e-6, merged 7e-6 at most; the adapter
 # moves the same log-probs by ~0.5, so this bound separates "same policy" from "other policy" widely.

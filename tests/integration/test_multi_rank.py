@@ -37,7 +37,7 @@ from grpo_core.rollout.scheduler import END_OF_DATA
 from grpo_core.tiny import arithmetic_dataset
 from grpo_core.trainer import AsyncGRPOTrainer
 
-pytestmark = [pytest.mark.integration, pytest.mark.pending]
+pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
