@@ -87,13 +87,15 @@ class LocalProvisioner(Provisioner):
             server.stop()
 
     def training_env(self, launch: TrainingLaunch) -> dict[str, str]:
-        """The trainers' environment. With no GPU and a server this provisioner started, both share
-        the CPU cores: the vLLM CPU worker binds its OpenMP threads to them, and trainers that also
-        spin one OpenMP thread per core stall each other's barriers (a forward+backward measured 1 s
-        alone took 13-22 s beside a busy server). The trainers then get half the cores between them,
-        unless ``OMP_NUM_THREADS`` is set already."""
+        """The trainers' environment. With no GPU and the server on this machine (one this
+        provisioner started, or any on a loopback address), both share the CPU cores: the vLLM CPU
+        worker binds its OpenMP threads to them, and trainers that also spin one OpenMP thread per
+        core stall each other's barriers (a forward+backward of about 1 s alone took 13-22 s beside a
+        busy server). The trainers then get half the cores between them, unless ``OMP_NUM_THREADS``
+        is set already."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        if self.servers and "OMP_NUM_THREADS" not in env and not _has_cuda():
+        local_server = launch.server_url in self.servers or _is_loopback(launch.server_url)
+        if local_server and "OMP_NUM_THREADS" not in env and not _has_cuda():
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // 2 // launch.nproc_per_node))
         return env
 
@@ -122,6 +124,19 @@ class LocalProvisioner(Provisioner):
             if log is not None:
                 log.close()
         return code
+
+
+def _is_loopback(url: str) -> bool:
+    import ipaddress
+    from urllib.parse import urlparse
+
+    host = urlparse(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _has_cuda() -> bool:

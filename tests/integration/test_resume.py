@@ -39,7 +39,7 @@ from grpo_core.checkpoint import MANIFEST, Storage, read_ledger, surviving_steps
 from grpo_core.job import JobConfig
 from grpo_core.server import VLLMServer, VLLMServerSpec, free_port
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.pending]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_STEPS = 30
