@@ -5,15 +5,18 @@ Score centering needs the sampler's top-N log-probs of every generated token. Th
 the process boundary (bigger samples) and the trainer (it gathers N log-probs per trained token and
 adds the centering term). One run, side by side, on the real CPU vLLM server and the tiny model:
 
-1. **Generation.** The real rollout path (``RolloutScheduler`` over ``AsyncRolloutLoop``, as in the
-   worker process) generates groups for a fresh slice of prompts with each N, in rotating order
-   over ``--rounds`` rounds so that drift in machine load hits every N alike. Reported: generated
-   tokens per second of wall time (median over rounds), as a ratio to N = 0, and pickled bytes per
-   sample (what crosses the process boundary).
-2. **Trainer step.** The samples generated with N = 20 are cut to each N (N = 0 drops the arrays),
+1. **Generation.** Fixed-length requests (``ignore_eos``, ``--max-tokens`` each, ``--concurrency``
+   at once) go through the worker's own client (``VLLMGenerateClient.generate``, which asks for
+   N + 1 log-probs and parses them into arrays), for each N in rotating order over ``--rounds``
+   rounds so that drift in machine load hits every N alike. Reported: generated tokens per second
+   (median over rounds) as a ratio to N = 0. Fixed lengths keep the work per round identical; the
+   tiny model's own answers end after about 20 tokens, too few to time.
+2. **Trainer step.** ``--step-samples`` samples from the real rollout path (``RolloutScheduler`` over
+   ``AsyncRolloutLoop``, as in the worker process) with N = 20 are cut to each N (N = 0 drops the arrays),
    planned into one step, and trained by ``AsyncGRPOTrainer._optimizer_step`` of a trainer built
    with that N (score centering on whenever N > 0). The same step is timed ``--repeats`` times per N,
-   interleaved. Reported: median step seconds as a ratio to N = 0.
+   interleaved. Reported: median step seconds as a ratio to N = 0, and pickled bytes per sample
+   (what crosses the process boundary).
 
     .venv/bin/python benchmarks/sampler_logprobs.py --out benchmarks/results/sampler_logprobs.json
 
@@ -77,6 +80,31 @@ def generate(rows: list[dict[str, Any]], num_top: int, tokenizer: Any, url: str,
     return seconds, tokens, [i for i in items if isinstance(i, RolloutSample)]
 
 
+def fixed_length_rate(url: str, prompts: list[list[int]], num_top: int, max_tokens: int, concurrency: int) -> float:
+    """Generated tokens per second for ``len(prompts)`` fixed-length requests, ``concurrency`` at a time."""
+    from grpo_core.rollout.client import VLLMGenerateClient
+
+    async def run() -> int:
+        client = VLLMGenerateClient(url, timeout=600)
+        gate = asyncio.Semaphore(concurrency)
+        params = {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
+
+        async def one(ids: list[int]) -> int:
+            async with gate:
+                (choice,) = await client.generate(ids, params, num_top=num_top)
+            assert num_top == 0 or choice.top_ids.shape == (max_tokens, num_top)
+            return len(choice.token_ids)
+
+        try:
+            return sum(await asyncio.gather(*(one(ids) for ids in prompts)))
+        finally:
+            await client.aclose()
+
+    start = time.perf_counter()
+    tokens = asyncio.run(run())
+    return tokens / (time.perf_counter() - start)
+
+
 def cut_top(sample: RolloutSample, num_top: int) -> RolloutSample:
     if num_top == 0:
         return dataclasses.replace(sample, sampler_top_ids=None, sampler_top_logprobs=None)
@@ -89,12 +117,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--server-url", default=None, help="use a running server (--max-logprobs >= 21)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--prompts", type=int, default=24, help="prompts per generation run")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--prompts", type=int, default=128, help="fixed-length requests per round and N")
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5, help="timed trainer steps per N")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per fixed-length request")
+    parser.add_argument("--concurrency", type=int, default=64, help="requests in flight")
+    parser.add_argument("--repeats", type=int, default=3, help="timed trainer steps per N")
+    parser.add_argument("--step-samples", type=int, default=512, help="samples in the timed trainer step")
     args = parser.parse_args()
 
     import torch
@@ -105,12 +134,13 @@ def main() -> None:
     from grpo_core.trainer import AsyncGRPOTrainer
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    model_path = build_tiny_model()
+    model_path = str(build_tiny_model())
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     data = arithmetic_dataset()["train"]
-    needed = args.rounds * len(NUM_TOP) * args.prompts
-    assert len(data) >= needed, f"--rounds x 3 x --prompts = {needed} prompts; the dataset has {len(data)}"
-    slices = iter(range(0, needed, args.prompts))
+    step_rows = [data[i] for i in range(args.step_samples // args.group_size + 16)]
+    texts = [tokenizer.apply_chat_template(data[i]["prompt"], add_generation_prompt=True, tokenize=False)
+             for i in range(len(step_rows), len(step_rows) + args.prompts)]
+    prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
     results: dict[str, Any] = {"config": vars(args), "machine": platform.platform(), "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory() as tmp:
@@ -120,21 +150,15 @@ def main() -> None:
             server.start()
         url = args.server_url or server.base_url
         try:
-            generate([data[i] for i in range(4)], max(NUM_TOP), tokenizer, url, args)  # warm-up
+            fixed_length_rate(url, prompt_ids[:8], max(NUM_TOP), 8, 8)  # warm-up
             gen: dict[int, list[float]] = {n: [] for n in NUM_TOP}
-            sample_bytes: dict[int, list[int]] = {n: [] for n in NUM_TOP}
-            top_samples: list[RolloutSample] = []
             for r in range(args.rounds):
-                order = NUM_TOP[r % 3:] + NUM_TOP[: r % 3]
-                for n in order:
-                    start = next(slices)
-                    seconds, tokens, samples = generate([data[i] for i in range(start, start + args.prompts)], n, tokenizer, url, args)
-                    gen[n].append(tokens / seconds)
-                    sample_bytes[n].extend(len(pickle.dumps(s)) for s in samples)
-                    if n == max(NUM_TOP):
-                        top_samples.extend(samples)
-                    print(f"round {r} N={n:2d}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.0f} tok/s, "
-                          f"{len(samples)} samples", flush=True)
+                for n in NUM_TOP[r % 3:] + NUM_TOP[: r % 3]:
+                    rate = fixed_length_rate(url, prompt_ids, n, args.max_tokens, args.concurrency)
+                    gen[n].append(rate)
+                    print(f"round {r} N={n:2d}: {rate:.0f} tok/s", flush=True)
+            _, _, samples = generate(step_rows, max(NUM_TOP), tokenizer, url, args)
+            top_samples = samples[: args.step_samples]
         finally:
             if server is not None:
                 server.stop()
@@ -143,7 +167,7 @@ def main() -> None:
     results["generation"] = {
         str(n): {"tokens_per_s_median": statistics.median(gen[n]), "tokens_per_s": gen[n],
                  "ratio_to_0": statistics.median(gen[n]) / base,
-                 "pickled_bytes_per_sample": statistics.mean(sample_bytes[n]) if sample_bytes[n] else None}
+                 "pickled_bytes_per_sample": statistics.mean(len(pickle.dumps(cut_top(s, n))) for s in top_samples)}
         for n in NUM_TOP
     }
 

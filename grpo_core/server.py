@@ -39,8 +39,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 class VLLMServerSpec:
     """How to launch the server. Defaults suit the CPU build and the offline tiny model."""
 
-    model: str
-    """Model folder or hub id to serve."""
+    model: str | os.PathLike[str]
+    """Model folder (a path object is fine) or hub id to serve."""
     host: str = "127.0.0.1"
     """Interface to bind; loopback by default."""
     port: int = 0
@@ -72,7 +72,7 @@ class VLLMServerSpec:
         """The full command line (the CPU build has no ``vllm serve``; the module entry point works everywhere)."""
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model,
+            "--model", os.fspath(self.model),
             "--host", self.host,
             "--port", str(port),
             "--max-model-len", str(self.max_model_len),
