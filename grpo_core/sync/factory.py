@@ -29,15 +29,24 @@ def resolve_lora_mode(requested: str, serving: LoraServing) -> str:
     return "merged"
 
 
+def wire_dtype(args: Any) -> Any:
+    """The dtype weights travel in: bf16 when training in bf16 (the policy the trainer computes with,
+    half the bytes of the fp32 master weights), else the weights' own dtype (None)."""
+    import torch
+
+    return torch.bfloat16 if args.bf16 else None
+
+
 def make_weight_sync(trainer: Any, control: Any) -> WeightSync:
     """The ``WeightSync`` for ``trainer``'s model and the server behind ``control`` (None off rank 0)."""
     from grpo_core.sync.protocol import ProtocolWeightSync
     from grpo_core.sync.source import ModelWeightSource
 
     args, model, rank = trainer.args, trainer.model, trainer.dist.rank
+    dtype = wire_dtype(args)
     peft_config = getattr(trainer, "peft_config", None)
     if peft_config is None:
-        return ProtocolWeightSync(control, ModelWeightSource(model), backend=args.weight_transfer_backend, rank=rank)
+        return ProtocolWeightSync(control, ModelWeightSource(model, wire_dtype=dtype), backend=args.weight_transfer_backend, rank=rank)
 
     from grpo_core.models.lora import base_named_tensors, max_rank, merged_named_tensors
     from grpo_core.sync.lora import LoraAdapterSync
@@ -45,9 +54,9 @@ def make_weight_sync(trainer: Any, control: Any) -> WeightSync:
     mode = _agree_on_mode(_choose_lora_mode(trainer, control, max_rank(peft_config)) if control is not None else None)
     log.info("LoRA weight sync: %s", mode)
     if mode == "merged":
-        merged = ModelWeightSource(model, named_tensors=functools.partial(merged_named_tensors, model))
+        merged = ModelWeightSource(model, wire_dtype=dtype, named_tensors=functools.partial(merged_named_tensors, model))
         return ProtocolWeightSync(control, merged, backend=args.weight_transfer_backend, rank=rank, mode="merged")
-    base = ModelWeightSource(model, named_tensors=functools.partial(base_named_tensors, model))
+    base = ModelWeightSource(model, wire_dtype=dtype, named_tensors=functools.partial(base_named_tensors, model))
     return LoraAdapterSync(
         control,
         model,
