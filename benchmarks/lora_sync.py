@@ -28,6 +28,7 @@ import concurrent.futures
 import json
 import os
 import platform
+import signal
 import statistics
 import sys
 import tempfile
@@ -182,6 +183,8 @@ def main() -> None:
     parser.add_argument("--seven-b-ranks", default="8,16,32,64")
     parser.add_argument("--out", default="benchmarks/results/lora_sync.json")
     args = parser.parse_args()
+    # A terminated run still stops the server it started (its process group outlives us otherwise).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     from grpo_core.server import VLLMServer, VLLMServerSpec
     from grpo_core.tiny import build_tiny_model

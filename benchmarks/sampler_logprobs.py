@@ -32,6 +32,7 @@ import json
 import os
 import pickle
 import platform
+import signal
 import statistics
 import sys
 import tempfile
@@ -125,6 +126,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed trainer steps per N")
     parser.add_argument("--step-samples", type=int, default=512, help="samples in the timed trainer step")
     args = parser.parse_args()
+    # A terminated run still stops the server it started (its process group outlives us otherwise).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     import torch
     from transformers import AutoTokenizer
