@@ -169,6 +169,8 @@ class AsyncGRPOTrainer:
         if broadcast_object(self.dist.is_main and _left_paused(control)):
             # A trainer killed during a weight sync (preemption) left the server paused with half-loaded
             # weights, on which the next request would crash it: complete a push (it resumes) first.
+            if self.dist.is_main:
+                _close_open_weight_update(control)
             self.weight_sync = make_weight_sync(self, control)
             self._sync_weights()
         if self.dist.is_main:
@@ -372,3 +374,19 @@ def _left_paused(control: Any) -> bool:
     if paused:
         log.warning("the vLLM server was left paused, by a trainer that died during a weight sync; pushing weights")
     return paused
+
+
+def _close_open_weight_update(control: Any) -> None:
+    """Finish the weight-update session a trainer killed between start and finish left open, so the
+    next push can start one. vLLM answers a start while a session is open, and a finish while none
+    is, with an error (the engine runs on) and cannot be asked which holds: finish, and accept the
+    refusal when there was nothing to finish."""
+    from grpo_core.rollout.client import VLLMRequestError
+
+    try:
+        control.finish_weight_update()
+    except VLLMRequestError as err:
+        if "without a matching start" not in str(err):
+            raise
+        return
+    log.warning("closed the weight-update session that the dead trainer left open")

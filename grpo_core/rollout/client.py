@@ -30,20 +30,35 @@ class VLLMControlClient:
 
     def __init__(self, base_url: str, timeout: float = 300.0):
         self.base_url = base_url.rstrip("/")
+        self._timeout = timeout
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
 
     def close(self) -> None:
         self._http.close()
 
-    def _post(self, route: str, json: Any = None, params: dict[str, Any] | None = None) -> httpx.Response:
-        response = self._http.post(route, json=json, params=params)
+    def _send(self, method: str, route: str, retry: bool, **kwargs: Any) -> httpx.Response:
+        # The server closes a connection after answering an error, and idle keep-alive ones after a
+        # few seconds; a request sent on such a connection fails before the server sees it, so it is
+        # sent once more on a new one. Not for calls that block in a transfer (a retry would wait for
+        # data the trainer sent only once).
+        try:
+            response = self._http.request(method, route, **kwargs)
+        except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError):
+            if not retry:
+                raise
+            response = self._http.request(method, route, **kwargs)
+        if response.status_code >= 500:
+            # The server drops the connection after an internal error; start the next call afresh.
+            self._http.close()
+            self._http = httpx.Client(base_url=self.base_url, timeout=self._timeout)
         _raise_for(route, response)
         return response
 
+    def _post(self, route: str, json: Any = None, params: dict[str, Any] | None = None, retry: bool = True) -> httpx.Response:
+        return self._send("POST", route, retry, json=json, params=params)
+
     def _get(self, route: str, params: dict[str, Any] | None = None) -> httpx.Response:
-        response = self._http.get(route, params=params)
-        _raise_for(route, response)
-        return response
+        return self._send("GET", route, True, params=params)
 
     # -- model and server information -------------------------------------------------------------
     def models(self) -> list[dict[str, Any]]:
@@ -87,13 +102,13 @@ class VLLMControlClient:
 
     # -- vLLM's weight-transfer protocol (VLLMWeightSyncClient) -------------------------------------
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._post("/init_weight_transfer_engine", json={"init_info": init_info})
+        self._post("/init_weight_transfer_engine", json={"init_info": init_info}, retry=False)
 
     def start_weight_update(self) -> None:
         self._post("/start_weight_update")
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        self._post("/update_weights", json={"update_info": update_info})
+        self._post("/update_weights", json={"update_info": update_info}, retry=False)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         body = {"weight_version": weight_version} if weight_version is not None else None

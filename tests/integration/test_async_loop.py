@@ -189,3 +189,28 @@ def test_top_k_without_candidate_sets_warns_once_and_trains(vllm_server, tiny_mo
     in_children = capfd.readouterr().err.count(warning)  # the rollout process shares our stderr
     assert len(in_process) + in_children == 1, (len(in_process), in_children)
     assert "importance ratios are biased" in in_process[0].getMessage()
+
+
+@pytest.mark.parametrize("died", ["after start", "before start"])
+def test_trainer_recovers_a_server_left_mid_sync(vllm_server, tiny_model_path, tmp_path, died):
+    # A trainer killed during a weight sync leaves the server paused, and, when it died between
+    # start and finish, with a weight-update session open, which refuses the next start. Its
+    # successor must close what is open (or accept that nothing is) and train.
+    from grpo_core.rollout.client import VLLMControlClient
+
+    control = VLLMControlClient(vllm_server.base_url)
+    try:
+        control.pause(mode="keep")
+        if died == "after start":
+            control.start_weight_update()
+        data = arithmetic_dataset()
+        trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward], data["train"],
+                                   args=fast_config(vllm_server.base_url, tmp_path, max_steps=2))
+        history = trainer.train()
+        assert len(history) == 2
+        assert not control.is_paused()
+        assert control.weight_version() == "2"
+    finally:
+        if control.is_paused():
+            control.resume()
+        control.close()
