@@ -128,11 +128,13 @@ class AsyncGRPOTrainer:
                 metrics.update(self.checkpointer.record_step(self, batch))  # the prompts it consumed
                 if self.global_step % self.args.weight_sync_steps == 0 or self._is_last_step():
                     metrics.update(self._sync_weights())
-                if self.checkpointer.should_save(self.global_step) or self._is_last_step():
-                    metrics.update(self.checkpointer.save(self))
                 metrics.update(self._step_metrics(batch, step_start))
                 metrics.update(self.perf.step_metrics(batch.plan.rows, metrics["perf/fwd_bwd_s"], metrics["perf/step_s"]))
                 self._log(metrics)
+                # After the step is logged: a step that a checkpoint holds is always in the run's
+                # history, so resuming from it leaves no gap in the logged steps.
+                if self.checkpointer.should_save(self.global_step) or self._is_last_step():
+                    self._log(self.checkpointer.save(self), same_step=True)
         finally:
             self._teardown()
         return self.history
@@ -337,11 +339,17 @@ class AsyncGRPOTrainer:
         )
         return metrics
 
-    def _log(self, metrics: dict[str, float]) -> None:
+    def _log(self, metrics: dict[str, float], same_step: bool = False) -> None:
+        """Record ``metrics`` for the current step; ``same_step`` adds them to the step logged last."""
         metrics = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
-        self.history.append({"step": float(self.global_step), **metrics})
+        if same_step:
+            self.history[-1].update(metrics)
+        else:
+            self.history.append({"step": float(self.global_step), **metrics})
         if self.dist.is_main and self.global_step % self.args.logging_steps == 0:
             self.tracker.log_metrics(metrics, step=self.global_step)
+            if same_step:
+                return
             log.info(
                 "step %d  reward %.3f  loss %.4f  gen %.0f tok/s  wait %.2fs",
                 self.global_step,
