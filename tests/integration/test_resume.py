@@ -390,7 +390,10 @@ def test_flow_resumes_after_three_kills_local(local_run, mlflow_server):
 def test_vllm_serves_a_checkpoint_folder_as_it_is(local_run, tmp_path):
     run, _summary, _ = local_run
     folder = run.storage.checkpoints()[0][1]
-    with VLLMServer(VLLMServerSpec(model=folder, max_model_len=256), tmp_path) as server:
+    # Started by hand for the generous timeout: a start on two busy cores has taken over ten minutes.
+    server = VLLMServer(VLLMServerSpec(model=folder, max_model_len=256), tmp_path)
+    try:
+        server.start(timeout_s=START_TIMEOUT_S)
         reply = httpx.post(
             f"{server.base_url}/v1/completions",
             json={"model": folder, "prompt": "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n",
@@ -401,6 +404,8 @@ def test_vllm_serves_a_checkpoint_folder_as_it_is(local_run, tmp_path):
         choice = reply.json()["choices"][0]
         assert choice["text"].strip(), reply.json()
         assert reply.json()["usage"]["completion_tokens"] > 0
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")
