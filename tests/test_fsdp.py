@@ -246,6 +246,9 @@ def _two_rank_checks(rank: int, port: int, out_dir: str) -> None:
     results["feed"] = steps
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
+    # Both ranks done with every collective before either tears gloo down (a rank that leaves while the
+    # other still talks has aborted with "terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
