@@ -125,6 +125,10 @@ class RolloutWorker:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self.stop_event.set()
+        if self.process.is_alive() and time.time() - self.heartbeat.value > self.heartbeat_timeout_s:
+            # A silent worker (frozen, or stuck in native code) cannot see the stop event: waiting for
+            # it would only delay the error the trainer is about to raise.
+            self.process.kill()
         if self.process.is_alive():
             # Drain so a worker blocked on a full queue can see the stop event.
             deadline = time.monotonic() + timeout_s

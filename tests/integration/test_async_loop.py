@@ -128,8 +128,9 @@ def test_dead_or_silent_worker_ends_the_run(vllm_server, tiny_model_path, tmp_pa
     with pytest.raises(RolloutWorkerError) as info:
         trainer.train()
     elapsed = time.monotonic() - hit["t"]
-    # Within the heartbeat timeout plus the optimizer step that was running when the worker stopped.
-    assert elapsed < timeout + 10, f"the error took {elapsed:.1f} s"
+    # Within the heartbeat timeout plus the step that was running when the worker stopped (< 1 s here) and
+    # the teardown, which must not wait for a silent worker to see its stop event (that wait once added 10 s).
+    assert elapsed < timeout + 5, f"the error took {elapsed:.1f} s"
     assert ("exited" in str(info.value)) if how == "kill" else ("heartbeat" in str(info.value))
 
 

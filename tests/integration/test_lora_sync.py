@@ -34,7 +34,8 @@ pytestmark = pytest.mark.integration
 # moves the same log-probs by ~0.5, so this bound separates "same policy" from "other policy" widely.
 FP32_TOL = 2e-4
 PROMPT = list(range(5, 25))
-OLD_ROLLOUTS = 8
+LAUNCH_EVERY_S = 0.02  # a ~500-token request takes >= 0.2 s on the tiny model, so ~10 are always in flight
+MAX_OLD_ROLLOUTS = 1000  # a bound on the launcher should a push hang
 
 
 def lora_policy(model_path: str, r: int = 8, seed: int = 0) -> torch.nn.Module:
@@ -179,38 +180,59 @@ def test_window_bounds_registered_versions_and_old_rollout_finishes_under_its_ve
         v0_state = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
         poller.start()
 
-        # Long requests under v0, in flight while v1 and v2 are pushed (v2 retires v0). Several run
-        # at once so that some outlast both pushes even on an idle server. A request the server
-        # answers with 200 was bound to v0 on arrival (after the unload it would get a 404), so one
-        # that ends after the unload was in flight across it.
-        finished: list[tuple[float, httpx.Response]] = []
-        http = httpx.Client(timeout=300)
+        # Long requests under v0 keep arriving, one every LAUNCH_EVERY_S, from before v1 is pushed until
+        # the push of v2 (which retires v0) has returned. A request the server answers with 200 was bound
+        # to v0 on arrival (after the unload it gets a 404), so one that ends after push(2) returned was in
+        # flight across the unload. Each request decodes ~500 tokens, so those that arrive in the last
+        # moments before the unload outlast it however fast the pushes or the server are.
+        finished: list[tuple[float, float, httpx.Response]] = []  # (sent, ended, reply)
+        http = httpx.Client(timeout=300, limits=httpx.Limits(max_connections=256))
         body = {"token_ids": PROMPT, "model": sync.served_model_name(0),
                 "sampling_params": {"max_tokens": 512 - len(PROMPT), "temperature": 1.0, "ignore_eos": True, "logprobs": 20}}
+        pushes_done = threading.Event()
 
         # Unseeded: the CPU engine fails on a seeded request whose prefill is split across steps.
         def old_rollout() -> None:
+            sent = time.monotonic()
             reply = http.post(f"{url}/inference/v1/generate", json=body)
-            finished.append((time.monotonic(), reply))
+            finished.append((sent, time.monotonic(), reply))
 
-        requests = [threading.Thread(target=old_rollout) for _ in range(OLD_ROLLOUTS)]
-        for request in requests:
-            request.start()
-        wait_until_running(control, 1, finished)
-        for version in (1, 2):
-            randomize_adapter(model, seed=100 + version)
-            sync.push(version)
-            assert sync.registered_versions == list(range(max(0, version - window + 1), version + 1))
-        retired_at = time.monotonic()
+        requests: list[threading.Thread] = []
+
+        def launch() -> None:
+            while not pushes_done.is_set() and len(requests) < MAX_OLD_ROLLOUTS:
+                requests.append(threading.Thread(target=old_rollout))
+                requests[-1].start()
+                time.sleep(LAUNCH_EVERY_S)
+
+        launcher = threading.Thread(target=launch)
+        launcher.start()
+        try:
+            wait_until_running(control, 1, finished)
+            for version in (1, 2):
+                randomize_adapter(model, seed=100 + version)
+                if version == 2:
+                    retiring_from = time.monotonic()
+                sync.push(version)
+                assert sync.registered_versions == list(range(max(0, version - window + 1), version + 1))
+            retired_at = time.monotonic()
+        finally:
+            pushes_done.set()
+            launcher.join()
         refused = generate(url, PROMPT, {"max_tokens": 1}, sync.adapter_name(0))
         for request in requests:
             request.join(timeout=300)
         http.close()
 
         assert refused.status_code == 404  # v0 had left the server's names while its requests ran on
-        assert len(finished) == OLD_ROLLOUTS and all(reply.status_code == 200 for _, reply in finished)
-        late = [reply for end, reply in finished if end > retired_at]
-        assert late, "every old request finished before v0 was retired; the test proves nothing"
+        assert len(finished) == len(requests)
+        # Arrived while v0 was registered: served by v0 (checked below). Arrived after its unload: refused,
+        # never served by another version.
+        statuses = [(round(sent - retiring_from, 2), reply.status_code, reply.text[:200]) for sent, _, reply in finished
+                    if reply.status_code != 200]
+        assert all(status == 404 for _, status, _ in statuses), statuses
+        late = [reply for _, end, reply in finished if reply.status_code == 200 and end > retired_at]
+        assert late, f"no old request was in flight across v0's unload ({len(finished)} sent); the test proves nothing"
         newest_state = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
         for reply in late:
             choice = reply.json()["choices"][0]
@@ -249,7 +271,7 @@ def wait_until_running(control: VLLMControlClient, count: int, finished: list, t
         if found and float(found.group(1)) >= count:
             return
         time.sleep(0.02)
-    replies = [(reply.status_code, reply.text[:300]) for _, reply in finished]
+    replies = [(reply.status_code, reply.text[:300]) for *_, reply in finished]
     running = re.findall(r"^vllm:num_requests_(?:running|waiting).*$", text, re.M)
     raise AssertionError(f"{count} long requests never ran at once; finished: {replies}; metrics: {running}")
 
