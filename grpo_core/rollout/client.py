@@ -16,6 +16,10 @@ import httpx
 import numpy as np
 
 
+# Failures of a connection the server had already closed: the request never reached it.
+DROPPED_CONNECTION = (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError)
+_GENERATE_ATTEMPTS = 3
+
 class VLLMRequestError(RuntimeError):
     """A vLLM route answered with an error; the message names the route and the server's reply."""
 
@@ -43,7 +47,7 @@ class VLLMControlClient:
         # data the trainer sent only once).
         try:
             response = self._http.request(method, route, **kwargs)
-        except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError):
+        except DROPPED_CONNECTION:
             if not retry:
                 raise
             response = self._http.request(method, route, **kwargs)
@@ -207,7 +211,16 @@ class VLLMGenerateClient:
         body: dict[str, Any] = {"token_ids": token_ids, "sampling_params": params}
         if model is not None:
             body["model"] = model
-        response = await self._http.post("/inference/v1/generate", json=body)
+        # The server closes idle keep-alive connections after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE) while
+        # httpx may still hold them, so a request sent on one as it closes fails without reaching the
+        # server: send it again on a new connection. A sample is a fresh draw, so a retry is harmless.
+        for attempt in range(_GENERATE_ATTEMPTS):
+            try:
+                response = await self._http.post("/inference/v1/generate", json=body)
+                break
+            except DROPPED_CONNECTION:
+                if attempt == _GENERATE_ATTEMPTS - 1:
+                    raise
         _raise_for("/inference/v1/generate", response)
         return [parse_generate_choice(c, num_top) for c in response.json()["choices"]]
 

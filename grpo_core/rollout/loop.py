@@ -23,7 +23,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import httpx
 import numpy as np
 
 from grpo_core.advantages import group_advantages
@@ -239,27 +238,22 @@ class AsyncRolloutLoop:
 
         A rollout that outlives its adapter's window finds the name unloaded (HTTP 404). Its sample
         is stale by then and will be dropped, so it continues under the newest adapter rather than
-        failing the worker; the first turn's older version keeps it marked stale.
-
-        A dropped connection is retried too: the server closes idle keep-alive connections after
-        5 s (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``), as long as httpx keeps them, so a request sent on one
-        just as it closes fails without reaching the server.
+        failing the worker; the first turn's older version keeps it marked stale. (Dropped
+        connections are retried by the client.)
         """
         assert self.client is not None, "connect() first"
         num_top = self.config.num_sampler_logprobs
-        for _ in range(3):
+        while True:
             named = {"model": pinned[0]} if pinned is not None else {}  # no adapter: the call stays as before
             try:
                 (choice,) = await self.client.generate(prompt_ids, params, num_top=num_top, **named)
                 return choice, pinned
-            except (httpx.ReadError, httpx.RemoteProtocolError):
-                continue
             except VLLMRequestError as exc:
                 newest = self.sampling_adapter()
-                if pinned is None or "HTTP 404" not in str(exc) or newest is None or newest == pinned:
+                # Move on only to a different, newer adapter: each retry advances, so this ends.
+                if pinned is None or "HTTP 404" not in str(exc) or newest is None or newest[1] <= pinned[1]:
                     raise
                 pinned = newest
-        raise VLLMRequestError(f"generation failed three times (dropped connections or unloaded adapters; last {pinned})")
 
     def turn_record(self, prompt_ids: list[int], choice: GeneratedChoice, pinned: tuple[str, int] | None = None) -> TurnRecord:
         return TurnRecord(
