@@ -258,9 +258,9 @@ def test_window_bounds_registered_versions_and_old_rollout_finishes_under_its_ve
         if poller.is_alive():
             poller.join(timeout=10)
         sync.close()
-    # The next version is loaded before the oldest goes, so the server holds one extra for a moment.
+    # The next version is loaded before the oldest goes, so the server holds one extra for a moment (at
+    # rest it holds the window: checked after push(3) above; the poller's last reading may be mid-push).
     assert seen and max(seen) <= window + 1
-    assert seen[-1] <= window
 
 
 def wait_until_running(control: VLLMControlClient, count: int, finished: list, timeout_s: float = 60.0) -> None:
