@@ -34,7 +34,8 @@ pytestmark = pytest.mark.integration
 # moves the same log-probs by ~0.5, so this bound separates "same policy" from "other policy" widely.
 FP32_TOL = 2e-4
 PROMPT = list(range(5, 25))
-LAUNCH_EVERY_S = 0.02  # a ~500-token request takes >= 0.2 s on the tiny model, so ~10 are always in flight
+OLD_ROLLOUTS_BURST = 32
+LAUNCH_EVERY_S = 0.02
 MAX_OLD_ROLLOUTS = 1000  # a bound on the launcher should a push hang
 
 
@@ -180,11 +181,11 @@ def test_window_bounds_registered_versions_and_old_rollout_finishes_under_its_ve
         v0_state = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
         poller.start()
 
-        # Long requests under v0 keep arriving, one every LAUNCH_EVERY_S, from before v1 is pushed until
-        # the push of v2 (which retires v0) has returned. A request the server answers with 200 was bound
-        # to v0 on arrival (after the unload it gets a 404), so one that ends after push(2) returned was in
-        # flight across the unload. Each request decodes ~500 tokens, so those that arrive in the last
-        # moments before the unload outlast it however fast the pushes or the server are.
+        # Long requests under v0: a burst, so that many decode at once and each takes seconds however fast
+        # the server (alone, one decodes its ~500 tokens in ~0.2 s, faster than a push), then one every
+        # LAUNCH_EVERY_S until the push of v2 (which retires v0) has returned, so some are in flight
+        # however slow the pushes. A request the server answers with 200 was bound to v0 on arrival
+        # (after the unload it gets a 404), so one that ends after push(2) returned ran across the unload.
         finished: list[tuple[float, float, httpx.Response]] = []  # (sent, ended, reply)
         http = httpx.Client(timeout=300, limits=httpx.Limits(max_connections=256))
         body = {"token_ids": PROMPT, "model": sync.served_model_name(0),
@@ -200,6 +201,9 @@ def test_window_bounds_registered_versions_and_old_rollout_finishes_under_its_ve
         requests: list[threading.Thread] = []
 
         def launch() -> None:
+            for _ in range(OLD_ROLLOUTS_BURST):
+                requests.append(threading.Thread(target=old_rollout))
+                requests[-1].start()
             while not pushes_done.is_set() and len(requests) < MAX_OLD_ROLLOUTS:
                 requests.append(threading.Thread(target=old_rollout))
                 requests[-1].start()
@@ -208,7 +212,8 @@ def test_window_bounds_registered_versions_and_old_rollout_finishes_under_its_ve
         launcher = threading.Thread(target=launch)
         launcher.start()
         try:
-            wait_until_running(control, 1, finished)
+            wait_until_running(control, OLD_ROLLOUTS_BURST // 2, finished)
+            pushes_from = time.monotonic()
             for version in (1, 2):
                 randomize_adapter(model, seed=100 + version)
                 if version == 2:
@@ -232,7 +237,11 @@ def test_window_bounds_registered_versions_and_old_rollout_finishes_under_its_ve
                     if reply.status_code != 200]
         assert all(status == 404 for _, status, _ in statuses), statuses
         late = [reply for _, end, reply in finished if reply.status_code == 200 and end > retired_at]
-        assert late, f"no old request was in flight across v0's unload ({len(finished)} sent); the test proves nothing"
+        assert late, (
+            f"no old request was in flight across v0's unload; the test proves nothing. Pushes took "
+            f"{retired_at - pushes_from:.2f} s; requests (sent, ended, status) relative to their end: "
+            f"{[(round(sent - retired_at, 2), round(end - retired_at, 2), reply.status_code) for sent, end, reply in finished]}"
+        )
         newest_state = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
         for reply in late:
             choice = reply.json()["choices"][0]
