@@ -20,6 +20,7 @@ import numpy as np
 DROPPED_CONNECTION = (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError)
 _GENERATE_ATTEMPTS = 3
 
+
 class VLLMRequestError(RuntimeError):
     """A vLLM route answered with an error; the message names the route and the server's reply."""
 

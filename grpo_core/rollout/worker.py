@@ -96,12 +96,16 @@ class RolloutWorker:
             if self.process.exitcode == 0:
                 return  # it finished its epochs; the queue still holds its last items
             raise RolloutWorkerError(f"rollout worker exited unexpectedly (exit code {self.process.exitcode})")
-        silent = time.time() - self.heartbeat.value
+        silent = self.silent_s()
         if silent > self.heartbeat_timeout_s:
             raise RolloutWorkerError(
                 f"rollout worker sent no heartbeat for {silent:.0f} s "
                 f"(worker_heartbeat_timeout_s={self.heartbeat_timeout_s})"
             )
+
+    def silent_s(self) -> float:
+        """Seconds since the worker's last heartbeat."""
+        return time.time() - self.heartbeat.value
 
     def _error(self) -> str | None:
         try:
@@ -125,7 +129,7 @@ class RolloutWorker:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self.stop_event.set()
-        if self.process.is_alive() and time.time() - self.heartbeat.value > self.heartbeat_timeout_s:
+        if self.process.is_alive() and self.silent_s() > self.heartbeat_timeout_s:
             # A silent worker (frozen, or stuck in native code) cannot see the stop event: waiting for
             # it would only delay the error the trainer is about to raise.
             self.process.kill()
