@@ -1,35 +1,76 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv in the repository root from requirements.lock. Idempotent: a second run
-# with an unchanged lock file and pyproject.toml returns at once.
+# with an unchanged lock file, pyproject.toml and set-up script returns at once.
+#
+# Works from a bare system Python (Debian/Ubuntu's, which refuses `pip install` under PEP 668):
+# `uv` comes from PATH when it is there, otherwise it is installed into a virtual environment of its
+# own under ~/.cache/grpo-core/bootstrap. The project environment then carries its own `uv` and
+# `pip` (both are in the lock), so the processes started from it (a vLLM server listing its
+# packages, the tests) never depend on what the caller's PATH holds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-want=$(cat requirements.lock pyproject.toml | sha256sum | cut -c1-16)
+want=$(cat requirements.lock pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 stamp=.venv/.installed-from
 if [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   exit 0
 fi
 
-if ! command -v uv >/dev/null 2>&1; then
-  echo "installing uv (the resolver/installer used for the lock file)" >&2
-  python3 -m pip install --quiet --user uv 2>/dev/null || python3 -m pip install --quiet uv
-  export PATH="$HOME/.local/bin:$PATH"
+# ---- a Python 3.11 to build from --------------------------------------------------------------------
+python=""
+for candidate in ${GRPO_CORE_PYTHON:-} python3.11 python3; do
+  if command -v "$candidate" >/dev/null 2>&1 &&
+     "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+    python=$(command -v "$candidate")
+    break
+  fi
+done
+if [ -z "$python" ]; then
+  echo "setup: no Python 3.11 found (tried \$GRPO_CORE_PYTHON, python3.11, python3); install Python 3.11" >&2
+  exit 1
 fi
 
-# torch==2.13.0+cpu comes from a local wheel folder when pip is configured with one, otherwise
-# from the PyTorch CPU index. uv reads neither pip's config nor that index by default.
+# ---- uv: the installer the lock file is resolved with -----------------------------------------------
+uv_version=0.13.9
+uv=$(command -v uv || true)
+if [ -z "$uv" ]; then
+  bootstrap="${XDG_CACHE_HOME:-$HOME/.cache}/grpo-core/bootstrap"
+  if [ ! -x "$bootstrap/bin/uv" ]; then
+    echo "setup: installing uv $uv_version into $bootstrap" >&2
+    if ! "$python" -m venv --clear "$bootstrap" >/dev/null; then
+      echo "setup: '$python -m venv' failed; install your distribution's venv package (Debian/Ubuntu:" \
+           "apt install python3.11-venv) or put uv on PATH" >&2
+      exit 1
+    fi
+    "$bootstrap/bin/python" -m pip install --quiet "uv==$uv_version"
+  fi
+  uv="$bootstrap/bin/uv"
+fi
+
+# ---- where torch==2.13.0+cpu comes from --------------------------------------------------------------
+# A local wheel folder when there is one (GRPO_CORE_WHEELS, pip's configured find-links, or this
+# fleet's /opt/wheels), otherwise the PyTorch CPU index. uv reads neither pip's configuration nor
+# that index by default.
 extra=()
-links=$(python3 -m pip config list 2>/dev/null | sed -n "s/^[a-z:.]*find-links='\(.*\)'$/\1/p" | head -n1)
-if [ -n "${links}" ] && ls "${links}"/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then
-  extra+=(--find-links "${links}")
+links=""
+for folder in "${GRPO_CORE_WHEELS:-}" "${PIP_FIND_LINKS:-}" \
+              "$("$python" -m pip config list 2>/dev/null | sed -n "s/^[a-z:.]*find-links='\(.*\)'$/\1/p" | head -n1)" \
+              /opt/wheels; do
+  if [ -n "$folder" ] && ls "$folder"/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then
+    links=$folder
+    break
+  fi
+done
+if [ -n "$links" ]; then
+  extra+=(--find-links "$links")
 else
   extra+=(--extra-index-url https://download.pytorch.org/whl/cpu)
 fi
 
-uv venv .venv --python 3.11 --allow-existing --quiet
+"$uv" venv .venv --python "$python" --allow-existing --quiet
 # `sync` installs exactly the lock: vLLM's torchvision/torchaudio/torchcodec stay out on purpose
 # (their PyPI builds break `import transformers` beside CPU torch).
-uv pip sync requirements.lock --python .venv/bin/python --index-strategy unsafe-best-match "${extra[@]}"
-uv pip install --python .venv/bin/python --no-deps -e . --quiet
+"$uv" pip sync requirements.lock --python .venv/bin/python --index-strategy unsafe-best-match "${extra[@]}"
+"$uv" pip install --python .venv/bin/python --no-deps -e . --quiet
 echo "$want" > "$stamp"
 echo "environment ready: $(pwd)/.venv" >&2
