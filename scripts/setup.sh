@@ -46,6 +46,9 @@ if [ -z "$uv" ]; then
   fi
   uv="$bootstrap/bin/uv"
 fi
+# uv trusts its own certificate bundle by default; the platform's store is what pip and curl use, and
+# it is the one that holds a site's proxy or mirror certificate.
+export UV_SYSTEM_CERTS=${UV_SYSTEM_CERTS:-1}
 
 # ---- where torch==2.13.0+cpu comes from --------------------------------------------------------------
 # A local wheel folder when there is one (GRPO_CORE_WHEELS, pip's configured find-links, or this
