@@ -187,7 +187,7 @@ def probe_lora_serving(base_url: str, timeout: float = 30.0) -> LoraServing:
         runtime_updates = probe.status_code != 404
         info = http.get("/server_info", params={"config_format": "json"})
         if info.status_code != 200:
-            raise ServerConfigError(f"/server_info answered HTTP {info.status_code}; it is needed to read the LoRA limits")
+            raise ServerConfigError(_server_info_failure(base_url, info))
         lora = (info.json().get("vllm_config") or {}).get("lora_config")
         if not lora:
             return LoraServing(runtime_updates=runtime_updates, enabled=False)
@@ -199,6 +199,21 @@ def probe_lora_serving(base_url: str, timeout: float = 30.0) -> LoraServing:
         )
     finally:
         http.close()
+
+
+def _server_info_failure(base_url: str, response: httpx.Response) -> str:
+    """Why ``/server_info`` (the only place vLLM reports its LoRA limits) failed, and what fixes it."""
+    text = response.text[:300]
+    if response.status_code == 500 and "splitlines" in text:
+        # vLLM builds the report with a package listing: `python -m pip list` when pip is importable
+        # in the server's environment, else `uv pip list`, which fails when uv is not on its PATH.
+        return (
+            f"{base_url}/server_info failed while the server listed its installed packages (HTTP 500: {text}). "
+            "The LoRA limits were not read; the server itself is fine. vLLM lists packages with pip, or with uv in a "
+            "uv-made environment without pip: install pip into the server's environment (or put `uv` on the "
+            "server's PATH) and restart the server"
+        )
+    return f"{base_url}/server_info answered HTTP {response.status_code} ({text}); it is needed to read the LoRA limits"
 
 
 def check_lora_limits(serving: LoraServing, config: AsyncGRPOConfig, adapter_rank: int, model: str = "<model>") -> None:
