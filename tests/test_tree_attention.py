@@ -150,10 +150,11 @@ def test_check_supported_architecture():
 
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         layer_types=["full_attention", "linear_attention"])
+                         layer_types=["full_attention", "sliding_attention"])
     config_holder = type("M", (torch.nn.Module,), {})()
     config_holder.config = config
-    with pytest.raises(ta.UnsupportedArchitectureError, match="linear_attention"):
+    # Gated DeltaNet (linear_attention) layers are supported (tests/test_gated_delta.py); windows are not.
+    with pytest.raises(ta.UnsupportedArchitectureError, match="sliding_attention"):
         ta.check_supported_architecture(config_holder)
 
 

@@ -55,6 +55,9 @@ class TreeAttentionMetadata:
     max_k: int  # longest root-to-segment path
     kv_index: torch.Tensor | None  # int64 [K]: row positions of every path; None = no gather (flat)
     _dense_mask: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # Per-row plans other token mixers derive from the segments (gated delta: segment depths, conv
+    # gathers), built by the first layer that needs them and read by the rest of the forward.
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_segments(self) -> int:
@@ -144,6 +147,11 @@ class _GatherRows(torch.autograd.Function):
         acc = grad.new_zeros((ctx.rows, *grad.shape[1:]), dtype=torch.float32)
         acc.index_add_(0, index, grad.float())
         return acc.to(ctx.dtype), None
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x.index_select(0, index)``; the gradient of a row gathered several times is summed in fp32."""
+    return _GatherRows.apply(x, index)
 
 
 def _gather_backend(name: str, kernel: VarlenKernel, repeat_kv: bool, needs_cuda: bool) -> Backend:
@@ -352,49 +360,71 @@ def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     return None
 
 
-def check_supported_architecture(model: torch.nn.Module) -> None:
-    """Raise ``UnsupportedArchitectureError`` unless every decoder layer is attention + MLP (+ norms).
+SUPPORTED_LAYER_TYPES = ("full_attention", "linear_attention")  # linear = Gated DeltaNet, checked per layer
 
-    Tree packing is exact only for layers that mix tokens through attention alone: a convolution or a
-    recurrent state (gated delta-net, Mamba) would read the previous *row* position, not the token's
-    parent in the trie. Those hybrids need their own tree kernels and are refused here for now.
+
+def check_supported_architecture(model: torch.nn.Module) -> None:
+    """Raise ``UnsupportedArchitectureError`` unless every decoder layer can run a packed row exactly.
+
+    A layer may mix tokens through attention that calls transformers' attention interface, or
+    through a transformers Gated DeltaNet (``linear_attention``) whose module functions
+    ``grpo_core.models.hybrid`` patches; plus an MLP (dense or mixture of experts) and norms.
+    Any other token mixer (Mamba, sliding windows, other linear attentions) would read the previous
+    *row* position instead of the token's parent in the trie, so it is refused, by name.
+
+    M-RoPE (Qwen3.5, Qwen3-VL) is accepted: a text-only row gives all three position axes the
+    token's depth, which is ordinary RoPE; images are refused before they become tokens
+    (``grpo_core.models.vision.refuse_images``).
     """
+    from grpo_core.models.hybrid import is_gated_delta_net
+
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     name = type(model).__name__
-    layer_types = sorted({t for t in (getattr(text, "layer_types", None) or []) if t != "full_attention"})
-    if layer_types:
+    other = sorted({t for t in (getattr(text, "layer_types", None) or []) if t not in SUPPORTED_LAYER_TYPES})
+    if other:
         raise UnsupportedArchitectureError(
-            f"{name}: tree packing supports full-attention layers only, this model also has {layer_types} "
-            "layers (gated delta-net / linear-attention hybrids and sliding windows are not supported yet)"
+            f"{name}: tree packing supports full-attention and Gated DeltaNet (linear_attention) layers, this "
+            f"model also has {other} layers"
         )
-    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-    if isinstance(rope, dict) and "mrope_section" in rope:
-        raise UnsupportedArchitectureError(f"{name}: multimodal (M-RoPE) positions are not supported by tree packing")
     layers = _decoder_layers(model)
     if layers is None or len(layers) == 0:
         raise UnsupportedArchitectureError(f"{name}: no decoder `layers` list found; cannot check it for tree packing")
     for i, layer in enumerate(layers):
+        mixers = 0
         for child_name, child in layer.named_children():
             if child_name == "self_attn":
+                mixers += 1
                 source = inspect.getsource(type(child).forward)
                 if "ALL_ATTENTION_FUNCTIONS" not in source and "attention_interface" not in source:
                     raise UnsupportedArchitectureError(
                         f"{name}: layer {i} attention {type(child).__name__} does not call transformers' "
                         "attention interface, so tree attention cannot be plugged in"
                     )
+            elif child_name == "linear_attn" and is_gated_delta_net(child):
+                mixers += 1
             elif child_name != "mlp" and "norm" not in child_name.lower() and "dropout" not in child_name.lower():
                 raise UnsupportedArchitectureError(
-                    f"{name}: layer {i} has `{child_name}` ({type(child).__name__}); tree packing supports "
-                    "decoder layers made of self-attention and an MLP only (gated delta-net hybrids come later)"
+                    f"{name}: layer {i} has `{child_name}` ({type(child).__name__}); tree packing supports decoder "
+                    "layers made of self-attention or a transformers Gated DeltaNet, an MLP and norms"
                 )
-        if not hasattr(layer, "self_attn"):
-            raise UnsupportedArchitectureError(f"{name}: layer {i} has no `self_attn`")
+        if mixers != 1:
+            raise UnsupportedArchitectureError(
+                f"{name}: layer {i} has {mixers} token mixers (`self_attn` / Gated DeltaNet `linear_attn`), expected one"
+            )
 
 
-def enable_tree_attention(model: torch.nn.Module, backend: str = "auto") -> str:
-    """Check the model, register ``grpo_tree`` and switch the model to it; returns the backend name."""
+def enable_tree_attention(model: torch.nn.Module, backend: str = "auto", linear_backend: str = "auto") -> str:
+    """Check the model, register ``grpo_tree``, patch its Gated DeltaNet layers and switch it over.
+
+    ``backend`` picks the attention kernel (``select_backend``); ``linear_backend`` the delta-rule
+    kernel of GDN layers (``grpo_core.models.gated_delta.select_gdn_backend``). Returns the
+    attention backend's name.
+    """
+    from grpo_core.models.hybrid import install_gated_delta
+
     check_supported_architecture(model)
     name = register_tree_attention(backend, next(model.parameters()).device)
+    install_gated_delta(model, linear_backend)
     model.set_attn_implementation(TREE_ATTENTION)
     return name

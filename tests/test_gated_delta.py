@@ -1,0 +1,338 @@
+"""Gated DeltaNet hybrids in packed rows are exact: tiny random Qwen3.5 and Qwen3-Next, fp32, CPU.
+
+* the kernels: the chunked delta rule equals the token-by-token recurrence, and the tree rule /
+  tree convolution equal the recurrence / convolution run along every segment's path (fp64);
+* the models: trained-token log-probs of a tree row (shared prompt, completions forking three
+  levels deep, a segment longer than one 64-token chunk) and of a flat row equal each sample
+  forwarded alone, and so do the gradients of every parameter; changing one sibling's tokens
+  leaves the other sibling's log-probs where they were; the stock transformers functions fail
+  the same comparison (so it can fail);
+* the architecture check accepts these hybrids and names what it refuses.
+
+Run: ``.venv/bin/python -m pytest tests/test_gated_delta.py -s`` (``-s`` prints the measured errors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from transformers import Lfm2Config, Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
+
+from grpo_core.models import gated_delta as gd
+from grpo_core.models import hybrid
+from grpo_core.models import tree_attention as ta
+from grpo_core.packing.planner import plan_step
+from grpo_core.packing.trie import TreeRow
+from tests.test_packing_trie import make_sample, sample_sets
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # On 2 shared cores, OpenMP's two threads stall each other in the many small batched solves and
+    # matmuls of these tiny models (a forward took seconds instead of tens of milliseconds).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------------------------ kernels
+def recurrence(q, k, v, g, beta, state):
+    """The gated delta rule one token at a time: ``[T, H, D]`` inputs (q scaled, q/k normalised)."""
+    outs = []
+    for t in range(q.shape[0]):
+        state = state * g[t].exp()[:, None, None]
+        correction = beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", state, k[t]))
+        state = state + k[t][:, :, None] * correction[:, None, :]
+        outs.append(torch.einsum("hkv,hk->hv", state, q[t]))
+    return torch.stack(outs), state
+
+
+def random_gdn_inputs(u: int, heads: int = 2, dim: int = 8, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(u, heads, dim, generator=gen, dtype=torch.float64) for _ in range(3))
+    g = -F.softplus(torch.randn(u, heads, generator=gen, dtype=torch.float64))
+    beta = torch.rand(u, heads, generator=gen, dtype=torch.float64)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("length, chunk", [(1, 64), (37, 8), (150, 64)])
+def test_chunked_rule_equals_recurrence(length, chunk):
+    q, k, v, g, beta = random_gdn_inputs(length)
+    q, k = gd.l2_normalize(q) * 8**-0.5, gd.l2_normalize(k)
+    state = torch.randn(2, 8, 8, dtype=torch.float64)
+    expected, expected_state = recurrence(q, k, v, g, beta, state)
+    batch = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731  [T, H, ...] -> [1, H, T, ...]
+    out, final = gd.chunked_delta_rule(batch(q), batch(k), batch(v), g.T[None], beta.T[None], state[None], chunk=chunk)
+    torch.testing.assert_close(out[0].transpose(0, 1), expected, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(final[0], expected_state, atol=1e-12, rtol=1e-10)
+
+
+def paths_of(meta):
+    cu_q, cu_k = meta.cu_seq_q.tolist(), meta.cu_seq_k.tolist()
+    for s in range(len(cu_q) - 1):
+        own = torch.arange(cu_q[s], cu_q[s + 1])
+        path = own if meta.kv_index is None else meta.kv_index[cu_k[s] : cu_k[s + 1]]
+        yield own, path
+
+
+@given(samples=sample_sets(vocab_max=4))
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_tree_kernels_follow_each_path(samples):
+    """Every segment's outputs are those of its root-to-segment path run alone from a zero state."""
+    row = TreeRow()
+    for s in samples:
+        row.add(s)
+    meta = row.pack().attention
+    u = int(meta.cu_seq_q[-1])
+    q, k, v, g, beta = random_gdn_inputs(u)
+    out = gd.tree_gated_delta_rule(q, k, v, g, beta, meta, l2norm=True)
+    x = torch.randn(1, 6, u, dtype=torch.float64)
+    weight, bias = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    conv = gd.tree_causal_conv1d(x, weight, bias, meta)
+    for own, path in paths_of(meta):
+        n = len(own)
+        alone, _ = recurrence(gd.l2_normalize(q[path]) * 8**-0.5, gd.l2_normalize(k[path]), v[path], g[path], beta[path],
+                              torch.zeros(2, 8, 8, dtype=torch.float64))
+        torch.testing.assert_close(out[own], alone[-n:], atol=1e-10, rtol=1e-8)
+        plain = F.conv1d(x[:, :, path], weight[:, None], bias, padding=3, groups=6)[:, :, : len(path)]
+        torch.testing.assert_close(conv[:, :, own], plain[:, :, -n:], atol=1e-12, rtol=1e-10)
+
+
+def test_conv_window_crosses_into_the_parent_never_the_sibling():
+    row = TreeRow()
+    row.add(make_sample([1, 2, 3, 4, 5, 6, 7], 2))
+    row.add(make_sample([1, 2, 3, 4, 9, 9, 2], 2))
+    row.add(make_sample([1, 2, 3, 4, 9, 9, 3, 4], 2))
+    meta = row.pack().attention
+    assert gd.segment_parents(meta).tolist() == [-1, 0, 0, 2, 2]
+    source, keep = gd.conv_indices(meta, 4)
+    # Segment 2 ([4 9] at row 6-7) reads the root's last three tokens, not segment 1 (rows 3-5).
+    assert source.tolist()[12:17] == [0, 1, 2, 6, 7]
+    # Segment 3 (row 8) reads its parent's two tokens and the root's last one.
+    assert source.tolist()[17:21] == [2, 6, 7, 8]
+    assert len(keep) == meta.cu_seq_q[-1]
+
+
+# ------------------------------------------------------------------------------------------ models
+LAYERS = ["linear_attention"] * 3 + ["full_attention"]
+COMMON = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4, layer_types=LAYERS,
+              max_position_embeddings=512)
+
+
+def tiny_hybrid(kind: str, dtype: torch.dtype = torch.float64) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``(packed, alone)``: the same random weights, tree packing enabled on the first."""
+    torch.manual_seed(0)
+    if kind == "qwen3_5":
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**COMMON))
+    else:  # experts as a loop: the grouped-matmul kernel has no fp64
+        model = Qwen3NextForCausalLM(Qwen3NextConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                                     shared_expert_intermediate_size=64, experts_implementation="eager"))
+    with torch.no_grad():  # wider than the default init, so that log-probs are far from uniform
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.12)
+    model = model.to(dtype).eval()
+    alone = copy.deepcopy(model)
+    alone.set_attn_implementation("sdpa")
+    ta.enable_tree_attention(model, backend="reference", linear_backend="reference")
+    return model, alone
+
+
+MODELS = {kind: tiny_hybrid(kind) for kind in ("qwen3_5", "qwen3_next")}
+
+
+def oracle_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=False, **kwargs):
+    """The delta rule token by token in the inputs' dtype: transformers' own function computes in fp32
+    whatever the model's dtype, which would cap an fp64 comparison at fp32 accuracy."""
+    assert initial_state is None and not output_final_state and query.shape[0] == 1
+    q, k = query[0], key[0]
+    if use_qk_l2norm_in_kernel:
+        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    state = q.new_zeros(q.shape[1], q.shape[2], value.shape[-1])
+    # The layer computes g from ``A_log.float()``: widen it, or exp(g) would round at fp32.
+    out, _ = recurrence(q * q.shape[-1] ** -0.5, k, value[0], g[0].to(value.dtype), beta[0], state)
+    return out.unsqueeze(0), None
+
+
+@contextlib.contextmanager
+def fp64_oracle(model):
+    """Unpacked forwards of ``model`` run transformers' layers with ``oracle_delta_rule`` inside."""
+    module = sys.modules[type(model.model.layers[0].linear_attn).__module__]
+    patched = getattr(module, hybrid.CHUNK_FN)
+    setattr(module, hybrid.CHUNK_FN, oracle_delta_rule)
+    try:
+        yield
+    finally:
+        setattr(module, hybrid.CHUNK_FN, patched)
+
+
+def forked_samples(seed: int = 0):
+    """Two groups. Group 0 forks three levels deep: prompt -> stems -> completions, with a tool-result
+    hole in the trained mask; one completion is longer than a 64-token chunk. Group 1 is a plain pair."""
+    rng = np.random.default_rng(seed)
+    tok = lambda n: list(rng.integers(0, VOCAB, n))  # noqa: E731
+    prompt, stem_a, stem_b = tok(11), tok(6), tok(4)
+    tails = [stem_a + tok(5), stem_a + tok(9), stem_a + tok(70), stem_b + tok(7), stem_b + tok(3)]
+    samples = []
+    for i, completion in enumerate(tails):
+        mask = [False] * len(prompt) + [True] * len(completion)
+        if i == 1:
+            mask[len(prompt) + 7 : len(prompt) + 9] = [False, False]  # a tool result inside the completion
+        samples.append(make_sample(prompt + completion, mask, group_id=0, advantage=float(rng.normal())))
+    other = tok(8)
+    for n in (6, 12):
+        samples.append(make_sample(other + tok(n), n, group_id=1, advantage=float(rng.normal())))
+    return samples
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
+
+
+def packed_logprobs(model, samples, flat: bool):
+    plan = plan_step(samples, world_size=1, gradient_accumulation_steps=1, token_budget=10_000, flat=flat)
+    assert not plan.leftover and len(plan.rows) == 1
+    row = plan.rows[0].pack()
+    out = model(**row.model_inputs(), logits_to_keep=row.logit_index)
+    return token_logprobs(out.logits[0], row.target_ids), row
+
+
+def alone_logprobs(model, samples) -> torch.Tensor:
+    result = []
+    for s in samples:
+        trained = np.flatnonzero(s.completion_mask)
+        ids = torch.as_tensor(s.token_ids, dtype=torch.long)
+        logits = model(input_ids=ids[None], use_cache=False).logits[0]
+        result.append(token_logprobs(logits[trained - 1], ids[trained]))
+    return torch.cat(result)
+
+
+def compare(model, alone, samples, flat: bool, oracle: bool) -> tuple[float, float, str]:
+    """Max |log-prob diff| and the largest per-parameter relative gradient difference (and where).
+
+    ``oracle``: the unpacked forwards run ``oracle_delta_rule`` (only they: the patched module
+    functions are shared by both models)."""
+    model.zero_grad()
+    alone.zero_grad()
+    packed, row = packed_logprobs(model, samples, flat)
+    if not flat:
+        depths = gd.build_segment_tree(row.attention, torch.device("cpu")).depths
+        assert len(depths) >= 3, "the tree row must fork three levels deep"
+    with fp64_oracle(alone) if oracle else contextlib.nullcontext():
+        expected = alone_logprobs(alone, samples)
+    assert packed.shape == expected.shape
+    assert expected.std() > 0.5, "log-probs too close to uniform to test anything"
+    adv = torch.tensor([s.advantage for s in samples], dtype=packed.dtype)
+    weight = adv[row.sample_index] + 0.01 * torch.arange(row.num_trained)  # a GRPO-like loss
+    (packed * weight).sum().backward()
+    (expected * weight).sum().backward()
+    g_packed = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    g_alone = {n: p.grad for n, p in alone.named_parameters() if p.grad is not None}
+    assert g_packed.keys() == g_alone.keys()  # MoE experts no token was routed to have no gradient in either
+    rel = {n: ((g_packed[n] - g_alone[n]).norm() / g_alone[n].norm().clamp(min=1e-30)).item() for n in g_alone}
+    worst = max(rel, key=rel.get)
+    return (packed - expected).abs().max().item(), rel[worst], worst
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["tree", "flat"])
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_packed_row_equals_each_sample_alone(kind, flat):
+    model, alone = MODELS[kind]
+    logprob_diff, grad_rel, where = compare(model, alone, forked_samples(), flat, oracle=True)
+    print(f"\nfp64 {kind} {'flat' if flat else 'tree'}: max |logprob diff| {logprob_diff:.1e}, "
+          f"max relative grad diff {grad_rel:.1e} ({where})")
+    assert logprob_diff <= 1e-5
+    assert grad_rel <= 1e-4
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_fp32_against_stock_transformers(kind):
+    """fp32 against transformers' unmodified path: equal up to fp32 rounding. Measured: the stock fp32
+    and fp64 forwards of the same model already differ by ~2e-5 in log-prob, so 1e-4 here."""
+    model, alone = (m.float() for m in copy.deepcopy(MODELS[kind]))
+    for flat in (False, True):
+        logprob_diff, grad_rel, where = compare(model, alone, forked_samples(), flat, oracle=False)
+        print(f"\nfp32 {kind} {'flat' if flat else 'tree'}: max |logprob diff| {logprob_diff:.1e}, "
+              f"max relative grad diff {grad_rel:.1e} ({where})")
+        assert logprob_diff <= 1e-4
+        assert grad_rel <= 1e-3
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_changing_a_sibling_leaves_the_other_unchanged(kind):
+    model, _ = MODELS[kind]
+    samples = forked_samples()
+    changed = copy.deepcopy(samples)
+    ids = changed[0].token_ids.copy()
+    ids[-4:] = (ids[-4:] + 1) % VOCAB  # sample 0's last tokens; its siblings share the prompt and stem
+    changed[0] = make_sample(ids, changed[0].completion_mask, group_id=0, advantage=changed[0].advantage)
+    with torch.no_grad():
+        before, row = packed_logprobs(model, samples, flat=False)
+        after, row2 = packed_logprobs(model, changed, flat=False)
+    assert torch.equal(row.sample_index, row2.sample_index)
+    mine = row.sample_index == 0
+    assert (before[mine] - after[mine]).abs().max() > 1e-3, "the changed sample itself must move"
+    torch.testing.assert_close(before[~mine], after[~mine], atol=1e-12, rtol=0)
+
+
+def test_stock_functions_get_packed_rows_wrong():
+    """Without the patches a flat row of a GDN model leaks state across samples (so the tests can fail)."""
+    model, alone = MODELS["qwen3_5"]
+    samples = forked_samples()[-2:]
+    module = sys.modules[type(model.model.layers[0].linear_attn).__module__]
+    hybrid.unpatch_module(module)
+    try:
+        with torch.no_grad():
+            packed, _ = packed_logprobs(model, samples, flat=True)
+    finally:
+        hybrid.patch_module(module)
+    with torch.no_grad(), fp64_oracle(alone):
+        assert (packed - alone_logprobs(alone, samples)).abs().max() > 1e-2
+
+
+# ------------------------------------------------------------------------------------------ checks
+def test_architecture_check_accepts_hybrids_and_names_what_it_refuses():
+    for model, _ in MODELS.values():
+        ta.check_supported_architecture(model)
+        assert len(hybrid.gated_delta_layers(model)) == 3
+    lfm2 = Lfm2ForCausalLM(Lfm2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, layer_types=["conv", "full_attention"]))
+    with pytest.raises(ta.UnsupportedArchitectureError, match="'conv'"):
+        ta.check_supported_architecture(lfm2)
+    # A linear-attention layer that is not a transformers Gated DeltaNet is refused by its class name.
+    odd = copy.deepcopy(MODELS["qwen3_5"][0])
+    odd.model.layers[1].linear_attn = torch.nn.Conv1d(4, 4, 3)
+    with pytest.raises(ta.UnsupportedArchitectureError, match="linear_attn.*Conv1d"):
+        ta.check_supported_architecture(odd)
+
+
+def test_backend_choice():
+    assert gd.select_gdn_backend("auto", "cpu").name == "reference"
+    assert gd.probe_gdn(gd.GDN_BACKENDS["reference"], torch.device("cpu")) < 1e-2  # bf16 against fp32
+    with pytest.raises(RuntimeError, match="fla"):
+        gd.select_gdn_backend("fla", "cpu")
+    with pytest.raises(ValueError, match="unknown"):
+        gd.select_gdn_backend("mamba", "cpu")
+
+
+def test_a_packed_row_cannot_use_a_cache():
+    model, _ = MODELS["qwen3_5"]
+    row = TreeRow()
+    row.add(make_sample([1, 2, 3, 4], 2))
+    inputs = row.pack().model_inputs()
+    inputs["use_cache"] = True
+    with pytest.raises(ValueError, match="cache"):
+        model(**inputs)
