@@ -40,6 +40,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from grpo_core.distributed import init_distributed  # noqa: E402
+from grpo_core.config import AsyncGRPOConfig  # noqa: E402
 from grpo_core.loss import LossConfig, LossInputs, grpo_loss, token_logprobs  # noqa: E402
 from grpo_core.models import tree_attention as ta  # noqa: E402
 from grpo_core.models.fsdp import FSDPSettings, iter_full_layers, shard_policy  # noqa: E402
@@ -144,7 +145,7 @@ def run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard) 
     num_trained = sum(r.num_trained_tokens for r in all_rows)
     step_flops = flops_model.rows_flops(all_rows)
     metrics = plan.metrics()
-    loss_config = LossConfig()
+    loss_config = LossConfig.from_config(AsyncGRPOConfig())
     times_fb, times_step = [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -251,7 +252,7 @@ def feed_cost(world: int, budget: int, rows_per_rank: int) -> dict:
     """What ``StepFeed`` ships per step: pickled bytes, pickle/unpickle and trie-rebuild time (CPU only)."""
     import pickle
 
-    from grpo_core.batching import StepBatch
+    from grpo_core.collector import StepBatch
     from grpo_core.distributed import rebuild_batch, step_message
     from grpo_core.packing.planner import Planner
 

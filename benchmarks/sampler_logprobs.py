@@ -44,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from grpo_core.batching import StepBatch  # noqa: E402
+from grpo_core.collector import StepBatch  # noqa: E402
 from grpo_core.config import AsyncGRPOConfig  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
 from grpo_core.rewards import accuracy_reward  # noqa: E402

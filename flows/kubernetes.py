@@ -341,6 +341,9 @@ class KubernetesProvisioner(Provisioner):
         self.stop_server(url)
         raise RuntimeError(f"vLLM server job {ns}/{name} did not become ready within {timeout_s:.0f} s")
 
+    def trains_on_gpu(self) -> bool:
+        return True  # training pods ask for nvidia.com/gpu (KubernetesSettings.gpus_per_node)
+
     def server_alive(self, base_url: str) -> bool:
         name = self.servers.get(base_url)
         if name is None:

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 from rich.console import Console
 from rich.progress_bar import ProgressBar
@@ -43,8 +43,10 @@ def stage(description: str) -> Iterator[None]:
 class TrainingProgress:
     """Polls an MLflow run while training runs and prints progress lines (see the module docstring)."""
 
-    def __init__(self, tracking_uri: str, run_id: str, total_steps: int, interval_s: float = 5.0):
+    def __init__(self, tracking_uri: str, run_id: str, total_steps: int, interval_s: float = 5.0,
+                 on_step: Callable[[int, int], None] | None = None):
         self.tracking_uri = tracking_uri
+        self.on_step = on_step  # told (step, total) at each new step, e.g. to move a Prefect progress artifact
         self.run_id = run_id
         self.total_steps = total_steps
         self.interval_s = interval_s
@@ -89,6 +91,8 @@ class TrainingProgress:
             return
         self._last_step = latest.step
         console.print(self.line(latest.step, latest.value, run.data.metrics.get("rollout/generated_tok_s")))
+        if self.on_step is not None:
+            self.on_step(latest.step, self.total_steps)
 
     def line(self, step: int, reward: float, tokens_per_s: float | None) -> Table:
         """One row: bar, step/total, reward, tokens/s, ETA from the pace since the first logged step."""

@@ -65,6 +65,10 @@ class Provisioner(ABC):
     def run_training(self, launch: TrainingLaunch, on_start: Callable[[int], None] | None = None) -> int:
         """Run one training attempt to completion; return its exit code (negative: killed by signal)."""
 
+    @abstractmethod
+    def trains_on_gpu(self) -> bool:
+        """Whether the trainers run on CUDA devices (their weight-transfer backend is then NCCL)."""
+
 
 class LocalProvisioner(Provisioner):
     """Child processes on this machine; the server and trainers are stopped with the flow."""
@@ -80,6 +84,9 @@ class LocalProvisioner(Provisioner):
     def server_alive(self, base_url: str) -> bool:
         server = self.servers.get(base_url)
         return server is not None and server.is_alive()
+
+    def trains_on_gpu(self) -> bool:
+        return _has_cuda()
 
     def stop_server(self, base_url: str) -> None:
         server = self.servers.pop(base_url, None)

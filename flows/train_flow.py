@@ -12,9 +12,14 @@ prompts were trained twice (those past the last checkpoint before each crash).
 
 A remote ``output_dir`` (``s3://...``) holds checkpoints and the ledger only; the job file, logs,
 pid file and default MLflow store go to a local run folder (``local_run_dir``). Storage credentials
-come from the environment (``AWS_*`` for s3fs) or from a Prefect ``Secret`` block named by
-``storage_secret`` holding a JSON object of environment variables; they reach the training process
-through its environment only, never the job file, a log line or MLflow.
+come from the environment (``AWS_*`` for s3fs) or from a prefect-aws ``AwsCredentials`` block named
+by ``storage_credentials``; they reach the training process through its environment only, never the
+job file, a log line or MLflow.
+
+What a Prefect user sees: the training process's log lines in the flow run's logs, a progress
+artifact (``training-progress``) updated as steps land, and a markdown summary artifact
+(``training-summary``) with the run's numbers and links at the end. The final model is logged to
+MLflow as a transformers model (``model/``), registered when ``tracking.registered_model_name`` is set.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from prefect import flow, get_run_logger
 from prefect import task as prefect_task
@@ -62,27 +67,15 @@ def prepare_model(model: str) -> str:
         return resolve_model(model)
 
 
-def server_spec(job: JobConfig, model_path: str) -> VLLMServerSpec:
-    s, t = job.server, job.trainer
-    return VLLMServerSpec(
-        model=model_path,
-        max_model_len=s.max_model_len,
-        dtype=s.dtype,
-        weight_transfer_backend=t.weight_transfer_backend,
-        max_logprobs=max(20, t.num_sampler_logprobs + 1),
-        enable_lora=s.enable_lora,
-        max_lora_rank=s.max_lora_rank,
-        max_loras=s.max_loras,
-        kv_cache_gib=s.kv_cache_gib,
-        seed=t.seed,
-        extra_args=list(s.extra_args),
-    )
+def server_spec(job: JobConfig, model_path: str, provisioner: Provisioner) -> VLLMServerSpec:
+    """The managed server the job's trainer needs (its backend matches where the trainer will run)."""
+    return VLLMServerSpec.for_run(model_path, job.trainer, job.server.options(), cuda=provisioner.trains_on_gpu())
 
 
 @task(name="start-vllm-server", retries=1, retry_delay_seconds=5)
 def start_server(provisioner: Provisioner, job: JobConfig, model_path: str, log_dir: str) -> str:
     with stage("starting vLLM server"):
-        url = provisioner.start_server(server_spec(job, model_path), log_dir, job.server.startup_timeout_s)
+        url = provisioner.start_server(server_spec(job, model_path, provisioner), log_dir, job.server.startup_timeout_s)
     _logger().info("vLLM server serving %s at %s", model_path, url)
     return url
 
@@ -114,26 +107,28 @@ def evaluate(job: JobConfig, model_path: str, server_url: str, label: str) -> fl
 
 @task(name="create-mlflow-run")
 def create_mlflow_run(job: JobConfig, tracking_uri: str, tags: dict[str, str]) -> str:
-    from grpo_core.tracking import MLflowTracker, run_identity
+    from grpo_core.tracking import MLflowTracker, run_identity, trainer_params
 
     job_dict = json.loads(job.model_dump_json())
     # Named <model>-<task>-<config hash> unless the job names it; tagged so runs of a recipe group.
     default_name, identity = run_identity(job_dict)
     tracker = MLflowTracker(tracking_uri, job.tracking.experiment, job.trainer.run_name or default_name)
-    tracker.log_params({"job": job_dict})
+    # The trainer's settings under their own (TRL) names; the rest of the job under job.*.
+    tracker.log_params({**trainer_params(job.trainer), "job": {k: v for k, v in job_dict.items() if k != "trainer"}})
     tracker.set_tags({**identity, **tags})
     return tracker.run_id  # type: ignore[return-value]
 
 
 @task(name="log-final-model", retries=1)
-def log_final_model(tracking_uri: str, run_id: str) -> str | None:
-    """Copy the final checkpoint's servable files into the MLflow run, so it can be served from there."""
+def log_final_model(tracking_uri: str, run_id: str, registered_model_name: str | None) -> str | None:
+    """Log the final checkpoint's servable files to the MLflow run as a transformers model (loadable
+    with ``mlflow.transformers.load_model``, registered under ``registered_model_name`` when given)."""
     import mlflow
 
     from grpo_core import tracking
 
     with stage("logging the final model to MLflow"):
-        uri = tracking.log_final_model(mlflow.MlflowClient(tracking_uri), run_id)
+        uri = tracking.log_final_model(mlflow.MlflowClient(tracking_uri), run_id, registered_model_name)
     if uri is None:
         _logger().warning("the run has no checkpoint (save_strategy 'no'?): no final model logged")
     return uri
@@ -146,7 +141,8 @@ def train_attempt(provisioner: Provisioner, launch: TrainingLaunch, pid_file: st
         if pid_file:
             Path(pid_file).write_text(str(pid))
 
-    return provisioner.run_training(launch, on_start=note_pid)
+    with follow_log(launch.log_file, _logger()):
+        return provisioner.run_training(launch, on_start=note_pid)
 
 
 def server_usable(provisioner: Provisioner, base_url: str) -> bool:
@@ -177,21 +173,32 @@ def local_run_dir(job: JobConfig) -> Path:
 
 
 def default_tracking_uri(job: JobConfig) -> str:
+    """The job's tracking URI, else ``MLFLOW_TRACKING_URI`` (MLflow's own convention), else a SQLite
+    store in the run folder."""
     if job.tracking.tracking_uri:
         return job.tracking.tracking_uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
     return f"sqlite:///{local_run_dir(job) / 'mlflow.db'}"
 
 
-def load_storage_secret(name: str) -> None:
-    """Put the environment variables of Prefect ``Secret`` block ``name`` into this process's
-    environment, which the training processes inherit. Only the variable names are logged."""
-    from prefect.blocks.system import Secret
+def load_storage_credentials(name: str) -> None:
+    """Put the prefect-aws ``AwsCredentials`` block ``name`` into this process's environment as the
+    ``AWS_*`` variables s3fs and boto read, which the training processes inherit. Only the variable
+    names are logged."""
+    from prefect_aws import AwsCredentials
 
-    values = Secret.load(name).get()
-    if not isinstance(values, dict):
-        raise ValueError(f"Secret block {name!r} must hold a JSON object of environment variables")
-    os.environ.update({str(k): str(v) for k, v in values.items()})
-    _logger().info("storage credentials from Secret block %r: %s", name, sorted(values))
+    block = AwsCredentials.load(name)
+    values = {
+        "AWS_ACCESS_KEY_ID": block.aws_access_key_id,
+        "AWS_SECRET_ACCESS_KEY": block.aws_secret_access_key.get_secret_value() if block.aws_secret_access_key else None,
+        "AWS_SESSION_TOKEN": block.aws_session_token,
+        "AWS_DEFAULT_REGION": block.region_name,
+        "AWS_ENDPOINT_URL": block.aws_client_parameters.endpoint_url,
+    }
+    values = {k: str(v) for k, v in values.items() if v}
+    os.environ.update(values)
+    _logger().info("storage credentials from AwsCredentials block %r: %s", name, sorted(values))
 
 
 @task(name="report-resumes")
@@ -229,10 +236,10 @@ def reward_summary(tracking_uri: str, run_id: str) -> dict[str, float]:
 # Prints are not captured as run logs: libraries print stray output (dill disassembles functions
 # through print while datasets fingerprints them); the flow reports through its logger and console.
 @flow(name="grpo-train", log_prints=False)
-def grpo_train(job: JobConfig, provisioner: str = "local", storage_secret: str | None = None) -> dict[str, Any]:
+def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: str | None = None) -> dict[str, Any]:
     """Run one GRPO training job end to end; returns the summary."""
-    if storage_secret:
-        load_storage_secret(storage_secret)
+    if storage_credentials:
+        load_storage_credentials(storage_credentials)
     prov: Provisioner = LocalProvisioner() if provisioner == "local" else _cluster_provisioner(provisioner)
     out = local_run_dir(job)
     tracking_uri = default_tracking_uri(job)
@@ -261,7 +268,7 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_secret: str |
                 server_url=server_url, model_path=model_path, mlflow_run_id=run_id, tracking_uri=tracking_uri, result_file=str(out / "result.json"),
                 nproc_per_node=job.nproc_per_node, nnodes=job.nnodes, log_file=str(out / "train.log"),
             )
-            with TrainingProgress(tracking_uri, run_id, job.trainer.max_steps):
+            with TrainingProgress(tracking_uri, run_id, job.trainer.max_steps, on_step=progress_artifact()):
                 code = train_attempt(prov, launch, pid_file=str(out / "trainer.pid"))
             if code == 0:
                 break
@@ -274,7 +281,7 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_secret: str |
                 prov.stop_server(server_url)
                 server_url = start_server(prov, job, model_path, str(out))
         resume_counts = report_resumes(job, tracking_uri, run_id, resumes)
-        final_model_uri = log_final_model(tracking_uri, run_id)
+        final_model_uri = log_final_model(tracking_uri, run_id, job.tracking.registered_model_name)
         eval_after = evaluate(job, model_path, server_url, "after")
     finally:
         exit_stack.close()
@@ -292,7 +299,83 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_secret: str |
         "prompts_consumed": resume_counts["prompts_consumed"],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    summary_artifact(job, summary)
     return summary
+
+
+def progress_artifact() -> Any:
+    """A Prefect progress artifact for this flow run, and the callback that moves it (percent of steps)."""
+    from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+    try:
+        artifact_id = create_progress_artifact(progress=0.0, key="training-progress", description="training steps done")
+    except Exception:  # noqa: BLE001 - outside a flow run (unit tests) there is nothing to update
+        return None
+
+    def on_step(step: int, total: int) -> None:
+        update_progress_artifact(artifact_id=artifact_id, progress=100.0 * min(step, total) / max(total, 1))
+
+    return on_step
+
+
+def summary_artifact(job: JobConfig, summary: dict[str, Any]) -> None:
+    """The run's summary as a markdown artifact on the flow run, with links to MLflow and the checkpoints."""
+    from prefect.artifacts import create_markdown_artifact
+
+    def fmt(value: Any) -> str:
+        return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+    rows = "\n".join(f"| {key} | {fmt(value)} |" for key, value in summary.items())
+    uri = summary["mlflow_tracking_uri"]
+    link = f"[{summary['mlflow_run_id']}]({uri.rstrip('/')}/#/experiments/0/runs/{summary['mlflow_run_id']})" if uri.startswith("http") else f"`{summary['mlflow_run_id']}` in `{uri}`"
+    markdown = (
+        f"# GRPO run: {job.model} on {job.dataset}\n\nMLflow run: {link}\n\n"
+        f"Checkpoints: `{job.trainer.output_dir}`\n\n| | |\n|---|---|\n{rows}\n"
+    )
+    try:
+        create_markdown_artifact(markdown=markdown, key="training-summary", description="GRPO run summary")
+    except Exception:  # noqa: BLE001 - a summary must never fail a finished run
+        _logger().warning("could not create the summary artifact", exc_info=True)
+
+
+@contextlib.contextmanager
+def follow_log(path: str | None, logger: Any) -> Iterator[None]:
+    """Copy the lines a training process appends to ``path`` into ``logger`` (the flow run's logs) while
+    the block runs, so the Prefect UI shows training progress as it happens."""
+    import threading
+
+    if path is None:
+        yield
+        return
+    stop = threading.Event()
+    # Lines an earlier attempt wrote to the same file were copied then.
+    start = os.path.getsize(path) if os.path.exists(path) else 0
+
+    def follow(position: int) -> None:
+        while True:
+            done = stop.is_set()  # read before the file, so the last lines are copied after the stop
+            try:
+                with open(path, "rb") as f:
+                    f.seek(position)
+                    chunk = f.read()
+            except OSError:
+                chunk = b""
+            complete, newline, _ = chunk.rpartition(b"\n")
+            if newline:
+                position += len(complete) + 1
+                for line in complete.decode(errors="replace").splitlines():
+                    logger.info("[train] %s", line)
+            if done:
+                return
+            stop.wait(1.0)
+
+    thread = threading.Thread(target=follow, args=(start,), name="follow-train-log", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=10)
 
 
 def _cluster_provisioner(name: str) -> Provisioner:

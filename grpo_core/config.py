@@ -1,69 +1,105 @@
-"""``AsyncGRPOConfig``: every knob of a run, typed, one docstring per field, validated, never rewritten.
+"""``AsyncGRPOConfig``: every setting of a run, declared once, typed, bounded and documented.
+
+Each field is declared here only: its type (``Literal`` choices, ``Field`` bounds), its default and
+its docstring. Everything else derives from that declaration: the checks at construction (pydantic
+validates each field, strictly, from the annotations), the job file and the Prefect parameter form
+(``grpo_core.job`` embeds this class; pydantic turns the docstrings into field descriptions), the
+vLLM server command (``grpo_core.server.VLLMServerSpec.for_run``) and the objective's own
+``LossConfig``. Nothing is rewritten after construction: values that depend on others or on the
+device are computed by ``resolved_*`` methods.
 
 Field names follow TRL's ``AsyncGRPOConfig`` / ``TrainingArguments`` wherever the concept exists,
-so a config written for that trainer reads the same here. Values that depend on others (such as
-``max_concurrent_rollouts``) are resolved by ``resolved_*`` methods, not by overwriting the field
-the user set. ``from_dict`` rejects unknown keys with the list of valid ones.
+so a config written for that trainer reads the same here, and it stays a standard ``@dataclass`` so
+that a script can extend it the same way (``@dataclass class MyConfig(AsyncGRPOConfig): ...``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-from dataclasses import dataclass, field
-from typing import Annotated, Any
+import functools
+import re
+import typing
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
-from annotated_types import Gt
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
 
 class ConfigError(ValueError):
     """A config value is invalid; the message names the field and how to fix it."""
 
 
-_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
+"""The values vLLM accepts for ``--max-lora-rank``."""
+
+TRL_COMPATIBILITY_ONLY = frozenset({"ignore_data_skip"})
+"""Fields accepted so that a TRL config reads the same, with the only value that behaves here."""
 
 
 @dataclass
 class AsyncGRPOConfig:
     """Configuration of an asynchronous GRPO run (trainer, rollout worker and weight sync)."""
 
+    __pydantic_config__ = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
     # ---- output, steps and logging --------------------------------------------------------------
     output_dir: str = "outputs/grpo"
     """Where checkpoints, the server log and the LoRA serving cache go; any fsspec URL (``s3://...``)."""
     max_steps: int = 200
-    """Optimizer steps to train. A step is always a full optimizer step (all micro-batches, all ranks)."""
-    num_train_epochs: float = 1.0
+    """Optimizer steps to train; <= 0 trains for ``num_train_epochs`` passes over the prompts instead."""
+    num_train_epochs: Annotated[float, Field(ge=0)] = 1.0
     """Passes over the prompts, used only when ``max_steps`` <= 0."""
-    logging_steps: int = 1
-    """Log metrics every N optimizer steps."""
+    logging_steps: Annotated[int, Field(ge=1)] = 1
+    """Log metrics (and completions, see ``log_completions``) every N optimizer steps."""
     seed: int = 0
-    """Seed for model init (when built), data order, sampling and dropout."""
+    """Seed for data order, sampling and dropout."""
     run_name: str | None = None
-    """Name of the tracking run; defaults to the output folder's name."""
-    report_to: str = "mlflow"
-    """Where metrics go: ``mlflow`` or ``none`` (console only)."""
+    """Name of the tracking run; default: ``<model>-<task>-<config hash>`` from the flow, else the output folder's name."""
+    report_to: Literal["mlflow", "none"] = "mlflow"
+    """Where metrics go: ``mlflow`` (the server in ``MLFLOW_TRACKING_URI``, else MLflow's default store) or ``none``."""
+    log_completions: bool = False
+    """Log a table of prompts, completions and rewards to the tracker every ``logging_steps``."""
+    num_completions_to_print: Annotated[int, Field(ge=0)] = 3
+    """With ``log_completions``: also print this many of each logged step's completions to the console."""
 
-    # ---- optimisation ----------------------------------------------------------------------------
-    learning_rate: Annotated[float, Gt(0)] = 1e-6
+    # ---- evaluation -----------------------------------------------------------------------------
+    eval_strategy: Literal["no", "steps"] = "no"
+    """``steps``: sample ``eval_dataset`` from the server every ``eval_steps`` (right after a weight sync) and log
+    ``eval/reward`` and each reward function's mean; ``no``: never."""
+    eval_steps: Annotated[int, Field(ge=1)] = 50
+    """Evaluate every N optimizer steps when ``eval_strategy`` is ``steps``."""
+    num_generations_eval: Annotated[int, Field(ge=1)] | None = None
+    """Completions per evaluation prompt; None: ``num_generations``."""
+
+    # ---- optimisation ---------------------------------------------------------------------------
+    learning_rate: Annotated[float, Field(gt=0)] = 1e-6
     """Peak AdamW learning rate."""
-    lr_scheduler_type: str = "constant"
-    """``constant``, ``linear`` or ``cosine`` decay after warm-up."""
-    warmup_steps: int = 0
-    """Linear warm-up steps."""
-    weight_decay: float = 0.0
+    lr_scheduler_type: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant"
+    """Learning-rate schedule (transformers' ``get_scheduler``): ``constant`` ignores ``warmup_steps``;
+    ``constant_with_warmup``, ``linear`` and ``cosine`` warm up linearly first, then hold or decay to 0 at ``max_steps``."""
+    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    """Linear warm-up steps (schedules other than ``constant``)."""
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
     """AdamW weight decay."""
-    adam_beta1: float = 0.9
+    adam_beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9
     """AdamW beta1."""
-    adam_beta2: float = 0.999
+    adam_beta2: Annotated[float, Field(ge=0, lt=1)] = 0.999
     """AdamW beta2."""
-    max_grad_norm: float = 1.0
+    adam_epsilon: Annotated[float, Field(gt=0)] = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: Annotated[float, Field(ge=0)] = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
-    per_device_train_batch_size: int = 8
+    per_device_train_batch_size: Annotated[int, Field(ge=1)] = 8
     """Samples each rank trains per micro-batch at most (a row also stops at ``token_budget``)."""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: Annotated[int, Field(ge=1)] = 1
     """Micro-batches per optimizer step."""
-    bf16: bool = False
-    """Train in bfloat16 mixed precision (fp32 master weights); checkpoints are written in bf16."""
+    bf16: bool | None = None
+    """bfloat16 compute with fp32 master weights; checkpoints are written in bf16. None (default): on for CUDA
+    devices that support it, as in TRL; fp32 on CPU, where the server samples in fp32 and the trainer's log-probs
+    must match its (said once at start-up)."""
+    fp16: bool = False
+    """float16 compute with fp32 master weights and dynamic loss scaling (CUDA only); excludes ``bf16``."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     fsdp_reshard_after_forward: bool = True
@@ -72,167 +108,128 @@ class AsyncGRPOConfig:
     fsdp_cpu_offload: bool = False
     """FSDP2: keep the sharded weights, gradients and optimizer state in host memory (CUDA only);
     the optimizer step then runs on the CPU."""
-    compile_mode: str = "none"
+    compile_mode: Literal["none", "pointwise", "layers"] = "none"
     """``torch.compile`` per decoder layer: ``none``; ``pointwise`` (the MLP and the norms: element-wise
     ops fuse, attention stays eager); ``layers`` (whole layers, tree attention traced too; fastest
     in benchmarks/README.md). Compiling costs start-up time and changes bf16 rounding."""
 
-    # ---- generation --------------------------------------------------------------------------------
-    num_generations: int = 8
+    # ---- generation -----------------------------------------------------------------------------
+    num_generations: Annotated[int, Field(ge=2)] = 8
     """Rollouts per prompt (one group); the advantage baseline is the group's mean reward."""
-    max_completion_length: int = 256
-    """Most tokens generated per rollout, summed over its turns."""
-    temperature: float = 1.0
+    max_completion_length: Annotated[int, Field(ge=1)] = 2048
+    """Most tokens generated per rollout, summed over its turns (never past the server's ``--max-model-len``)."""
+    temperature: Annotated[float, Field(gt=0)] = 1.0
     """Sampling temperature; the trainer's log-probs use the same temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling; < 1 makes the trainer renormalise over each token's candidate set."""
-    top_k: int = 0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    """Nucleus sampling; < 1 makes the trainer renormalise over each token's candidate set (set ``top_k`` too)."""
+    top_k: Annotated[int, Field(ge=0)] = 0
     """Top-k sampling (0 = off); > 0 makes the trainer renormalise over each token's candidate set."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra keyword arguments for ``apply_chat_template`` when building prompts."""
-    max_tool_calling_iterations: int | None = None
+    max_tool_calling_iterations: Annotated[int, Field(ge=0)] | None = None
     """Most tool-calling turns per rollout (None: until the model stops calling or the budget ends)."""
-    tool_timeout_s: float = 30.0
+    tool_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     """Per-call timeout of a tool; a timed-out call returns its error to the model."""
-    fork_threshold_tokens: int = 1024
+    fork_threshold_tokens: Annotated[int, Field(ge=1)] = 1024
     """Multi-turn re-tokenisation drift (tokens) above which a turn forks a new sequence instead of realigning."""
 
-    # ---- rewards and advantages ------------------------------------------------------------------------
+    # ---- rewards and advantages -----------------------------------------------------------------
     reward_weights: list[float] | None = None
     """Weight of each reward function in the summed reward (default: all 1)."""
     scale_rewards: bool = True
     """Divide group advantages by the group's reward std."""
 
-    # ---- objective ----------------------------------------------------------------------------------
-    epsilon: float = 0.2
-    """Lower clip of the importance ratio: ratio >= 1 - epsilon."""
-    epsilon_high: float = 0.28
-    """Upper clip of the importance ratio: ratio <= 1 + epsilon_high."""
+    # ---- objective ------------------------------------------------------------------------------
+    epsilon: Annotated[float, Field(gt=0, lt=1)] = 0.2
+    """Lower clip of the importance ratio: for a negative advantage the ratio is not pushed below ``1 - epsilon``."""
+    epsilon_high: Annotated[float, Field(ge=0)] = 0.28
+    """Upper clip: for a positive advantage the ratio is not pushed above ``1 + epsilon_high`` (clip-higher: larger
+    than ``epsilon`` so that rare tokens with good outcomes can still grow)."""
     score_centering: bool = True
     """Subtract the expected score over the sampler's top tokens at each trained position."""
-    score_centering_weights: str = "importance"
+    score_centering_weights: Literal["importance", "sampler"] = "importance"
     """Weights of the centering baseline over the top-N: ``importance`` (the sampler's probabilities times each
     candidate's clipped ratio, zero-mean for any ratio) or ``sampler`` (the sampler's probabilities alone, exact
     only when every candidate has the same ratio, e.g. pure top-k truncation)."""
-    num_sampler_logprobs: int = 8
-    """Top-N sampler log-probs requested per generated token (for score centering); 0 turns centering off."""
-    vllm_importance_sampling_clip_min: float = 0.5
-    """Tokens whose trainer/sampler ratio falls below this are dropped from the loss."""
-    vllm_importance_sampling_clip_max: float = 2.0
-    """Tokens whose trainer/sampler ratio rises above this are dropped from the loss."""
+    num_sampler_logprobs: Annotated[int, Field(ge=0)] = 8
+    """Top-N sampler log-probs requested per generated token (for score centering); 0 turns centering off.
+    The server's ``--max-logprobs`` must be at least N + 1."""
+    vllm_importance_sampling_clip_min: Annotated[float, Field(ge=0, lt=1)] = 0.5
+    """Tokens whose trainer/sampler ratio falls below this are dropped from the loss (0.5: a factor of two in
+    probability, beyond the drift of a few optimizer steps or bf16-vs-fp32 kernels)."""
+    vllm_importance_sampling_clip_max: Annotated[float, Field(gt=1)] = 2.0
+    """Tokens whose trainer/sampler ratio rises above this are dropped from the loss (symmetric in log space)."""
 
-    # ---- asynchrony ---------------------------------------------------------------------------------
-    max_staleness: int = 4
-    """Weight versions a sample may lag behind the trainer before it is dropped."""
-    max_concurrent_rollouts: int | None = None
+    # ---- asynchrony -----------------------------------------------------------------------------
+    max_staleness: Annotated[int, Field(ge=0)] = 4
+    """Weight updates (pushes to the server) a sample may lag behind the trainer before it is dropped."""
+    max_concurrent_rollouts: Annotated[int, Field(ge=1)] | None = None
     """Ceiling on rollouts in flight (None: max(max_staleness, 1) x batch x accumulation x processes)."""
-    queue_maxsize: int = 1024
+    queue_maxsize: Annotated[int, Field(ge=1)] = 1024
     """Samples buffered between the rollout process and the trainer."""
-    weight_sync_steps: int = 1
+    weight_sync_steps: Annotated[int, Field(ge=1)] = 1
     """Push weights to the server every N optimizer steps."""
-    worker_heartbeat_timeout_s: float = 60.0
+    worker_heartbeat_timeout_s: Annotated[float, Field(gt=0)] = 60.0
     """The run fails if the rollout worker sends no heartbeat for this long."""
 
-    # ---- packing ----------------------------------------------------------------------------------------
-    token_budget: int = 8192
-    """Unique tokens per packed row (one row per rank per micro-batch)."""
-    packing: str = "tree"
+    # ---- packing --------------------------------------------------------------------------------
+    token_budget: Annotated[int, Field(ge=16)] = 8192
+    """Unique tokens per packed row (one row per rank per micro-batch); at least the longest prompt + completion."""
+    packing: Literal["tree", "flat"] = "tree"
     """``tree`` (prefix-trie rows, shared tokens forwarded once) or ``flat`` (padding-free, no sharing)."""
 
-    # ---- vLLM server ------------------------------------------------------------------------------------
+    # ---- vLLM server and weight transfer -----------------------------------------------------------
     vllm_server_base_url: str = "http://localhost:8000"
     """Base URL of the vLLM server used for generation and weight sync."""
-    vllm_server_timeout: float = 240.0
-    """Seconds to wait for the server to answer before the run fails."""
-    request_timeout: float = 600.0
+    vllm_server_timeout: Annotated[float, Field(gt=0)] = 240.0
+    """Seconds ``train()`` waits for the server to answer (it may still be starting) before it fails."""
+    request_timeout: Annotated[float, Field(gt=0)] = 600.0
     """Timeout of one HTTP request to the server."""
-    weight_transfer_backend: str = "gloo"
-    """``gloo`` (CPU servers, this package's vLLM plugin) or ``nccl`` (GPU servers)."""
-    lora_sync_mode: str = "auto"
+    weight_transfer_backend: Literal["gloo", "nccl"] | None = None
+    """``nccl`` (GPU servers) or ``gloo`` (CPU servers, this package's vLLM plugin); must match the server's
+    ``--weight-transfer-config``. None: ``nccl`` when the trainer runs on CUDA, else ``gloo``."""
+    weight_transfer_address: str | None = None
+    """Address the server connects back to for the weight-transfer rendezvous. None: this host's address on the
+    interface that routes to the server's host (loopback for a local server)."""
+    weight_transfer_port_range: Annotated[str, Field(pattern=r"^\d{1,5}-\d{1,5}$")] | None = None
+    """Ports the rendezvous may listen on, as ``LOW-HIGH`` (for firewalled clusters); None: any free port."""
+    lora_sync_mode: Literal["auto", "merged", "adapter"] = "auto"
     """With ``peft_config`` only. ``merged``: every sync merges the adapter into the base weights and pushes
     them all over ``weight_transfer_backend``. ``adapter``: only the adapter is written under
     ``<output_dir>/.vllm_lora/`` and loaded by name (needs ``--enable-lora`` and
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` on the server). ``auto``: ``adapter`` when the server offers both
     at start-up, else ``merged``; picked once, never switched during the run."""
 
-    # ---- checkpoints --------------------------------------------------------------------------------------
-    save_strategy: str = "steps"
-    """``steps`` (every ``save_steps``) or ``no``."""
-    save_steps: int = 50
+    # ---- checkpoints ----------------------------------------------------------------------------
+    save_strategy: Literal["steps", "no"] = "steps"
+    """``steps`` (every ``save_steps``, and after the last step) or ``no``."""
+    save_steps: Annotated[int, Field(ge=1)] = 50
     """Write a checkpoint every N optimizer steps."""
-    save_total_limit: int | None = 3
-    """Keep the newest N checkpoints (None keeps all)."""
+    save_total_limit: Annotated[int, Field(ge=1)] | None = 3
+    """Keep the newest N checkpoints of this run (None keeps all)."""
     resume_from_checkpoint: bool | str | None = None
-    """True: the newest good checkpoint under ``output_dir``; a path: that one; None/False: start fresh."""
-    ignore_data_skip: bool = True
-    """Always True: the worker jumps to the saved prompt index instead of replaying the data."""
-
-    # ---- logging of samples ---------------------------------------------------------------------------------
-    log_completions: bool = False
-    """Print a few completions every ``logging_steps``."""
-    num_completions_to_print: int = 3
-    """How many completions ``log_completions`` prints."""
+    """True: the newest good checkpoint under ``output_dir``; a path: that one; None/False: start fresh.
+    ``trainer.train(resume_from_checkpoint=...)`` takes the same values."""
+    ignore_data_skip: Literal[True] = True
+    """TRL compatibility; always True here: a resume jumps to the saved prompt position (``rollout_state.json``)
+    instead of replaying the data."""
 
     def __post_init__(self) -> None:
-        self.validate()
+        check_fields(self)
+        self._check_relations()
 
-    # ------------------------------------------------------------------------------------------------
-    def validate(self) -> None:
-        """Raise ``ConfigError`` naming the first invalid field and how to fix it."""
+    def _check_relations(self) -> None:
+        """Checks that involve several fields; subclasses may extend them (call ``super()``)."""
+        if self.max_steps <= 0 and self.num_train_epochs <= 0:
+            _fail(self, "max_steps", "set max_steps > 0, or max_steps <= 0 with num_train_epochs > 0")
+        if self.bf16 and self.fp16:
+            _fail(self, "fp16", "bf16 and fp16 exclude each other; set one of them")
+        if self.weight_transfer_port_range is not None:
+            low, high = (int(p) for p in self.weight_transfer_port_range.split("-"))
+            if not 1 <= low <= high <= 65535:
+                _fail(self, "weight_transfer_port_range", "use LOW-HIGH with 1 <= LOW <= HIGH <= 65535, e.g. 40000-40100")
 
-        def need(ok: bool, name: str, fix: str) -> None:
-            if not ok:
-                raise ConfigError(f"AsyncGRPOConfig.{name}={getattr(self, name)!r} is invalid: {fix}")
-
-        need(self.learning_rate > 0, "learning_rate", "use a positive learning rate such as 1e-6")
-        need(self.max_steps > 0 or self.num_train_epochs > 0, "max_steps", "set max_steps > 0 or num_train_epochs > 0")
-        need(self.logging_steps >= 1, "logging_steps", "log at least every step count >= 1")
-        need(self.per_device_train_batch_size >= 1, "per_device_train_batch_size", "use >= 1")
-        need(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", "use >= 1")
-        need(self.num_generations >= 2, "num_generations", "GRPO needs >= 2 rollouts per prompt for a baseline")
-        need(self.max_completion_length >= 1, "max_completion_length", "use >= 1")
-        need(self.temperature > 0, "temperature", "sample with temperature > 0")
-        need(0 < self.top_p <= 1, "top_p", "use a value in (0, 1]")
-        need(self.top_k >= 0, "top_k", "use 0 (off) or a positive integer")
-        need(0 <= self.epsilon < 1, "epsilon", "use a value in [0, 1), e.g. 0.2")
-        need(self.epsilon_high >= 0, "epsilon_high", "use a non-negative value, e.g. 0.28")
-        need(self.num_sampler_logprobs >= 0, "num_sampler_logprobs", "use 0 (off) or a positive integer <= the server's --max-logprobs")
-        need(
-            0 <= self.vllm_importance_sampling_clip_min < 1 < self.vllm_importance_sampling_clip_max,
-            "vllm_importance_sampling_clip_min",
-            "need clip_min < 1 < vllm_importance_sampling_clip_max",
-        )
-        need(
-            self.score_centering_weights in ("importance", "sampler"),
-            "score_centering_weights",
-            "use 'importance' or 'sampler'",
-        )
-        need(self.max_staleness >= 0, "max_staleness", "use >= 0 (0 = only on-policy samples)")
-        need(
-            self.max_concurrent_rollouts is None or self.max_concurrent_rollouts >= 1,
-            "max_concurrent_rollouts",
-            "use None (auto) or >= 1",
-        )
-        need(self.queue_maxsize >= 1, "queue_maxsize", "use >= 1")
-        need(self.weight_sync_steps >= 1, "weight_sync_steps", "use >= 1")
-        need(self.token_budget >= 16, "token_budget", "use at least the longest prompt + completion")
-        need(isinstance(self.fsdp_reshard_after_forward, bool), "fsdp_reshard_after_forward", "use True or False")
-        need(isinstance(self.fsdp_cpu_offload, bool), "fsdp_cpu_offload", "use True or False")
-        need(self.compile_mode in ("none", "pointwise", "layers"), "compile_mode", "use 'none', 'pointwise' or 'layers'")
-        need(self.packing in ("tree", "flat"), "packing", "use 'tree' or 'flat'")
-        need(self.weight_transfer_backend in ("gloo", "nccl"), "weight_transfer_backend", "use 'gloo' (CPU) or 'nccl' (GPU)")
-        need(self.lora_sync_mode in ("auto", "merged", "adapter"), "lora_sync_mode", "use 'auto', 'merged' or 'adapter'")
-        need(self.save_strategy in ("steps", "no"), "save_strategy", "use 'steps' or 'no'")
-        need(self.save_steps >= 1, "save_steps", "use >= 1")
-        need(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit", "use None or >= 1")
-        need(self.lr_scheduler_type in ("constant", "linear", "cosine"), "lr_scheduler_type", "use constant, linear or cosine")
-        need(self.ignore_data_skip is True, "ignore_data_skip", "replaying data is not supported; leave it True")
-        need(self.report_to in ("mlflow", "none"), "report_to", "use 'mlflow' or 'none'")
-        need(self.fork_threshold_tokens >= 1, "fork_threshold_tokens", "use >= 1 (a drift of that many tokens forks)")
-        need(self.tool_timeout_s > 0, "tool_timeout_s", "use a positive timeout")
-        need(self.worker_heartbeat_timeout_s > 0, "worker_heartbeat_timeout_s", "use a positive timeout")
-
-    # ------------------------------------------------------------------------------------------------
+    # ---- values derived from the settings -------------------------------------------------------
     def resolved_max_concurrent_rollouts(self, num_processes: int) -> int:
         """The ceiling on rollouts in flight: what the trainer can consume before samples go stale."""
         if self.max_concurrent_rollouts is not None:
@@ -244,30 +241,102 @@ class AsyncGRPOConfig:
             * num_processes
         )
 
+    def resolved_weight_transfer_backend(self, cuda: bool) -> Literal["gloo", "nccl"]:
+        """The backend the run uses: the configured one, else ``nccl`` on CUDA and ``gloo`` elsewhere."""
+        if self.weight_transfer_backend is not None:
+            return self.weight_transfer_backend
+        return "nccl" if cuda else "gloo"
+
+    def resolved_bf16(self, bf16_supported: bool) -> bool:
+        """Whether the trainer computes in bf16 on a device that does (or does not) support it well."""
+        if self.bf16 is not None:
+            return self.bf16
+        return bf16_supported and not self.fp16
+
+    def port_range(self) -> tuple[int, int] | None:
+        """``weight_transfer_port_range`` as ``(low, high)``."""
+        if self.weight_transfer_port_range is None:
+            return None
+        low, high = self.weight_transfer_port_range.split("-")
+        return int(low), int(high)
+
     def needs_candidate_sets(self) -> bool:
         """Truncated sampling: the trainer must renormalise over each token's candidate set."""
         return self.top_p < 1.0 or self.top_k > 0
 
+    def num_eval_generations(self) -> int:
+        return self.num_generations_eval or self.num_generations
+
+    # ---- (de)serialisation ----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "AsyncGRPOConfig":
+    def from_dict(cls, values: dict[str, Any]) -> AsyncGRPOConfig:
         """Build from a mapping (e.g. YAML), rejecting unknown keys with a suggestion."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = [k for k in values if k not in names]
-        if unknown:
-            hints = []
-            for key in unknown:
-                close = difflib.get_close_matches(key, names, n=1)
-                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise ConfigError(f"AsyncGRPOConfig has no field {', '.join(hints)}")
+        check_known_keys(cls.__name__, values, [f.name for f in dataclasses.fields(cls)])
         return cls(**values)
 
+    def replace(self, **changes: Any) -> AsyncGRPOConfig:
+        """A copy with ``changes`` applied and checked (the original is never modified)."""
+        check_known_keys(type(self).__name__, changes, [f.name for f in dataclasses.fields(self)])
+        return dataclasses.replace(self, **changes)
 
-def lora_rank_ok(rank: int) -> bool:
-    """vLLM accepts only these ``--max-lora-rank`` values."""
-    return rank in _LORA_RANKS
+
+# ---- checking ---------------------------------------------------------------------------------------
+def check_known_keys(owner: str, values: dict[str, Any], known: list[str]) -> None:
+    """Raise ``ConfigError`` for keys of ``values`` that ``owner`` does not have, suggesting the closest."""
+    unknown = [k for k in values if k not in known]
+    if not unknown:
+        return
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), known, n=1)
+        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise ConfigError(f"{owner} has no field {', '.join(hints)}")
 
 
-__all__ = ["AsyncGRPOConfig", "ConfigError", "lora_rank_ok", "field"]
+@functools.cache
+def _field_adapters(cls: type) -> dict[str, TypeAdapter[Any]]:
+    # Resolved once per class, subclasses included: their own fields are checked the same way.
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return {f.name: TypeAdapter(hints[f.name]) for f in dataclasses.fields(cls)}
+
+
+def check_fields(config: Any) -> None:
+    """Validate every field against its annotation, strictly: a string is not a bool, 1 is not True."""
+    for name, adapter in _field_adapters(type(config)).items():
+        value = getattr(config, name)
+        try:
+            adapter.validate_python(value, strict=True)
+        except ValidationError as exc:
+            _fail(config, name, _reason(exc))
+
+
+def _reason(exc: ValidationError) -> str:
+    messages = []
+    for error in exc.errors():
+        message = error["msg"]
+        if error["type"] == "string_pattern_mismatch":
+            message = "use the form LOW-HIGH, e.g. 40000-40100"
+        if message not in messages:
+            messages.append(message)
+    # A union reports each member's complaint; the first ones name the expected value.
+    return "; ".join(messages[:2])
+
+
+def _fail(config: Any, name: str, fix: str) -> typing.NoReturn:
+    raise ConfigError(f"{type(config).__name__}.{name}={getattr(config, name)!r} is invalid: {fix}")
+
+
+def field_names(cls: type = AsyncGRPOConfig) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def describe(name: str, cls: type = AsyncGRPOConfig) -> str:
+    """The docstring of field ``name`` (for messages and generated docs), whitespace collapsed."""
+    schema = TypeAdapter(cls).json_schema()
+    return re.sub(r"\s+", " ", schema["properties"][name].get("description", "")).strip()
+
+
+__all__ = ["AsyncGRPOConfig", "ConfigError", "LoraRank", "TRL_COMPATIBILITY_ONLY", "check_fields", "check_known_keys", "field_names"]

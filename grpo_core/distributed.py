@@ -38,7 +38,7 @@ from grpo_core.packing.trie import TreeRow
 from grpo_core.rollout.types import GroupReport, RolloutSample
 
 if TYPE_CHECKING:  # the rollout side (httpx, reward code) stays out of processes that only train
-    from grpo_core.batching import StepBatch, StepCollector
+    from grpo_core.collector import StepBatch, StepCollector, WeightVersions
 
 
 def init_distributed(info: DistInfo, device: torch.device, timeout_s: float) -> bool:
@@ -106,7 +106,7 @@ def step_message(batch: StepBatch, stale_dropped_total: int) -> StepMessage:
 
 def rebuild_batch(msg: StepMessage, planner: Planner) -> StepBatch:
     """The ``StepBatch`` rank 0 collected, rebuilt from its message (tries inserted in the same order)."""
-    from grpo_core.batching import StepBatch
+    from grpo_core.collector import StepBatch
 
     microbatches = []
     for mb in msg.layout:
@@ -144,11 +144,11 @@ class StepFeed:
     def stale_dropped_total(self) -> int:
         return self.collector.stale_dropped_total if self.rank == 0 else self._stale_dropped_total
 
-    def collect(self, version: int) -> StepBatch | None:
+    def collect(self, versions: WeightVersions) -> StepBatch | None:
         if self.world_size == 1:
-            return self.collector.collect(version)
+            return self.collector.collect(versions)
         if self.rank == 0:
-            batch = self.collector.collect(version)
+            batch = self.collector.collect(versions)
             msg = None if batch is None else step_message(batch, self.collector.stale_dropped_total)
             broadcast_object(msg)  # None: the data has ended, every rank stops
             return batch

@@ -1,6 +1,8 @@
 """Held-out evaluation by sampling from the vLLM server (whatever weights it serves right now).
 
-Used by the flow before training and after the final weight sync, so "after" measures the policy
+Used by the flow before training and after the final weight sync (``evaluate_on_server``: one reward
+as the held-out accuracy), and by the trainer every ``eval_steps`` right after a push
+(``evaluate_rewards``: every reward function and their weighted sum), so both measure the policy
 the server actually serves, not a copy in the trainer.
 """
 
@@ -8,20 +10,23 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from grpo_core.inputs import as_messages, first_rows, reward_name
 from grpo_core.rollout.client import VLLMGenerateClient
 
 
 @dataclass
 class EvalResult:
-    accuracy: float
+    accuracy: float  # mean of the first reward function (the flow's held-out accuracy)
     num_prompts: int
     num_samples: int
     mean_length: float
+    per_func: dict[str, float] = field(default_factory=dict)  # mean of each reward function
+    reward: float = float("nan")  # mean weighted sum, as the trainer sums rewards
 
 
 async def _evaluate(
@@ -29,20 +34,25 @@ async def _evaluate(
     tokenizer: Any,
     prompts: list[list[dict[str, Any]]],
     columns: dict[str, list[Any]],
-    reward_func: Callable[..., list[float | None]],
+    reward_funcs: list[Callable[..., Any]],
+    weights: list[float] | None,
     samples_per_prompt: int,
     temperature: float,
     max_tokens: int,
     seed: int | None,
     concurrency: int,
+    tokens_endpoint: bool,
 ) -> EvalResult:
-    client = VLLMGenerateClient(base_url)
+    client = VLLMGenerateClient(base_url, tokens_endpoint=tokens_endpoint)
     gate = asyncio.Semaphore(concurrency)
+    context = await client.max_model_len()
 
     async def one(i: int) -> list[tuple[str, int]]:
         text = tokenizer.apply_chat_template(prompts[i], tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        params: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "n": samples_per_prompt}
+        # Never past the server's context, as in training.
+        params: dict[str, Any] = {"max_tokens": max(1, min(max_tokens, context - len(ids))), "temperature": temperature,
+                                  "n": samples_per_prompt}
         if seed is not None:
             params["seed"] = seed + i
         async with gate:
@@ -62,14 +72,28 @@ async def _evaluate(
             lengths.append(n)
             for k in columns:
                 flat_columns[k].append(columns[k][i])
-    scores = reward_func(flat_prompts, completions, **flat_columns)
-    values = np.array([np.nan if s is None else float(s) for s in scores])
+    per_func: dict[str, float] = {}
+    weighted = np.zeros(len(completions))
+    scored = np.zeros(len(completions), dtype=bool)
+    for j, func in enumerate(reward_funcs):
+        scores = func(prompts=flat_prompts, completions=completions, **flat_columns)
+        values = np.array([np.nan if v is None else float(v) for v in scores])
+        per_func[reward_name(func)] = _nan_mean(values)
+        weighted += np.nan_to_num(values) * (weights[j] if weights else 1.0)
+        scored |= ~np.isnan(values)
+    first = next(iter(per_func.values()), float("nan"))
     return EvalResult(
-        accuracy=float(np.nanmean(values)) if np.isfinite(values).any() else float("nan"),
+        accuracy=first,
         num_prompts=len(prompts),
         num_samples=len(completions),
         mean_length=float(np.mean(lengths)) if lengths else 0.0,
+        per_func=per_func,
+        reward=float(weighted[scored].mean()) if scored.any() else float("nan"),
     )
+
+
+def _nan_mean(values: np.ndarray) -> float:
+    return float(np.nanmean(values)) if np.isfinite(values).any() else float("nan")
 
 
 def evaluate_on_server(
@@ -92,10 +116,32 @@ def evaluate_on_server(
     across scheduler steps ("CPU Generator does not use offset"), which happens as soon as the
     prompts in flight exceed the server's batched-token budget.
     """
-    n = len(dataset) if max_prompts is None else min(max_prompts, len(dataset))
-    rows = [dataset[i] for i in range(n)]
-    prompts = [list(r["prompt"]) for r in rows]
+    return evaluate_rewards(
+        base_url, tokenizer, dataset, [reward_func], samples_per_prompt=samples_per_prompt, temperature=temperature,
+        max_tokens=max_tokens, seed=seed, concurrency=concurrency, max_prompts=max_prompts,
+    )
+
+
+def evaluate_rewards(
+    base_url: str,
+    tokenizer: Any,
+    dataset: Any,
+    reward_funcs: list[Callable[..., Any]],
+    *,
+    weights: list[float] | None = None,
+    samples_per_prompt: int = 4,
+    temperature: float = 1.0,
+    max_tokens: int = 64,
+    seed: int | None = None,
+    concurrency: int = 32,
+    max_prompts: int | None = None,
+    tokens_endpoint: bool = True,
+) -> EvalResult:
+    """Every reward function's mean (and their weighted sum) over sampled completions of ``dataset``."""
+    rows = first_rows(dataset, max_prompts if max_prompts is not None else 1 << 62)
+    prompts = [as_messages(r["prompt"]) for r in rows]
     columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"} if rows else {}
     return asyncio.run(
-        _evaluate(base_url, tokenizer, prompts, columns, reward_func, samples_per_prompt, temperature, max_tokens, seed, concurrency)
+        _evaluate(base_url, tokenizer, prompts, columns, reward_funcs, weights, samples_per_prompt, temperature, max_tokens,
+                  seed, concurrency, tokens_endpoint)
     )

@@ -1,94 +1,156 @@
-"""``JobConfig``: one training job (model, data, rewards, server, tracking, trainer), typed for the UI.
+"""``JobConfig``: one training job (model, data, rewards, tools, server, tracking, trainer) as plain data.
 
-It is the parameter model of the Prefect flow and the schema of ``grpo train CONFIG.yaml``. The
-trainer part is an ``AsyncGRPOConfig`` whose own checks run during validation, so a bad value is
-rejected before anything starts, naming the field. Names of functions and datasets are import
-strings (``package.module:function``) so a job pickles and serialises as plain text.
+It is the parameter model of the Prefect flow (the deployment form is its JSON schema) and the
+schema of ``grpo train JOB.yaml``. Nothing is declared twice: ``trainer`` is the library's own
+``AsyncGRPOConfig``, ``server`` extends ``grpo_core.server.ServerOptions``, and ``peft_config`` is
+checked against peft's ``LoraConfig``. Everything the Python API takes as an object is named here by
+import string (``package.module:attr``), so a job pickles and serialises as text: reward functions,
+tools, an environment factory, a custom ``AsyncRolloutLoop`` and the dataset loader. Unknown keys
+are refused at every level with the closest valid name.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-from pydantic.dataclasses import dataclass as pydantic_dataclass
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from grpo_core.config import AsyncGRPOConfig
+from grpo_core.config import AsyncGRPOConfig, ConfigError, check_known_keys
+from grpo_core.server import ServerOptions
 
-TrainerConfig = pydantic_dataclass(AsyncGRPOConfig, config=ConfigDict(extra="forbid"))
-"""``AsyncGRPOConfig`` validated by pydantic: field types checked, then its own ``validate()``."""
-
-
-class ServerParams(BaseModel):
-    """The vLLM server: started by the flow (``managed``) or an existing one at ``base_url``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    managed: bool = Field(True, description="Start the server as a child process and stop it at the end.")
-    base_url: str | None = Field(None, description="URL of an existing server (when managed is false).")
-    max_model_len: int = Field(512, ge=16, description="Longest prompt + completion the server accepts.")
-    dtype: str = Field("float32", description="Server weight dtype (float32 on CPU; bfloat16 on GPUs).")
-    kv_cache_gib: int = Field(1, ge=1, description="CPU KV-cache size in GiB.")
-    enable_lora: bool = Field(False, description="Serve LoRA adapters (adapter-only weight sync).")
-    max_lora_rank: int = Field(16, description="Largest adapter rank the server accepts.")
-    max_loras: int = Field(6, ge=1, description="Adapters resident at once (>= max_staleness + 2).")
-    startup_timeout_s: float = Field(600.0, gt=0, description="Seconds to wait for the server to serve.")
-    extra_args: list[str] = Field(default_factory=list, description="Further vLLM command-line flags.")
+ImportString = Annotated[str, Field(pattern=r"^[\w.]+:[\w.]+$", description="package.module:attribute")]
 
 
-class TrackingParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Strict(BaseModel):
+    """Refuses unknown keys with a suggestion (pydantic's own message names no alternative)."""
 
-    tracking_uri: str | None = Field(None, description="MLflow tracking URI; default: a SQLite store in output_dir.")
-    experiment: str = Field("grpo", description="MLflow experiment name.")
-    system_metrics: bool = Field(True, description="Log CPU/GPU/memory system metrics with the run.")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-
-class JobConfig(BaseModel):
-    """Everything one run needs. Defaults are the embedded tiny-model demo."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field("tiny:arithmetic", description="Model path/id, or tiny:<variant> for the offline tiny model.")
-    dataset: str = Field("tiny:arithmetic", description="tiny:<task> or an import string returning a DatasetDict.")
-    reward_funcs: list[str] = Field(
-        default_factory=lambda: ["grpo_core.rewards:accuracy_reward", "grpo_core.rewards:format_reward"],
-        description="Import strings of the reward functions.",
-    )
-    tools: list[str] = Field(default_factory=list, description="Import strings of tool functions.")
-    eval_reward: str = Field("grpo_core.rewards:accuracy_reward", description="Reward used as held-out accuracy.")
-    eval_prompts: int = Field(100, ge=0, description="Held-out prompts sampled before and after training (0 skips).")
-    eval_samples_per_prompt: int = Field(4, ge=1, description="Completions per held-out prompt.")
-    nproc_per_node: int = Field(1, ge=1, description="Training processes per node (torchrun).")
-    nnodes: int = Field(1, ge=1, description="Training nodes.")
-    max_resumes: int = Field(3, ge=0, description="Times the flow restarts a training process that died.")
-    server: ServerParams = Field(default_factory=ServerParams)
-    tracking: TrackingParams = Field(default_factory=TrackingParams)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)  # type: ignore[valid-type]
-
-    @field_validator("reward_funcs", "tools")
+    @model_validator(mode="before")
     @classmethod
-    def _import_strings(cls, values: list[str]) -> list[str]:
-        for value in values:
-            if ":" not in value:
-                raise ValueError(f"{value!r} is not an import string; write it as package.module:function")
+    def _known_keys(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            check_known_keys(cls.__name__, values, [*cls.model_fields, *_aliases(cls)])
         return values
 
+
+def _aliases(cls: type[BaseModel]) -> list[str]:
+    return [f.alias for f in cls.model_fields.values() if f.alias]
+
+
+@dataclasses.dataclass(kw_only=True)
+class ServerParams(ServerOptions):
+    """The vLLM server: started by the flow (``managed``), or an existing one at ``base_url``."""
+
+    managed: bool = True
+    """Start the server as a child process (or Kubernetes job) and stop it at the end."""
+    base_url: str | None = None
+    """URL of an existing server (when ``managed`` is false)."""
+    startup_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    """Seconds to wait for a managed server to serve."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.managed and not self.base_url:
+            raise ConfigError("ServerParams.base_url is required when managed is false: give the URL of the running server")
+
+    def options(self) -> ServerOptions:
+        """The launch options alone (what ``VLLMServerSpec.for_run`` takes)."""
+        return ServerOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ServerOptions)})
+
+
+class TrackingParams(_Strict):
+    """Where the run is tracked."""
+
+    tracking_uri: str | None = None
+    """MLflow tracking URI; default: ``MLFLOW_TRACKING_URI`` when set, else a SQLite store in the run folder."""
+    experiment: str = "grpo"
+    """MLflow experiment name."""
+    system_metrics: bool = True
+    """Log CPU/GPU/memory system metrics with the run."""
+    registered_model_name: str | None = None
+    """Register the final model under this name in the MLflow model registry (None: log it without registering)."""
+
+
+class JobConfig(_Strict):
+    """Everything one run needs. Defaults are the embedded tiny-model demo."""
+
+    model: str = "tiny:arithmetic"
+    """Model folder or hub id, or ``tiny:<variant>`` for an offline tiny model."""
+    dataset: str = "tiny:arithmetic"
+    """``tiny:<task>``, or an import string of a function returning a ``DatasetDict`` with ``train`` (and ``eval``)."""
+    reward_funcs: list[ImportString] = Field(
+        default_factory=lambda: ["grpo_core.rewards:accuracy_reward", "grpo_core.rewards:format_reward"]
+    )
+    """Import strings of the reward functions (``AsyncGRPOTrainer(reward_funcs=...)``)."""
+    tools: list[ImportString] = Field(default_factory=list)
+    """Import strings of tool functions (``tools=...``)."""
+    environment_factory: ImportString | None = None
+    """Import string of the environment factory (``environment_factory=...``)."""
+    loop_cls: ImportString | None = None
+    """Import string of an ``AsyncRolloutLoop`` subclass to run the rollout stages with (a trainer's ``loop_cls``)."""
+    peft_config: dict[str, Any] | None = None
+    """LoRA: keyword arguments of peft's ``LoraConfig`` (e.g. ``{r: 16, lora_alpha: 32, target_modules: all-linear}``)."""
+    eval_reward: ImportString = "grpo_core.rewards:accuracy_reward"
+    """Reward used as held-out accuracy before and after training."""
+    eval_prompts: Annotated[int, Field(ge=0)] = 100
+    """Held-out prompts sampled before and after training (0 skips)."""
+    eval_samples_per_prompt: Annotated[int, Field(ge=1)] = 4
+    """Completions per held-out prompt."""
+    nproc_per_node: Annotated[int, Field(ge=1)] = 1
+    """Training processes per node (torchrun)."""
+    nnodes: Annotated[int, Field(ge=1)] = 1
+    """Training nodes."""
+    max_resumes: Annotated[int, Field(ge=0)] = 3
+    """Times the flow restarts a training process that died."""
+    server: ServerParams = Field(default_factory=ServerParams)
+    """The vLLM server."""
+    tracking: TrackingParams = Field(default_factory=TrackingParams)
+    """MLflow."""
+    trainer: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
+    """The trainer's settings (``AsyncGRPOConfig``)."""
+
+    @field_validator("server", "trainer", mode="before")
+    @classmethod
+    def _dataclass_keys(cls, value: Any, info: Any) -> Any:
+        owner = {"server": ServerParams, "trainer": AsyncGRPOConfig}[info.field_name]
+        if isinstance(value, dict):
+            check_known_keys(owner.__name__, value, [f.name for f in dataclasses.fields(owner)])
+        return value
+
+    @field_validator("peft_config")
+    @classmethod
+    def _lora_config(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            lora_config(value)  # peft's own checks, with our message for unknown keys
+        return value
+
     def trainer_config(self, **overrides: Any) -> AsyncGRPOConfig:
-        """The trainer part as a plain ``AsyncGRPOConfig`` (with ``overrides`` applied)."""
-        return AsyncGRPOConfig.from_dict({**dataclasses.asdict(self.trainer), **overrides})
+        """The trainer part (with ``overrides`` applied and checked)."""
+        return self.trainer.replace(**overrides) if overrides else self.trainer
+
+
+def lora_config(values: dict[str, Any]) -> Any:
+    """peft's ``LoraConfig`` from job data; unknown keys are refused with the closest name."""
+    from peft import LoraConfig
+
+    check_known_keys("peft LoraConfig", values, [f.name for f in dataclasses.fields(LoraConfig)])
+    return LoraConfig(**values)
 
 
 def import_string(path: str) -> Any:
     """``package.module:attr`` → the object."""
     module_name, _, attr = path.partition(":")
     module = importlib.import_module(module_name)
-    try:
-        return getattr(module, attr)
-    except AttributeError as exc:
-        raise ImportError(f"{module_name} has no attribute {attr!r} (from {path!r})") from exc
+    target: Any = module
+    for part in attr.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError as exc:
+            raise ImportError(f"{module_name} has no attribute {attr!r} (from {path!r})") from exc
+    return target
 
 
 def resolve_model(spec: str) -> str:

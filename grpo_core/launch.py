@@ -14,7 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
-from grpo_core.job import JobConfig, import_string, resolve_dataset, resolve_model
+from grpo_core.job import JobConfig, import_string, lora_config, resolve_dataset, resolve_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,8 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     model_path = args.model_path or resolve_model(job.model)
     data = resolve_dataset(job.dataset)
     train_dataset = data["train"] if "train" in data else data
-    reward_funcs = [import_string(name) for name in job.reward_funcs]
-    tools = [import_string(name) for name in job.tools]
+    eval_dataset = data["eval"] if config.eval_strategy != "no" and "eval" in data else None
     dist = DistInfo.from_env()
     tracker = NullTracker()
     if dist.is_main and config.report_to == "mlflow":
@@ -55,12 +54,19 @@ def main(argv: list[str] | None = None) -> int:
             # Resumed by hand (not by the flow): keep logging into the run the checkpoint belongs to.
             run_id = saved_run_id(config.output_dir, config.resume_from_checkpoint)
         tracker = MLflowTracker(args.tracking_uri, job.tracking.experiment, config.run_name, run_id=run_id)
-    trainer = AsyncGRPOTrainer(
+    trainer_cls = AsyncGRPOTrainer
+    if job.loop_cls:
+        # The job's rollout stages, as a script would set them on a trainer subclass.
+        trainer_cls = type("JobTrainer", (AsyncGRPOTrainer,), {"loop_cls": import_string(job.loop_cls)})
+    trainer = trainer_cls(
         model=model_path,
-        reward_funcs=reward_funcs,
-        train_dataset=train_dataset,
+        reward_funcs=[import_string(name) for name in job.reward_funcs],
         args=config,
-        tools=tools or None,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        peft_config=lora_config(job.peft_config) if job.peft_config else None,
+        tools=[import_string(name) for name in job.tools] or None,
+        environment_factory=import_string(job.environment_factory) if job.environment_factory else None,
         tracker=tracker,
     )
     status = "FAILED"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -30,40 +30,32 @@ VLLM_NEG_INF = -9999.0
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Knobs of the GRPO objective. Checked at construction, never rewritten."""
+    """Knobs of the GRPO objective, taken from the run's ``AsyncGRPOConfig`` (``from_config``), where
+    each is declared, bounded and documented once. Checked again here because the functions below
+    are also called on their own (tests, benchmarks)."""
 
-    epsilon: float = 0.2
+    epsilon: float
     """Lower PPO clip: for a negative advantage the ratio is not pushed below ``1 - epsilon``."""
-
-    epsilon_high: float = 0.28
-    """Upper PPO clip: for a positive advantage the ratio is not pushed above ``1 + epsilon_high``.
-    Larger than ``epsilon`` so rare tokens with good outcomes can still grow (clip-higher)."""
-
-    score_centering: bool = True
+    epsilon_high: float
+    """Upper PPO clip: for a positive advantage the ratio is not pushed above ``1 + epsilon_high``."""
+    score_centering: bool
     """Subtract the expected score over the sampler's top-N at each trained position (see
     ``grpo_loss``). Skipped for a call whose inputs carry no top-N log-probs."""
-
-    score_centering_weights: Literal["sampler", "importance"] = "sampler"
+    score_centering_weights: Literal["sampler", "importance"]
     """Weights of the centering baseline. ``"sampler"``: the sampler's top-N probabilities
-    renormalised, as specified for this trainer. Exact when the per-token weight is the same for
-    every candidate (e.g. the sampler draws from top-k of the trainer's own distribution and the
-    trainer normalises over the full vocabulary); biased by O(pi - q) when the ratio is already an
-    exact full-support importance weight. ``"importance"``: those probabilities times each
-    candidate's own clipped/masked ratio (equivalently the trainer's probabilities over the
-    eligible top-N), exact in both cases. Derivation in ``grpo_loss``; both behaviours are
-    measured by the Monte-Carlo tests in ``tests/test_loss.py``."""
-
-    vllm_importance_sampling_clip_min: float = 0.5
-    """Tokens whose ratio trainer/sampler is below this are dropped from the loss. 0.5 is a factor
-    of two in probability (0.69 nats): well beyond the per-token drift expected from a few
-    optimizer steps or from bf16-vs-fp32 kernels, so only tokens whose two probabilities
-    genuinely disagree are dropped, and it lies outside the PPO clip so that clip stays the trust
-    region."""
-
-    vllm_importance_sampling_clip_max: float = 2.0
-    """Tokens whose ratio is above this are dropped. Symmetric to the lower bound in log space.
-    The PPO clip never binds for a negative advantage above 1, so without this bound such a token
-    would be weighted by an unbounded ratio; 2.0 caps that weight."""
+    renormalised; exact when the per-token weight is the same for every candidate (e.g. the sampler
+    draws from top-k of the trainer's own distribution and the trainer normalises over the full
+    vocabulary), biased by O(pi - q) when the ratio is already an exact full-support importance
+    weight. ``"importance"``: those probabilities times each candidate's own clipped/masked ratio
+    (equivalently the trainer's probabilities over the eligible top-N), exact in both cases.
+    Derivation in ``grpo_loss``; both behaviours are measured by the Monte-Carlo tests in
+    ``tests/test_loss.py``."""
+    vllm_importance_sampling_clip_min: float
+    """Tokens whose ratio trainer/sampler is below this are dropped from the loss. It lies outside
+    the PPO clip so that the clip stays the trust region."""
+    vllm_importance_sampling_clip_max: float
+    """Tokens whose ratio is above this are dropped. The PPO clip never binds for a negative
+    advantage above 1, so without this bound such a token would be weighted by an unbounded ratio."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.epsilon < 1.0:
@@ -78,6 +70,18 @@ class LossConfig:
                 "need 0 <= vllm_importance_sampling_clip_min <= 1"
                 f" <= vllm_importance_sampling_clip_max, got [{lo}, {hi}]"
             )
+
+    @classmethod
+    def from_config(cls, config: Any) -> LossConfig:
+        """The objective's settings of an ``AsyncGRPOConfig``; centering needs top-N sampler log-probs."""
+        return cls(
+            epsilon=config.epsilon,
+            epsilon_high=config.epsilon_high,
+            score_centering=config.score_centering and config.num_sampler_logprobs > 0,
+            score_centering_weights=config.score_centering_weights,
+            vllm_importance_sampling_clip_min=config.vllm_importance_sampling_clip_min,
+            vllm_importance_sampling_clip_max=config.vllm_importance_sampling_clip_max,
+        )
 
 
 @dataclass

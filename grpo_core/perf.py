@@ -131,7 +131,7 @@ class PerfMeter:
         self.peak = device_peak_flops(device, bf16)
         self.world_size = world_size
 
-    def step_metrics(self, rows: list[TreeRow], fwd_bwd_s: float, wall_s: float) -> dict[str, float]:
+    def metrics(self, rows: list[TreeRow], fwd_bwd_s: float, wall_s: float) -> dict[str, float]:
         tokens = sum(r.num_unique_tokens for r in rows)
         return perf_metrics(self.flops.rows_flops(rows), tokens, fwd_bwd_s, wall_s, self.world_size, self.peak)
 

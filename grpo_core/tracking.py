@@ -8,7 +8,8 @@ values whose key looks like a credential before params are logged.
 Run identity (``run_identity``): a name ``<model>-<task>-<config hash>`` and tags ``model``, ``task``,
 ``git_commit`` and ``config_hash``, so runs of one recipe group together in the MLflow UI. Large
 files are referenced, not copied: ``log_artifact_uri`` records a checkpoint's URI as a small JSON
-artifact; only the final model is copied in (``log_model``), so that it can be served from the run.
+artifact; only the final model is copied in (``log_final_model``, as an MLflow transformers model
+that registers and loads back), so that it can be served from the run.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Tracker(Protocol):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def set_tags(self, tags: dict[str, str]) -> None: ...
     def log_artifact_uri(self, name: str, uri: str, step: int | None = None) -> None: ...
+    def log_table(self, name: str, columns: dict[str, list[Any]], step: int) -> None: ...
     def last_logged_step(self, key: str) -> int | None: ...
     def close(self, status: str = "FINISHED") -> None: ...
 
@@ -69,6 +71,9 @@ class NullTracker:
         pass
 
     def log_artifact_uri(self, name: str, uri: str, step: int | None = None) -> None:
+        pass
+
+    def log_table(self, name: str, columns: dict[str, list[Any]], step: int) -> None:
         pass
 
     def last_logged_step(self, key: str) -> int | None:
@@ -151,18 +156,14 @@ class MLflowTracker:
         file_name = f"{name}.json" if step is None else f"{name}-step-{step:06d}.json"
         self._client.log_text(self.run_id, json.dumps(reference, indent=2), f"checkpoints/{file_name}")
 
+    def log_table(self, name: str, columns: dict[str, list[Any]], step: int) -> None:
+        """Append rows to the run's table ``<name>.json`` (MLflow's table artifact, shown in its UI's
+        evaluation view); ``columns`` maps column names to equally long lists."""
+        self._client.log_table(self.run_id, data=columns, artifact_file=f"{name}.json")
+
     def last_logged_step(self, key: str) -> int | None:
         """Highest step at which ``key`` was logged in this run (a resumed trainer marks re-runs up to it)."""
         return max((m.step for m in self._client.get_metric_history(self.run_id, key)), default=None)
-
-    def log_model(self, model_dir: str | Path, artifact_path: str = "model") -> str:
-        """Copy a Hugging Face model folder into the run; returns its ``runs:/`` URI.
-
-        The folder is what vLLM serves: ``mlflow artifacts download -u <uri> -d DIR`` then
-        ``python -m vllm.entrypoints.openai.api_server --model DIR/model``. Only the final model is
-        copied; checkpoints stay references (``log_artifact_uri``).
-        """
-        return log_model_folder(self._client, self.run_id, model_dir, artifact_path)
 
     def close(self, status: str = "FINISHED") -> None:
         if self._system_monitor is not None:
@@ -171,6 +172,26 @@ class MLflowTracker:
             except Exception:  # noqa: BLE001 - monitoring must never fail a run
                 log.debug("system metrics monitor did not stop cleanly", exc_info=True)
         self._client.set_terminated(self.run_id, status=status)
+
+
+def make_tracker(config: Any, is_main: bool = True, experiment: str = "grpo") -> Tracker:
+    """The tracker ``report_to`` asks for, when a script builds the trainer without one: an MLflow run in
+    the store that ``MLFLOW_TRACKING_URI`` names (else MLflow's default), named ``run_name`` or after the
+    output folder, with the config logged under TRL's parameter names. Only rank 0 tracks."""
+    if config.report_to == "none" or not is_main:
+        return NullTracker()
+    name = config.run_name or Path(str(config.output_dir).rstrip("/")).name or None
+    tracker = MLflowTracker(os.environ.get("MLFLOW_TRACKING_URI"), experiment, name)
+    tracker.log_params(trainer_params(config))
+    return tracker
+
+
+def trainer_params(config: Any) -> dict[str, Any]:
+    """The trainer's settings as top-level params under their own names (``learning_rate``, not
+    ``job.trainer.learning_rate``), so a search written for a TRL run (``params.learning_rate``) finds it."""
+    import dataclasses
+
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
 def _start_system_metrics(run_id: str):
@@ -193,23 +214,15 @@ def _artifact_root(tracking_uri: str) -> str | None:
     return (Path(tracking_uri.removeprefix("sqlite:///")).parent / "mlartifacts").absolute().as_uri()
 
 
-def log_model_folder(client: Any, run_id: str, model_dir: str | Path, artifact_path: str = "model") -> str:
-    """``MLflowTracker.log_model`` for a run given by id (e.g. from the flow, after the trainer closed it)."""
-    folder = Path(model_dir)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder} is not a Hugging Face model folder (no config.json)")
-    client.log_artifacts(run_id, str(folder), artifact_path)
-    uri = f"runs:/{run_id}/{artifact_path}"
-    client.set_tag(run_id, "final_model", uri)
-    return uri
-
-
-def log_final_model(client: Any, run_id: str, artifact_path: str = "model") -> str | None:
-    """Copy the servable files of the run's newest checkpoint into the run; its ``runs:/`` URI, or None.
+def log_final_model(client: Any, run_id: str, registered_model_name: str | None = None, artifact_path: str = "model") -> str | None:
+    """Log the servable files of the run's newest checkpoint to the run as an MLflow transformers model;
+    its model URI, or None when the run wrote no checkpoint.
 
     The newest checkpoint is the one ``log_artifact_uri("checkpoint", ...)`` recorded last (the
     trainer saves after its final step). Its servable part (weights in the serving dtype, config,
-    tokenizer) is what vLLM loads; optimizer, master weights and resume state stay behind.
+    tokenizer) is what vLLM and transformers load; optimizer, master weights and resume state stay
+    behind. ``mlflow.transformers.load_model(uri, return_type="components")`` loads it back, and with
+    ``registered_model_name`` it becomes a new version of that registered model.
     """
     import tempfile
 
@@ -229,7 +242,29 @@ def log_final_model(client: Any, run_id: str, artifact_path: str = "model") -> s
             name = path.rstrip("/").rsplit("/", 1)[-1]
             if name not in training_only and fs.isfile(path):
                 fs.get_file(path, str(Path(tmp) / name))
-        return log_model_folder(client, run_id, tmp, artifact_path)
+        return log_transformers_model(client.tracking_uri, run_id, tmp, registered_model_name, artifact_path)
+
+
+def log_transformers_model(
+    tracking_uri: str, run_id: str, model_dir: str | Path, registered_model_name: str | None = None, artifact_path: str = "model"
+) -> str:
+    """Log a Hugging Face model folder to ``run_id`` with MLflow's transformers flavor; its model URI."""
+    import mlflow
+
+    folder = Path(model_dir)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} is not a Hugging Face model folder (no config.json)")
+    mlflow.set_tracking_uri(tracking_uri)
+    with mlflow.start_run(run_id=run_id):
+        # Given as a folder, the checkpoint is copied without being loaded (a 70B model need not fit here).
+        info = mlflow.transformers.log_model(
+            transformers_model=str(folder),
+            name=artifact_path,
+            task="text-generation",
+            registered_model_name=registered_model_name,
+        )
+    mlflow.MlflowClient(tracking_uri).set_tag(run_id, "final_model", info.model_uri)
+    return info.model_uri
 
 
 # ------------------------------------------------------------------------------------------ run identity

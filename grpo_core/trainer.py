@@ -1,29 +1,36 @@
 """``AsyncGRPOTrainer``: the training loop, readable top to bottom.
 
-    setup    load the policy, check the server, open the weight transport, push version 0,
-             spawn the rollout worker
+    setup    check the inputs, load the policy, wait for and check the server, open the weight
+             transport, push the current weights, spawn the rollout worker
     loop     collect one step of samples (stale ones dropped, rows packed)
              → forward/backward every micro-batch → optimizer step → record the prompts consumed
-             → push weights every ``weight_sync_steps`` → checkpoint every ``save_steps`` → log
+             → push weights every ``weight_sync_steps`` → evaluate every ``eval_steps`` → log
+             → checkpoint every ``save_steps``
     teardown stop the worker, close the transport and the tracker
 
 Rank 0 owns the rollout worker and talks to vLLM; every rank trains its own row of each micro-batch.
+The public surface follows TRL's trainer: ``args``, ``model``, ``processing_class``, ``state``
+(``global_step``, ``log_history``), ``train(resume_from_checkpoint=...)``, ``evaluate()`` and
+``save_model(dir)``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from grpo_core.batching import StepBatch, StepCollector, TrainingFrontier
-from grpo_core.checkpoint import Checkpointer
+from grpo_core.checkpoint import CheckpointParts, Checkpointer
+from grpo_core.collector import StepBatch, StepCollector, TrainingFrontier, WeightVersions
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.distributed import StepFeed, broadcast_object, gather_step_results, init_distributed, shutdown_distributed
+from grpo_core.inputs import check_crossing, check_model_reference, check_train_dataset, model_load_error
 from grpo_core.loss import LossConfig, LossInputs, candidate_mask_from_ids, finalize_metrics, grpo_loss, token_logprobs
 from grpo_core.models.fsdp import FSDPSettings, full_value, needs_fsdp, shard_policy
 from grpo_core.models.loading import DistInfo, load_policy, load_tokenizer
@@ -31,12 +38,27 @@ from grpo_core.models.tree_attention import enable_tree_attention
 from grpo_core.packing.collator import PackedRow, pack_row
 from grpo_core.perf import PerfMeter, synchronize
 from grpo_core.rollout.loop import AsyncRolloutLoop
+from grpo_core.rollout.prompts import is_streaming
 from grpo_core.rollout.tool_calls import ToolRegistry
-from grpo_core.rollout.worker import RolloutWorker, WorkerSpec, check_picklable
+from grpo_core.rollout.worker import RolloutWorker, WorkerSpec
 from grpo_core.step_metrics import group_metrics
-from grpo_core.tracking import NullTracker, Tracker
+from grpo_core.tracking import Tracker, make_tracker
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerState:
+    """Where training stands (TRL's ``trainer.state``): the step and every logged step's metrics."""
+
+    global_step: int = 0
+    log_history: list[dict[str, float]] = field(default_factory=list)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"global_step": self.global_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.global_step = int(state["global_step"])
 
 
 class AsyncGRPOTrainer:
@@ -47,145 +69,208 @@ class AsyncGRPOTrainer:
     def __init__(
         self,
         model: Any,
-        reward_funcs: Any,
-        train_dataset: Any,
+        reward_funcs: Any = None,
         args: AsyncGRPOConfig | None = None,
+        train_dataset: Any = None,
         processing_class: Any = None,
+        *,
         eval_dataset: Any = None,
         peft_config: Any = None,
         tools: list[Any] | None = None,
         environment_factory: Any = None,
         tracker: Tracker | None = None,
     ):
-        self.args = args or AsyncGRPOConfig()
-        self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        if self.args.reward_weights is not None and len(self.args.reward_weights) != len(self.reward_funcs):
-            raise ValueError(
-                f"AsyncGRPOConfig.reward_weights has {len(self.args.reward_weights)} entries for "
-                f"{len(self.reward_funcs)} reward functions; give one weight per function"
-            )
+        self.args = args if args is not None else AsyncGRPOConfig(output_dir=f"{_model_name(model)}-AsyncGRPO")
+        self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [f for f in [reward_funcs] if f]
+        self._check_inputs(model, train_dataset, eval_dataset, environment_factory)
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.tools = list(tools or [])
         self.environment_factory = environment_factory
+        self.peft_config = peft_config
         self.dist = DistInfo.from_env()
         self.device = self.dist.device()
-        fsdp_settings = FSDPSettings.from_config(self.args)
+        self.bf16 = self._resolve_precision()
+        fsdp_settings = FSDPSettings.from_config(self.args, bf16=self.bf16)
         # Ranks (and 1-rank bf16 through FSDP2) join the process group before anything is sharded.
         self._owns_process_group = needs_fsdp(fsdp_settings, self.dist.world_size) and init_distributed(
             self.dist, self.device, timeout_s=max(3600.0, 2 * self.args.request_timeout)
         )
         torch.manual_seed(self.args.seed)
-        self.model, self.model_path = load_policy(model, self.device)
-        self.tokenizer = load_tokenizer(processing_class, self.model_path)
-        self.peft_config = peft_config
+        try:
+            self.model, self.model_path = load_policy(model, self.device)
+        except (OSError, ValueError) as exc:
+            raise model_load_error(model, exc) from exc
+        self.processing_class = load_tokenizer(processing_class, self.model_path)
         if peft_config is not None:
             from grpo_core.models.lora import apply_lora, warn_if_not_saved
 
             self.model = apply_lora(self.model, peft_config)
             warn_if_not_saved(self.args)
         self.attention_backend = enable_tree_attention(self.model)
-        self.perf = PerfMeter(self.model, self.device, self.args.bf16, self.dist.world_size)
+        self.perf = PerfMeter(self.model, self.device, self.bf16, self.dist.world_size)
         self.model = shard_policy(self.model, fsdp_settings, self.device)  # before the optimizer sees the weights
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=self.args.learning_rate,
             betas=(self.args.adam_beta1, self.args.adam_beta2),
+            eps=self.args.adam_epsilon,
             weight_decay=self.args.weight_decay,
         )
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
-        self.loss_config = LossConfig(
-            epsilon=self.args.epsilon,
-            epsilon_high=self.args.epsilon_high,
-            score_centering=self.args.score_centering and self.args.num_sampler_logprobs > 0,
-            score_centering_weights=self.args.score_centering_weights,  # type: ignore[arg-type]
-            vllm_importance_sampling_clip_min=self.args.vllm_importance_sampling_clip_min,
-            vllm_importance_sampling_clip_max=self.args.vllm_importance_sampling_clip_max,
-        )
-        self.tracker: Tracker = tracker or NullTracker()
-        self.checkpointer = Checkpointer(self.args, self.dist)
-        self.global_step = 0
+        self.lr_scheduler = _lr_scheduler(self.args, self.optimizer)
+        self.grad_scaler = torch.amp.GradScaler("cuda") if self.args.fp16 else None
+        self.loss_config = LossConfig.from_config(self.args)
+        self.tracker: Tracker = tracker or make_tracker(self.args, is_main=self.dist.is_main)
+        self.state = TrainerState()
         self.frontier = TrainingFrontier()
+        self.versions = WeightVersions()
+        self.checkpointer = Checkpointer(self.args, self.dist, self._checkpoint_parts(), self.tracker)
         self.worker: RolloutWorker | None = None
         self.weight_sync: Any = None
-        self.candidate_sets = False
-        self.history: list[dict[str, float]] = []
+        self.control: Any = None
+        self.server: Any = None  # ServerCapabilities, once checked
+        self.feed: StepFeed | None = None
+
+    # TRL's names for what this trainer holds under its own.
+    @property
+    def global_step(self) -> int:
+        return self.state.global_step
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.processing_class
 
     # ------------------------------------------------------------------------------------------ train
-    def train(self) -> list[dict[str, float]]:
-        """Train until ``max_steps`` (or the data ends); returns the logged metrics of every step."""
-        self._check_picklable()
-        self._setup()
+    def train(self, resume_from_checkpoint: bool | str | None = None) -> list[dict[str, float]]:
+        """Train until ``max_steps`` (or the data ends); returns the logged metrics of every step.
+
+        ``resume_from_checkpoint`` (True: the newest good checkpoint under ``output_dir``; a path: that
+        one) takes precedence over ``args.resume_from_checkpoint`` for this call.
+        """
+        self._check_crossing()
+        wanted = resume_from_checkpoint if resume_from_checkpoint is not None else self.args.resume_from_checkpoint
+        self._setup(wanted)
         try:
             while self.args.max_steps <= 0 or self.global_step < self.args.max_steps:
                 step_start = time.perf_counter()
-                batch = self.collector.collect(version=self.global_step)
+                batch = self.feed.collect(self.versions)
                 if batch is None:
                     break
                 metrics = self._optimizer_step(batch)
-                self.global_step += 1
-                self.collector.mark_trained(batch)
-                metrics.update(self.checkpointer.record_step(self, batch))  # the prompts it consumed
-                if self.global_step % self.args.weight_sync_steps == 0 or self._is_last_step():
+                self.state.global_step += 1
+                self.feed.mark_trained(batch)
+                metrics.update(self.checkpointer.record_step(batch))  # the prompts it consumed
+                if self._is_sync_step():
                     metrics.update(self._sync_weights())
+                if self._is_eval_step():
+                    metrics.update(self.evaluate())  # after the push: the server serves this step's policy
                 metrics.update(self._step_metrics(batch, step_start))
-                metrics.update(self.perf.step_metrics(batch.plan.rows, metrics["perf/fwd_bwd_s"], metrics["perf/step_s"]))
+                metrics.update(self.perf.metrics(batch.plan.rows, metrics["perf/fwd_bwd_s"], metrics["perf/step_s"]))
                 self._log(metrics)
+                self._log_completions(batch)
                 # After the step is logged: a step that a checkpoint holds is always in the run's
                 # history, so resuming from it leaves no gap in the logged steps.
                 if self.checkpointer.should_save(self.global_step) or self._is_last_step():
-                    self._log(self.checkpointer.save(self), same_step=True)
+                    self._log(self.checkpointer.save(), same_step=True)
         finally:
             self._teardown()
-        return self.history
+        return self.state.log_history
 
     def _is_last_step(self) -> bool:
         return self.args.max_steps > 0 and self.global_step >= self.args.max_steps
 
+    def _is_sync_step(self) -> bool:
+        return self.global_step % self.args.weight_sync_steps == 0 or self._is_last_step() or self._is_eval_step()
+
+    def _is_eval_step(self) -> bool:
+        return (
+            self.args.eval_strategy == "steps" and self.eval_dataset is not None and self.global_step % self.args.eval_steps == 0
+        )
+
     # ------------------------------------------------------------------------------------------ setup
-    def _check_picklable(self) -> None:
-        check_picklable(
+    def _check_inputs(self, model: Any, train_dataset: Any, eval_dataset: Any, environment_factory: Any) -> None:
+        """Bad input named here, in the main process, before anything is loaded or spawned."""
+        check_model_reference(model)
+        if self.args.reward_weights is not None and len(self.args.reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"AsyncGRPOConfig.reward_weights has {len(self.args.reward_weights)} entries for "
+                f"{len(self.reward_funcs)} reward functions; give one weight per function"
+            )
+        if not self.reward_funcs and environment_factory is None and self.loop_cls is AsyncRolloutLoop:
+            raise ValueError("reward_funcs is empty and there is no environment_factory: nothing would score the rollouts")
+        check_train_dataset(train_dataset, self.reward_funcs)
+        if self.args.eval_strategy == "steps":
+            if eval_dataset is None:
+                raise ValueError("AsyncGRPOConfig.eval_strategy='steps' needs eval_dataset=...; pass one or set eval_strategy='no'")
+            check_train_dataset(eval_dataset, self.reward_funcs)
+
+    def _resolve_precision(self) -> bool:
+        cuda = self.device.type == "cuda"
+        if self.args.fp16 and not cuda:
+            raise ValueError("AsyncGRPOConfig.fp16=True needs a CUDA device; on CPU leave fp16 off (training runs fp32)")
+        bf16 = self.args.resolved_bf16(cuda and torch.cuda.is_bf16_supported())
+        if self.args.bf16 is None and not bf16 and self.dist.is_main:
+            log.info("bf16=None: training in fp32 on %s (bf16 is the default on CUDA devices that support it)", self.device)
+        return bf16
+
+    def _checkpoint_parts(self) -> CheckpointParts:
+        return CheckpointParts(
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            progress=self.state,
+            frontier=self.frontier,
+            tokenizer=self.processing_class,
+            serve_dtype=torch.bfloat16 if self.bf16 else (torch.float16 if self.args.fp16 else None),
+            num_prompts=None if is_streaming(self.train_dataset) else len(self.train_dataset),
+            adapter_base=(self.model_path or "") if self.peft_config is not None else None,
+        )
+
+    def _check_crossing(self) -> None:
+        check_crossing(
             {
-                "reward function": self.reward_funcs,
-                "tool": self.tools,
-                "environment_factory": [self.environment_factory] if self.environment_factory else [],
-                "loop_cls": [self.loop_cls],
+                "reward_funcs": self.reward_funcs,
+                "tools": self.tools,
+                "environment_factory": self.environment_factory,
+                "loop_cls": self.loop_cls,
+                "args": self.args,
+                "train_dataset": self.train_dataset,
             }
         )
         # Signatures too (typed parameters, module-level, unique names): fail here, not in the worker.
         ToolRegistry(self.tools)
 
-    def _setup(self) -> None:
+    def _setup(self, resume_from_checkpoint: bool | str | None) -> None:
         from grpo_core.rollout.client import VLLMControlClient
-        from grpo_core.server_checks import check_server
-        from grpo_core.sync.factory import make_weight_sync
+        from grpo_core.server_checks import check_server, wait_for_server
 
         args = self.args
-        checkpoint = self.checkpointer.find_resume_point()
+        checkpoint = self.checkpointer.find_resume_point(resume_from_checkpoint)
         if checkpoint is not None:
-            self.checkpointer.restore(self, checkpoint)
-        self.checkpointer.begin_attempt(self)
-        control = None
+            self.checkpointer.restore(checkpoint)
+        self.checkpointer.begin_attempt()
+        cuda = self.device.type == "cuda"
+        model_name = self.model_path or "<model>"
         if self.dist.is_main:
-            control = VLLMControlClient(args.vllm_server_base_url, timeout=args.request_timeout)
-        if broadcast_object(self.dist.is_main and _left_paused(control)):
+            self.control = VLLMControlClient(args.vllm_server_base_url, timeout=args.request_timeout)
+            wait_for_server(self.control, args, model_name, cuda)
+        if broadcast_object(self.dist.is_main and _left_paused(self.control)):
             # A trainer killed during a weight sync (preemption) left the server paused with half-loaded
             # weights, on which the next request would crash it: complete a push (it resumes) first.
             if self.dist.is_main:
-                _close_open_weight_update(control)
-            self.weight_sync = make_weight_sync(self, control)
+                _close_open_weight_update(self.control)
+            self.weight_sync = self._make_weight_sync()
             self._sync_weights()
         if self.dist.is_main:
-            caps = check_server(args.vllm_server_base_url, args, self.model_path or "<model>")
-            self.candidate_sets = caps.candidate_sets
-        self.candidate_sets = broadcast_object(self.candidate_sets)  # every rank must compute the same loss
-        self.weight_sync = self.weight_sync or make_weight_sync(self, control)
+            self.server = check_server(self.control, args, model_name, self.model.config, cuda)
+        self.server = broadcast_object(self.server)  # every rank must compute the same loss
+        self.weight_sync = self.weight_sync or self._make_weight_sync()
         if self.dist.is_main:
             self.tracker.set_tags({"sync/mode": self.weight_sync.mode})
         # The server may hold other weights than ours (another revision, a resumed run): push first.
         self._sync_weights()
         self.worker = self._start_worker() if self.dist.is_main else None  # rank 0 owns the rollout worker
-        self.collector = StepCollector(
+        collector = StepCollector(
             source=self.worker,
             world_size=self.dist.world_size,
             gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -197,12 +282,26 @@ class AsyncGRPOTrainer:
             timeout_s=args.request_timeout,
         )
         # Rank 0 collects each step and broadcasts it; the other ranks rebuild the same plan.
-        self.collector = StepFeed(self.collector, self.dist.rank, self.dist.world_size)
+        self.feed = StepFeed(collector, self.dist.rank, self.dist.world_size)
+
+    def _make_weight_sync(self) -> Any:
+        from grpo_core.sync.factory import SyncSetup, make_weight_sync, wire_dtype
+
+        setup = SyncSetup(
+            config=self.args,
+            model=self.model,
+            rank=self.dist.rank,
+            backend=self.args.resolved_weight_transfer_backend(self.device.type == "cuda"),
+            wire_dtype=wire_dtype(self.bf16),
+            model_path=self.model_path,
+            peft_config=self.peft_config,
+        )
+        return make_weight_sync(setup, self.control)
 
     def _start_worker(self) -> RolloutWorker:
         loop_kwargs = dict(
             config=self.args,
-            tokenizer=self.tokenizer,
+            tokenizer=self.processing_class,
             dataset=self.train_dataset,
             reward_funcs=self.reward_funcs,
             base_url=self.args.vllm_server_base_url,
@@ -210,25 +309,19 @@ class AsyncGRPOTrainer:
             num_processes=self.dist.world_size,
             tools=self.tools,
             environment_factory=self.environment_factory,
+            tokens_endpoint=self.server.tokens_endpoint,
         )
+        pointer = self.weight_sync.adapter_pointer()
+        if pointer is not None:  # adapter sync: requests name the newest registered adapter version
+            loop_kwargs["adapter"] = pointer
         worker = RolloutWorker(
-            WorkerSpec(loop_cls=self.loop_cls, loop_kwargs=self._with_adapter(loop_kwargs)),
+            WorkerSpec(loop_cls=self.loop_cls, loop_kwargs=loop_kwargs),
             queue_maxsize=self.args.queue_maxsize,
             heartbeat_timeout_s=self.args.worker_heartbeat_timeout_s,
+            initial_version=self.versions.current,
         )
         worker.start()
         return worker
-
-    def _lr_lambda(self, step: int) -> float:
-        args = self.args
-        if args.warmup_steps and step < args.warmup_steps:
-            return (step + 1) / args.warmup_steps
-        if args.lr_scheduler_type == "constant" or args.max_steps <= 0:
-            return 1.0
-        progress = min(1.0, (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps))
-        if args.lr_scheduler_type == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     # ------------------------------------------------------------------------------------------ one step
     def _optimizer_step(self, batch: StepBatch) -> dict[str, float]:
@@ -244,10 +337,16 @@ class AsyncGRPOTrainer:
             parts.append(part)
         synchronize(self.device)  # kernels still queued belong to the forward/backward time
         fwd_bwd_s = time.perf_counter() - start
+        if self.grad_scaler is not None:
+            self.grad_scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
         )
-        self.optimizer.step()
+        if self.grad_scaler is not None:
+            self.grad_scaler.step(self.optimizer)
+            self.grad_scaler.update()
+        else:
+            self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         # The step's loss and metrics over all ranks, and the slowest rank's time.
@@ -286,37 +385,82 @@ class AsyncGRPOTrainer:
             top_valid=row.top_valid if top_ids is not None else None,
         )
         loss, part = grpo_loss(inputs, self.loss_config, num_tokens)
-        loss.backward()
+        (self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss).backward()
         return float(loss.detach()), part
 
     def _candidate_masks(self, row: PackedRow, vocab_size: int) -> torch.Tensor | None:
-        if not self.candidate_sets or row.sampling_mask_ids is None:
+        if not self.server.candidate_sets or row.sampling_mask_ids is None:
             return None
         offsets = row.sampling_mask_offsets.tolist()
         ids = [row.sampling_mask_ids[offsets[t] : offsets[t + 1]] for t in range(row.num_trained)]
         return candidate_mask_from_ids(ids, vocab_size, device=row.target_ids.device)
 
     # ------------------------------------------------------------------------------------------ sync
-    def _with_adapter(self, loop_kwargs: dict[str, Any]) -> dict[str, Any]:
-        # LoRA adapter sync: the worker names the newest registered adapter version in its requests.
-        pointer = getattr(self.weight_sync, "pointer", None)
-        return {**loop_kwargs, "adapter": pointer} if pointer is not None else loop_kwargs
-
     def _sync_weights(self) -> dict[str, float]:
         from grpo_core.sync.factory import SYNC_MODE_CODES
 
+        if self.versions.pushed and self.versions.current == self.global_step:
+            return {}  # this step's weights are already on the server
         self.model.eval()
         stats = self.weight_sync.push(self.global_step)
+        self.versions.record(self.global_step)
+        if self.worker is not None:
+            self.worker.publish_version(self.global_step)
         metrics = {
             "sync/bytes": float(stats.bytes),
             "sync/seconds": stats.seconds,
             "sync/mode": SYNC_MODE_CODES[stats.mode],
             "weight_version": float(self.global_step),
         }
-        registered = getattr(self.weight_sync, "registered_versions", None)
-        if registered is not None:
-            metrics["sync/adapters_registered"] = float(len(registered))
+        if stats.adapters_registered is not None:
+            metrics["sync/adapters_registered"] = float(stats.adapters_registered)
         return metrics
+
+    # ------------------------------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict[str, float]:
+        """Sample ``eval_dataset`` from the server (which serves the last pushed weights) and score it with
+        the reward functions; returns ``eval/*`` metrics (empty off rank 0)."""
+        from grpo_core.evaluation import evaluate_rewards
+
+        if self.eval_dataset is None:
+            raise ValueError("evaluate() needs eval_dataset=... passed to the trainer")
+        if not self.dist.is_main:
+            return {}
+        start = time.perf_counter()
+        result = evaluate_rewards(
+            self.args.vllm_server_base_url,
+            self.processing_class,
+            self.eval_dataset,
+            self.reward_funcs,
+            weights=self.args.reward_weights,
+            samples_per_prompt=self.args.num_eval_generations(),
+            temperature=self.args.temperature,
+            max_tokens=self.args.max_completion_length,
+            tokens_endpoint=self.server.tokens_endpoint if self.server else True,
+        )
+        metrics = {"eval/reward": result.reward, "eval/completion_length": result.mean_length, "eval/seconds": time.perf_counter() - start}
+        metrics.update({f"eval/rewards/{name}": value for name, value in result.per_func.items()})
+        return metrics
+
+    # ------------------------------------------------------------------------------------------ saving
+    def save_model(self, output_dir: str | None = None) -> str:
+        """Write the policy as a servable Hugging Face folder (weights, config, tokenizer; LoRA: the adapter
+        too) to ``output_dir`` (default ``args.output_dir``); every rank calls it. Returns the folder."""
+        from pathlib import Path
+
+        from grpo_core.checkpoint.state import full_state, write_servable
+
+        folder = Path(output_dir or self.args.output_dir)
+        model_state, _ = full_state(self.model, self.optimizer)
+        if self.dist.is_main:
+            folder.mkdir(parents=True, exist_ok=True)
+            dtype = torch.bfloat16 if self.bf16 else next(iter(model_state.values())).dtype
+            write_servable(folder, self.model, model_state, self.processing_class, dtype)
+            if self.peft_config is not None:
+                from grpo_core.models.lora import adapter_files_state, write_adapter
+
+                write_adapter(self.model, str(folder), self.model_path, state=adapter_files_state(model_state))
+        return str(folder)
 
     # ------------------------------------------------------------------------------------------ metrics
     def _step_metrics(self, batch: StepBatch, step_start: float) -> dict[str, float]:
@@ -325,13 +469,16 @@ class AsyncGRPOTrainer:
         metrics.update(batch.plan.metrics())
         generated = sum(r.generated_tokens for r in batch.reports)
         staleness = np.asarray(batch.staleness, dtype=np.float64)
+        forwarded = [len(s.token_ids) for s in batch.samples]
         metrics.update(
             {
                 "sample/staleness_mean": float(staleness.mean()) if staleness.size else 0.0,
                 "sample/staleness_max": float(staleness.max()) if staleness.size else 0.0,
                 "sample/stale_dropped": float(batch.stale_dropped),
-                "sample/stale_dropped_total": float(self.collector.stale_dropped_total),
+                "sample/stale_dropped_total": float(self.feed.stale_dropped_total),
+                "sample/forwarded_tokens_mean": float(np.mean(forwarded)) if forwarded else 0.0,
                 "rollout/generated_tok_s": generated / wall if wall > 0 else 0.0,
+                "rollout/queue_size": float(self.worker.queue_size()) if self.worker is not None else 0.0,
                 "perf/rollout_wait_s": batch.wait_s,
                 "perf/step_s": wall,
                 "rollout/frontier": float(self.frontier.position),
@@ -342,10 +489,11 @@ class AsyncGRPOTrainer:
     def _log(self, metrics: dict[str, float], same_step: bool = False) -> None:
         """Record ``metrics`` for the current step; ``same_step`` adds them to the step logged last."""
         metrics = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+        history = self.state.log_history
         if same_step:
-            self.history[-1].update(metrics)
+            history[-1].update(metrics)
         else:
-            self.history.append({"step": float(self.global_step), **metrics})
+            history.append({"step": float(self.global_step), **metrics})
         if self.dist.is_main and self.global_step % self.args.logging_steps == 0:
             self.tracker.log_metrics(metrics, step=self.global_step)
             if same_step:
@@ -359,6 +507,24 @@ class AsyncGRPOTrainer:
                 metrics.get("perf/rollout_wait_s", 0.0),
             )
 
+    def _log_completions(self, batch: StepBatch) -> None:
+        """``log_completions``: a table of the step's prompts, completions and rewards to the tracker, and
+        the first ``num_completions_to_print`` to the console."""
+        if not (self.args.log_completions and self.dist.is_main and self.global_step % self.args.logging_steps == 0):
+            return
+        table: dict[str, list[Any]] = {"step": [], "prompt": [], "completion": [], "reward": []}
+        for report in batch.reports:
+            for text, reward in zip(report.completions, report.rewards, strict=False):
+                table["step"].append(self.global_step)
+                table["prompt"].append(report.prompt_text)
+                table["completion"].append(text)
+                table["reward"].append(None if np.isnan(reward) else float(reward))
+        if not table["step"]:
+            return
+        self.tracker.log_table("completions", table, step=self.global_step)
+        for prompt, completion, reward in list(zip(table["prompt"], table["completion"], table["reward"]))[: self.args.num_completions_to_print]:
+            log.info("step %d completion (reward %s)\n  prompt: %s\n  completion: %s", self.global_step, reward, prompt, completion)
+
     # ------------------------------------------------------------------------------------------ teardown
     def _teardown(self) -> None:
         if self.worker is not None:
@@ -367,8 +533,29 @@ class AsyncGRPOTrainer:
         if self.weight_sync is not None:
             self.weight_sync.close()
             self.weight_sync = None
+        if self.control is not None:
+            self.control.close()
+            self.control = None
         if self._owns_process_group:
             shutdown_distributed()
+            self._owns_process_group = False
+
+
+def _model_name(model: Any) -> str:
+    name = model if isinstance(model, (str, os.PathLike)) else getattr(getattr(model, "config", None), "_name_or_path", "model")
+    return os.path.basename(os.fspath(name).rstrip("/")) or "model"
+
+
+def _lr_scheduler(args: AsyncGRPOConfig, optimizer: torch.optim.Optimizer) -> Any:
+    """transformers' schedule of that name; decaying ones reach 0 at ``max_steps``."""
+    from transformers import get_scheduler
+
+    extra = {} if args.lr_scheduler_type == "constant" else {"num_warmup_steps": args.warmup_steps}
+    if args.lr_scheduler_type in ("linear", "cosine"):
+        if args.max_steps <= 0:
+            raise ValueError(f"lr_scheduler_type={args.lr_scheduler_type!r} decays to 0 at max_steps; set max_steps > 0")
+        extra["num_training_steps"] = args.max_steps
+    return get_scheduler(args.lr_scheduler_type, optimizer, **extra)
 
 
 def _left_paused(control: Any) -> bool:

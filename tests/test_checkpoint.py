@@ -77,10 +77,10 @@ def make_trainer(model_path: str, rows, out: Path, **overrides) -> AsyncGRPOTrai
 
 def start(trainer: AsyncGRPOTrainer) -> None:
     """What ``_setup`` does for checkpoints, without the server parts."""
-    checkpoint = trainer.checkpointer.find_resume_point()
+    checkpoint = trainer.checkpointer.find_resume_point(trainer.args.resume_from_checkpoint)
     if checkpoint is not None:
-        trainer.checkpointer.restore(trainer, checkpoint)
-    trainer.checkpointer.begin_attempt(trainer)
+        trainer.checkpointer.restore(checkpoint)
+    trainer.checkpointer.begin_attempt()
 
 
 def step(trainer: AsyncGRPOTrainer, seed: int) -> None:
@@ -92,7 +92,7 @@ def step(trainer: AsyncGRPOTrainer, seed: int) -> None:
     trainer.optimizer.step()
     trainer.lr_scheduler.step()
     trainer.optimizer.zero_grad(set_to_none=True)
-    trainer.global_step += 1
+    trainer.state.global_step += 1
     trainer.frontier.position += 3
 
 
@@ -108,7 +108,7 @@ def test_layout_manifest_and_servable_folder(model_path, train_rows, tmp_path):
     for i in range(2):
         step(trainer, i)
     trainer.frontier.position = len(train_rows) + 5  # into the second epoch
-    metrics = trainer.checkpointer.save(trainer)
+    metrics = trainer.checkpointer.save()
     folder = tmp_path / "run" / "checkpoint-2"
     assert metrics["checkpoint/bytes"] > 0
 
@@ -142,7 +142,7 @@ def test_resume_continues_exactly(model_path, train_rows, tmp_path):
     start(first)
     for i in range(3):
         step(first, i)
-    first.checkpointer.save(first)
+    first.checkpointer.save()
     step(first, 3)
     expected = params(first)
     expected_lr = first.lr_scheduler.get_last_lr()
@@ -165,10 +165,10 @@ def test_torn_checkpoint_is_skipped_with_a_warning(damage, model_path, train_row
     trainer = make_trainer(model_path, train_rows, out)
     start(trainer)
     step(trainer, 0)
-    trainer.checkpointer.save(trainer)
+    trainer.checkpointer.save()
     good = params(trainer)
     step(trainer, 1)
-    trainer.checkpointer.save(trainer)
+    trainer.checkpointer.save()
     torn = out / "checkpoint-2"
     target = torn / "optimizer.pt"
     if damage == "no manifest":
@@ -192,7 +192,7 @@ def test_torn_checkpoint_is_skipped_with_a_warning(damage, model_path, train_row
 
     explicit = make_trainer(model_path, train_rows, out, resume_from_checkpoint=str(torn))
     with pytest.raises(CheckpointError, match="cannot be used"):
-        explicit.checkpointer.find_resume_point()
+        explicit.checkpointer.find_resume_point(explicit.args.resume_from_checkpoint)
 
 
 def test_rotation_keeps_newest_of_this_run_only(model_path, train_rows, tmp_path):
@@ -200,8 +200,8 @@ def test_rotation_keeps_newest_of_this_run_only(model_path, train_rows, tmp_path
     earlier = make_trainer(model_path, train_rows, out)
     start(earlier)
     for _ in range(7):
-        earlier.global_step += 1
-    earlier.checkpointer.save(earlier)  # checkpoint-7 of an earlier run in the same folder
+        earlier.state.global_step += 1
+    earlier.checkpointer.save()  # checkpoint-7 of an earlier run in the same folder
 
     trainer = make_trainer(model_path, train_rows, out, save_total_limit=2)
     start(trainer)  # a fresh run: a new lineage
@@ -209,22 +209,23 @@ def test_rotation_keeps_newest_of_this_run_only(model_path, train_rows, tmp_path
     for i in range(4):
         step(trainer, i)
         if trainer.global_step > 1:
-            trainer.checkpointer.save(trainer)
+            trainer.checkpointer.save()
     names = sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-"))
     assert names == ["checkpoint-3", "checkpoint-4", "checkpoint-7"]
 
     resumed = make_trainer(model_path, train_rows, out, resume_from_checkpoint=True)
-    assert resumed.checkpointer.find_resume_point() == str(out / "checkpoint-4")
+    assert resumed.checkpointer.find_resume_point(resumed.args.resume_from_checkpoint) == str(out / "checkpoint-4")
 
 
 def test_bf16_serves_bf16_and_resumes_from_fp32_master(model_path, train_rows, tmp_path):
     out = tmp_path / "run"
     trainer = make_trainer(model_path, train_rows, out)
-    # bf16 training itself needs CUDA (FSDP2 mixed precision); what a bf16 run writes is the same code.
-    trainer.args.bf16 = True
+    # bf16 training itself needs CUDA (FSDP2 mixed precision); what a bf16 run writes is the same code,
+    # told the serving dtype by the trainer.
+    trainer.checkpointer.parts.serve_dtype = torch.bfloat16
     start(trainer)
     step(trainer, 0)
-    trainer.checkpointer.save(trainer)
+    trainer.checkpointer.save()
     folder = out / "checkpoint-1"
     served = load_file(str(folder / "model.safetensors"))
     assert {t.dtype for t in served.values()} == {torch.bfloat16}
@@ -253,7 +254,7 @@ def test_resume_never_unpickles_objects(model_path, train_rows, tmp_path):
     trainer = make_trainer(model_path, train_rows, out)
     start(trainer)
     step(trainer, 0)
-    trainer.checkpointer.save(trainer)
+    trainer.checkpointer.save()
     folder = out / "checkpoint-1"
     marker = tmp_path / "executed"
     torch.save({"state": {}, "param_groups": [], "hook": _Payload(str(marker))}, folder / "optimizer.pt")
@@ -266,19 +267,22 @@ def test_resume_never_unpickles_objects(model_path, train_rows, tmp_path):
     assert not marker.exists()
 
 
-def test_iterable_dataset_restarts_at_first_prompt(model_path, train_rows, tmp_path, caplog):
+def test_iterable_dataset_resumes_at_the_saved_position(model_path, train_rows, tmp_path):
+    # A stream cannot be indexed, but the position is kept: the resumed worker reads up to it
+    # (grpo_core.rollout.prompts, tested in tests/test_prompts.py).
     out = tmp_path / "run"
-    trainer = make_trainer(model_path, train_rows, out)
+    stream = train_rows.to_iterable_dataset()
+    trainer = make_trainer(model_path, stream, out)
     start(trainer)
     step(trainer, 0)
-    trainer.checkpointer.save(trainer)
+    trainer.checkpointer.save()
     assert trainer.frontier.position == 3
+    rollout = json.loads((out / "checkpoint-1" / "rollout_state.json").read_text())
+    assert rollout["position"] == 3 and rollout["num_prompts"] is None
 
-    resumed = make_trainer(model_path, train_rows.to_iterable_dataset(), out, resume_from_checkpoint=True)
-    with caplog.at_level(logging.WARNING, logger="grpo_core.checkpoint"):
-        start(resumed)
-    assert resumed.global_step == 1 and resumed.frontier.position == 0
-    assert any("restarts at its first prompt" in r.message for r in caplog.records)
+    resumed = make_trainer(model_path, stream, out, resume_from_checkpoint=True)
+    start(resumed)
+    assert resumed.global_step == 1 and resumed.frontier.position == 3
 
 
 def test_ledger_lineage_and_summary(tmp_path):

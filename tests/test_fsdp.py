@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from grpo_core.batching import StepCollector, TrainingFrontier
+from grpo_core.collector import StepCollector, TrainingFrontier, WeightVersions
+from grpo_core.config import AsyncGRPOConfig
 from grpo_core.loss import LossConfig, LossInputs, grpo_loss, token_logprobs
 from grpo_core.models import tree_attention as ta
 from grpo_core.models.fsdp import FSDPSettings, decoder_layers, iter_full_layers, layer_groups, shard_policy
@@ -83,7 +84,7 @@ def row_loss(model, packed, num_tokens: int) -> torch.Tensor:
     logprobs, top = token_logprobs(logits, packed.target_ids, 1.0, top_ids=packed.sampler_top_ids.clamp(min=0))
     inputs = LossInputs(logprobs=logprobs, sampler_logprobs=packed.sampler_logprobs, advantages=packed.advantages,
                         top_logprobs=top, sampler_top_logprobs=packed.sampler_top_logprobs, top_valid=packed.top_valid)
-    return grpo_loss(inputs, LossConfig(), num_tokens)[0]
+    return grpo_loss(inputs, LossConfig.from_config(AsyncGRPOConfig()), num_tokens)[0]
 
 
 def train_step(model, rows, num_tokens: int) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -233,7 +234,7 @@ def _two_rank_checks(rank: int, port: int, out_dir: str) -> None:
                               max_staleness=0, flat=False, frontier=TrainingFrontier(), timeout_s=1.0)
     feed = StepFeed(collector, rank, 2)
     steps = []
-    while (batch := feed.collect(version=0)) is not None:
+    while (batch := feed.collect(WeightVersions([0]))) is not None:
         packed = [[r.pack() for r in mb] for mb in batch.plan.microbatches]
         steps.append({
             "ids": [[[s.rollout_id for s in r.samples] for r in mb] for mb in batch.plan.microbatches],
@@ -293,8 +294,8 @@ def test_config_fields_are_checked():
         AsyncGRPOConfig(compile_mode="max-autotune")
     with pytest.raises(ConfigError, match="fsdp_cpu_offload"):
         AsyncGRPOConfig(fsdp_cpu_offload="yes")
-    settings = FSDPSettings.from_config(AsyncGRPOConfig(bf16=True, gradient_checkpointing=True, compile_mode="layers",
-                                                        fsdp_reshard_after_forward=False))
+    config = AsyncGRPOConfig(bf16=True, gradient_checkpointing=True, compile_mode="layers", fsdp_reshard_after_forward=False)
+    settings = FSDPSettings.from_config(config, bf16=config.resolved_bf16(bf16_supported=False))
     assert settings == FSDPSettings(bf16=True, activation_checkpointing=True, reshard_after_forward=False,
                                     compile="layers")
 

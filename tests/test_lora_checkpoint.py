@@ -33,10 +33,10 @@ def make_trainer(model_path: str, out, **overrides) -> AsyncGRPOTrainer:
 
 def start(trainer: AsyncGRPOTrainer) -> None:
     """The checkpoint part of the trainer's set-up (no server)."""
-    checkpoint = trainer.checkpointer.find_resume_point()
+    checkpoint = trainer.checkpointer.find_resume_point(trainer.args.resume_from_checkpoint)
     if checkpoint is not None:
-        trainer.checkpointer.restore(trainer, checkpoint)
-    trainer.checkpointer.begin_attempt(trainer)
+        trainer.checkpointer.restore(checkpoint)
+    trainer.checkpointer.begin_attempt()
 
 
 def step(trainer: AsyncGRPOTrainer, seed: int) -> None:
@@ -46,7 +46,7 @@ def step(trainer: AsyncGRPOTrainer, seed: int) -> None:
     loss.backward()
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
-    trainer.global_step += 1
+    trainer.state.global_step += 1
 
 
 def state(trainer: AsyncGRPOTrainer) -> dict[str, torch.Tensor]:
@@ -59,7 +59,7 @@ def test_checkpoint_holds_a_servable_adapter_and_resume_restores_it(tiny_model_p
     initial = state(first)
     for i in range(2):
         step(first, i)
-    first.checkpointer.save(first)
+    first.checkpointer.save()
     saved = state(first)
     folder = tmp_path / "run" / "checkpoint-2"
 

@@ -27,6 +27,21 @@ from grpo_core.loss import (
 F64 = torch.float64
 NEG_INF = float("-inf")
 
+# The settings the hand-computed values below were derived with (the run's defaults, except the
+# centering weights, which most hand examples compute with the sampler's probabilities alone).
+HAND = dict(
+    epsilon=0.2,
+    epsilon_high=0.28,
+    score_centering=True,
+    score_centering_weights="sampler",
+    vllm_importance_sampling_clip_min=0.5,
+    vllm_importance_sampling_clip_max=2.0,
+)
+
+
+def loss_config(**overrides) -> LossConfig:
+    return LossConfig(**{**HAND, **overrides})
+
 
 def t64(values) -> torch.Tensor:
     return torch.tensor(values, dtype=F64)
@@ -51,11 +66,13 @@ def t64(values) -> torch.Tensor:
 )
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
-        LossConfig(**kwargs)
+        loss_config(**kwargs)
 
 
 def test_default_mask_contains_the_clip_region():
-    c = LossConfig()
+    from grpo_core.config import AsyncGRPOConfig
+
+    c = LossConfig.from_config(AsyncGRPOConfig())
     assert c.vllm_importance_sampling_clip_min < 1 - c.epsilon
     assert c.vllm_importance_sampling_clip_max > 1 + c.epsilon_high
     # symmetric in log space
@@ -74,7 +91,7 @@ def test_inputs_check_shapes():
     with pytest.raises(ValueError):
         LossInputs(z, z, z, torch.zeros(3, 2), torch.zeros(3, 2), torch.ones(3, 1, dtype=bool))
     with pytest.raises(ValueError):
-        grpo_loss(LossInputs(z, z, z), LossConfig(), 0)
+        grpo_loss(LossInputs(z, z, z), loss_config(), 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,7 +122,7 @@ def _hand_inputs(**extra) -> LossInputs:
 @pytest.mark.parametrize("centering", [True, False])  # no top-N given: centering is skipped
 def test_surrogate_clips_and_mask_hand_computed(centering):
     inputs = _hand_inputs()
-    loss, _ = grpo_loss(inputs, LossConfig(score_centering=centering), num_tokens_in_step=10)
+    loss, _ = grpo_loss(inputs, loss_config(score_centering=centering), num_tokens_in_step=10)
     assert loss.item() == pytest.approx(sum(HAND_LOSS_PER_TOKEN) / 10, abs=1e-12)
     assert loss.item() == pytest.approx(-0.171, abs=1e-12)
     loss.backward()
@@ -113,7 +130,7 @@ def test_surrogate_clips_and_mask_hand_computed(centering):
 
 
 def test_metrics_hand_computed():
-    _, parts = grpo_loss(_hand_inputs(), LossConfig(), num_tokens_in_step=10)
+    _, parts = grpo_loss(_hand_inputs(), loss_config(), num_tokens_in_step=10)
     m = finalize_metrics([parts])
     expected = {
         "sampling/masked_mean": 2 / 7,
@@ -137,12 +154,12 @@ def test_dropped_tokens_count_in_the_denominator():
     sampler = t64(HAND_SAMPLER)[kept]
     logprobs = (sampler + torch.log(t64(HAND_RATIOS)[kept])).requires_grad_()
     only_kept = LossInputs(logprobs, sampler, t64(HAND_ADV)[kept])
-    loss_all, _ = grpo_loss(_hand_inputs(), LossConfig(), 7)
-    loss_kept, _ = grpo_loss(only_kept, LossConfig(), 7)
+    loss_all, _ = grpo_loss(_hand_inputs(), loss_config(), 7)
+    loss_kept, _ = grpo_loss(only_kept, loss_config(), 7)
     assert loss_all.item() == pytest.approx(loss_kept.item(), abs=1e-12)
     # With no mask the PPO clip alone would handle them: token 5 (ratio 3, A > 0) is high-clipped
     # to -(1.28 * 1) = -1.28; token 6 (ratio 0.4, A < 0) low-clipped to -(0.8 * -1) = +0.8.
-    wide = LossConfig(vllm_importance_sampling_clip_min=0.0, vllm_importance_sampling_clip_max=10.0)
+    wide = loss_config(vllm_importance_sampling_clip_min=0.0, vllm_importance_sampling_clip_max=10.0)
     loss_wide, _ = grpo_loss(_hand_inputs(), wide, 7)
     expected = (sum(HAND_LOSS_PER_TOKEN) - 1.28 + 0.8) / 7
     assert loss_wide.item() == pytest.approx(expected, abs=1e-12)
@@ -152,7 +169,7 @@ def test_extreme_log_ratios_are_dropped_with_finite_gradients():
     logprobs = t64([NEG_INF, 0.0, -200.0, -1.0]).requires_grad_()
     sampler = t64([-1.0, -150.0, -1.0, -1.0])  # ratios 0, e^150, e^-199, 1
     inputs = LossInputs(logprobs, sampler, t64([1.0, -1.0, 1.0, 2.0]))
-    loss, parts = grpo_loss(inputs, LossConfig(), 4)
+    loss, parts = grpo_loss(inputs, loss_config(), 4)
     loss.backward()
     assert torch.isfinite(logprobs.grad).all()
     torch.testing.assert_close(logprobs.grad, t64([0.0, 0.0, 0.0, -2.0 / 4]))
@@ -168,7 +185,7 @@ def test_gradcheck_without_centering():
 
     def f(logprobs):
         inputs = LossInputs(logprobs, sampler, adv)
-        return grpo_loss(inputs, LossConfig(score_centering=False), 7)[0]
+        return grpo_loss(inputs, loss_config(score_centering=False), 7)[0]
 
     assert torch.autograd.gradcheck(f, (_hand_inputs().logprobs.detach().requires_grad_(),))
 
@@ -207,7 +224,7 @@ def _centering_inputs() -> LossInputs:
 
 def test_centering_gradient_hand_computed_and_value_unchanged():
     inputs = _centering_inputs()
-    loss, parts = grpo_loss(inputs, LossConfig(), 5)
+    loss, parts = grpo_loss(inputs, loss_config(), 5)
     loss.backward()
     expected_top = (
         t64([[1.1 * 5 / 9, 1.1 * 3 / 9, 1.1 * 1 / 9], [-1.8, 0.0, 0.0], [0.0] * 3, [0.0] * 3]) / 5
@@ -218,7 +235,7 @@ def test_centering_gradient_hand_computed_and_value_unchanged():
     assert loss.item() == pytest.approx((-1.1 + 1.8 - 1.28) / 5, abs=1e-12)
 
     plain = _centering_inputs()
-    plain_loss, _ = grpo_loss(plain, LossConfig(score_centering=False), 5)
+    plain_loss, _ = grpo_loss(plain, loss_config(score_centering=False), 5)
     assert loss.item() == plain_loss.item()  # centering changes the gradient only
     plain_loss.backward()
     assert plain.top_logprobs.grad is None or (plain.top_logprobs.grad == 0).all()
@@ -242,7 +259,7 @@ def test_importance_centering_weights_hand_computed():
     logprobs = torch.log(pi[:, 0]).requires_grad_()
     top = torch.log(pi).requires_grad_()
     inputs = LossInputs(logprobs, torch.log(q[:, 0]), t64([1.0, -1.0]), top, torch.log(q))
-    loss, _ = grpo_loss(inputs, LossConfig(score_centering_weights="importance"), 2)
+    loss, _ = grpo_loss(inputs, loss_config(score_centering_weights="importance"), 2)
     loss.backward()
     expected = t64([[0.9 * 0.45 / 0.81, 0.9 * 0.36 / 0.81, 0.0], [-0.5 / 0.8, 0.0, -0.3 / 0.8]]) / 2
     torch.testing.assert_close(top.grad, expected)
@@ -254,7 +271,7 @@ def test_position_without_usable_top_slots_is_not_centered():
     inputs = LossInputs(
         logprobs, t64([-1.0]), t64([1.0]), top, t64([[-0.5, -1.0]]), torch.tensor([[True, False]])
     )
-    loss, _ = grpo_loss(inputs, LossConfig(), 1)
+    loss, _ = grpo_loss(inputs, loss_config(), 1)
     loss.backward()
     assert torch.isfinite(top.grad).all() and (top.grad == 0).all()
     assert logprobs.grad.item() == -1.0
@@ -300,7 +317,7 @@ def test_gradient_through_logits_matches_formula():
     )
     sampler_lp = torch.tensor(lp - log_ratio)
     inputs = LossInputs(lp_t, sampler_lp, torch.tensor(adv), top_t, torch.tensor(sampler_top))
-    loss, _ = grpo_loss(inputs, LossConfig(), n)
+    loss, _ = grpo_loss(inputs, loss_config(), n)
     loss.backward()
     np.testing.assert_allclose(logits.grad.numpy(), expected, atol=1e-12)
 
@@ -319,7 +336,7 @@ def test_two_micro_batches_equal_one_call():
     sampler_top = torch.log_softmax(torch.randn(t, n_top, generator=gen, dtype=F64), -1)
     top = (sampler_top + torch.randn(t, n_top, generator=gen, dtype=F64) * 0.1).requires_grad_()
     valid = torch.rand(t, n_top, generator=gen) > 0.2
-    config = LossConfig()
+    config = loss_config()
 
     def run(rows):
         inputs = LossInputs(
@@ -346,12 +363,12 @@ def test_two_micro_batches_equal_one_call():
 def test_empty_call_and_metric_reduction():
     empty = torch.zeros(0, dtype=F64, requires_grad=True)
     zeros = torch.zeros(0, dtype=F64)
-    loss, parts = grpo_loss(LossInputs(empty, zeros, zeros), LossConfig(), 5)
+    loss, parts = grpo_loss(LossInputs(empty, zeros, zeros), loss_config(), 5)
     loss.backward()  # a rank with nothing to train still takes part in the backward
     assert loss.item() == 0.0
     assert finalize_metrics([parts]) == {}
     assert finalize_metrics([]) == {}
-    _, hand_parts = grpo_loss(_hand_inputs(), LossConfig(), 10)
+    _, hand_parts = grpo_loss(_hand_inputs(), loss_config(), 10)
     assert finalize_metrics([parts, hand_parts]) == finalize_metrics([hand_parts])
     merged = reduce_metric_parts([parts, hand_parts])
     assert merged["ratio_min"].item() == pytest.approx(0.4)
@@ -464,7 +481,7 @@ def test_sampled_token_outside_its_set_is_dropped_not_nan():
     mask = torch.tensor([[False, True, True]])
     lp, _ = token_logprobs(logits, torch.tensor([0]), 1.0, None, mask)
     assert lp.item() == NEG_INF
-    loss, parts = grpo_loss(LossInputs(lp, t64([-1.0]), t64([1.0])), LossConfig(), 1)
+    loss, parts = grpo_loss(LossInputs(lp, t64([-1.0]), t64([1.0])), loss_config(), 1)
     loss.backward()
     assert torch.isfinite(logits.grad).all() and loss.item() == 0.0
     assert finalize_metrics([parts])["sampling/masked_mean"] == 1.0
@@ -535,10 +552,10 @@ def test_mc_top_k_sampler_full_vocab_trainer(weights):
     mass = pi[support].sum()
     assert 0.8 < mass < 1.0  # the setting: ratio inside the mask, not clipped for A > 0
 
-    plain = _mc_gradients(THETA, q.log(), top_ids, LossConfig(score_centering=False), 50_000, 0)
+    plain = _mc_gradients(THETA, q.log(), top_ids, loss_config(score_centering=False), 50_000, 0)
     _assert_clearly_nonzero(plain, -mass * (q - pi))
     centered = _mc_gradients(
-        THETA, q.log(), top_ids, LossConfig(score_centering_weights=weights), 50_000, 0
+        THETA, q.log(), top_ids, loss_config(score_centering_weights=weights), 50_000, 0
     )
     _assert_mean(centered, torch.zeros(6, dtype=F64))
 
@@ -548,7 +565,7 @@ def test_mc_sanity_on_policy_full_top_n(weights):
     """Setting: pi == q exactly, N = V. Score has mean zero under q: both updates ~ 0."""
     logp = torch.log_softmax(THETA, -1)
     top_ids = torch.arange(6)
-    for config in (LossConfig(score_centering=False), LossConfig(score_centering_weights=weights)):
+    for config in (loss_config(score_centering=False), loss_config(score_centering_weights=weights)):
         grads = _mc_gradients(THETA, logp, top_ids, config, 20_000, 1)
         _assert_mean(grads, torch.zeros(6, dtype=F64))
 
@@ -570,11 +587,11 @@ def test_mc_stale_sampler_full_support_is_where_sampler_centering_is_biased():
     theta, q, pi, ratio = _stale([0.18, -0.18, 0.08, -0.05, 0.1, -0.05])
     assert (ratio > 0.8).all() and (ratio < 1.28).all()  # the setting: nothing clipped or masked
     top_ids, m = torch.arange(6), 50_000
-    plain = _mc_gradients(theta, q.log(), top_ids, LossConfig(score_centering=False), m, 2)
+    plain = _mc_gradients(theta, q.log(), top_ids, loss_config(score_centering=False), m, 2)
     _assert_mean(plain, torch.zeros(6, dtype=F64))
-    sampler = _mc_gradients(theta, q.log(), top_ids, LossConfig(), m, 2)
+    sampler = _mc_gradients(theta, q.log(), top_ids, loss_config(), m, 2)
     _assert_clearly_nonzero(sampler, q - pi)
-    importance_config = LossConfig(score_centering_weights="importance")
+    importance_config = loss_config(score_centering_weights="importance")
     importance = _mc_gradients(theta, q.log(), top_ids, importance_config, m, 2)
     _assert_mean(importance, torch.zeros(6, dtype=F64))
 
@@ -591,10 +608,10 @@ def test_mc_clip_binding_importance_centering_stays_unbiased():
     top_ids, m = torch.arange(6), 50_000
     eye = torch.eye(6, dtype=F64)
     weighted_score = (pi[unclipped, None] * (eye[unclipped] - pi)).sum(0)
-    plain = _mc_gradients(theta, q.log(), top_ids, LossConfig(score_centering=False), m, 3)
+    plain = _mc_gradients(theta, q.log(), top_ids, loss_config(score_centering=False), m, 3)
     _assert_clearly_nonzero(plain, -weighted_score)
-    sampler = _mc_gradients(theta, q.log(), top_ids, LossConfig(), m, 3)
+    sampler = _mc_gradients(theta, q.log(), top_ids, loss_config(), m, 3)
     _assert_mean(sampler, -(weighted_score - pi[unclipped].sum() * (q - pi)))
-    importance_config = LossConfig(score_centering_weights="importance")
+    importance_config = loss_config(score_centering_weights="importance")
     importance = _mc_gradients(theta, q.log(), top_ids, importance_config, m, 3)
     _assert_mean(importance, torch.zeros(6, dtype=F64))

@@ -10,8 +10,11 @@ from grpo_core.sync.source import ModelWeightSource
 
 
 def test_bf16_training_pushes_bf16_and_fp32_pushes_as_is() -> None:
-    assert wire_dtype(AsyncGRPOConfig(bf16=True, report_to="none")) is torch.bfloat16
-    assert wire_dtype(AsyncGRPOConfig(bf16=False, report_to="none")) is None
+    assert wire_dtype(AsyncGRPOConfig(bf16=True).resolved_bf16(bf16_supported=True)) is torch.bfloat16
+    assert wire_dtype(AsyncGRPOConfig(bf16=False).resolved_bf16(bf16_supported=True)) is None
+    # bf16=None: on where the device supports it, fp32 (and fp32 on the wire) where it does not.
+    assert wire_dtype(AsyncGRPOConfig().resolved_bf16(bf16_supported=True)) is torch.bfloat16
+    assert wire_dtype(AsyncGRPOConfig().resolved_bf16(bf16_supported=False)) is None
 
 
 def test_source_casts_to_the_wire_dtype_and_says_so_in_its_metadata() -> None:

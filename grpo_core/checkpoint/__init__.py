@@ -30,20 +30,21 @@ consumed, one small JSON object per step (object stores cannot append), written 
 counts as done. ``ledger_summary`` turns it into the counts a job reports: attempts, prompts
 trained twice (those past the last checkpoint before a crash).
 
-An ``IterableDataset`` (no ``len``) cannot be repositioned: a resumed run restarts it at its first
-prompt, with a warning.
+A streaming ``IterableDataset`` (no ``len``, no indexing) is repositioned by reading: the resumed
+worker reads and discards the rows before the saved position (``grpo_core.rollout.prompts``).
 
 Modules: ``storage`` (fsspec paths, manifests), ``state`` (tensors in and out), ``checkpointer``
 (the trainer's hooks), ``ledger`` (prompt accounting).
 """
 
-from grpo_core.checkpoint.checkpointer import Checkpointer, ResumeInfo, saved_run_id
+from grpo_core.checkpoint.checkpointer import CheckpointParts, Checkpointer, ResumeInfo, saved_run_id
 from grpo_core.checkpoint.ledger import RunLedger, ledger_summary, read_ledger, surviving_steps
 from grpo_core.checkpoint.storage import MANIFEST, CheckpointError, Storage, build_manifest, read_manifest, verify_local
 
 __all__ = [
     "MANIFEST",
     "CheckpointError",
+    "CheckpointParts",
     "Checkpointer",
     "ResumeInfo",
     "RunLedger",

@@ -1,4 +1,9 @@
-"""``Checkpointer``: the trainer's hooks for saving, finding the newest good checkpoint and resuming."""
+"""``Checkpointer``: the trainer's hooks for saving, finding the newest good checkpoint and resuming.
+
+It sees the run only through ``CheckpointParts``: the model and its optimizer, and small objects
+with ``state_dict()`` / ``load_state_dict()`` (the LR scheduler, the trainer's progress, the training
+frontier), never the trainer itself.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +16,13 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from grpo_core.checkpoint.ledger import RunLedger
 from grpo_core.checkpoint.state import (
     barrier,
-    dataset_length,
     full_state,
     gather_objects,
     load_weights,
@@ -47,6 +51,34 @@ from grpo_core.checkpoint.storage import (
 log = logging.getLogger(__name__)
 
 
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class CheckpointParts:
+    """Everything a checkpoint writes and a resume restores."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Stateful
+    progress: Stateful  # the trainer's state: ``{"global_step": ...}``
+    frontier: Stateful  # ``{"position": first prompt position not yet trained}``
+    tokenizer: Any
+    serve_dtype: torch.dtype | None  # dtype of the servable weights (None: the master weights')
+    num_prompts: int | None  # prompts per epoch (None: a stream)
+    adapter_base: str | None = None  # LoRA: the base model the adapter is written against (None: no LoRA)
+
+    @property
+    def global_step(self) -> int:
+        return int(self.progress.state_dict()["global_step"])
+
+    @property
+    def position(self) -> int:
+        return int(self.frontier.state_dict()["position"])
+
+
 @dataclass
 class ResumeInfo:
     """Where this process started: the checkpoint (or None), its step and prompt position."""
@@ -64,9 +96,12 @@ class Checkpointer:
     ever consider this run's checkpoints, never those an earlier run left in the same folder.
     """
 
-    def __init__(self, args: Any, dist: Any):
+    def __init__(self, args: Any, dist: Any, parts: CheckpointParts, tracker: Any):
         self.args = args
         self.dist = dist
+        self.parts = parts
+        self.tracker = tracker
+        self.wanted: bool | str | None = args.resume_from_checkpoint  # what this attempt resumes from
         self.storage = Storage(args.output_dir)
         self.ledger = RunLedger(self.storage)
         self.resumed = ResumeInfo(None, 0, 0)
@@ -79,9 +114,9 @@ class Checkpointer:
     def should_save(self, step: int) -> bool:
         return self.args.save_strategy == "steps" and step % self.args.save_steps == 0
 
-    def find_resume_point(self) -> str | None:
-        """The checkpoint to resume from, or None to start fresh (see ``resume_from_checkpoint``)."""
-        wanted = self.args.resume_from_checkpoint
+    def find_resume_point(self, wanted: bool | str | None) -> str | None:
+        """The checkpoint to resume from, or None to start fresh (``wanted`` as ``resume_from_checkpoint``)."""
+        self.wanted = wanted
         if not wanted:
             return None
         if isinstance(wanted, str):
@@ -104,69 +139,67 @@ class Checkpointer:
         log.info("no good checkpoint of this run under %s; starting from step 0", self.args.output_dir)
         return None
 
-    def restore(self, trainer: Any, checkpoint: str) -> None:
-        """Load weights, optimizer, scheduler, RNG, step and frontier of ``checkpoint`` into ``trainer``."""
+    def restore(self, checkpoint: str) -> None:
+        """Load weights, optimizer, scheduler, RNG, progress and frontier of ``checkpoint`` into the parts."""
         from safetensors.torch import load_file
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        from grpo_core.batching import TrainingFrontier
-
+        parts = self.parts
         manifest, reason = self._check(checkpoint)  # a no-op when find_resume_point just checked it
         if reason is not None:
             raise CheckpointError(f"checkpoint {checkpoint} cannot be restored: {reason}")
         folder = self._local_copies[checkpoint]
         try:
             weights = folder / (MASTER_FILE if (folder / MASTER_FILE).is_file() else MODEL_FILE)
-            load_weights(trainer.model, load_file(str(weights)))
+            load_weights(parts.model, load_file(str(weights)))
             optim = torch.load(folder / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-            set_optimizer_state_dict(trainer.model, trainer.optimizer, optim, options=StateDictOptions(full_state_dict=True))
-            trainer.lr_scheduler.load_state_dict(json.loads((folder / SCHEDULER_FILE).read_text()))
+            set_optimizer_state_dict(parts.model, parts.optimizer, optim, options=StateDictOptions(full_state_dict=True))
+            parts.lr_scheduler.load_state_dict(json.loads((folder / SCHEDULER_FILE).read_text()))
             rng = torch.load(folder / RNG_FILE, map_location="cpu", weights_only=True)["ranks"]
             set_rng_state(rng[self.dist.rank] if self.dist.rank < len(rng) else rng[0])
             state = json.loads((folder / TRAINER_STATE).read_text())
             rollout = json.loads((folder / ROLLOUT_STATE).read_text())
         finally:
             self._drop_local_copy(checkpoint)
-        trainer.global_step = int(state["global_step"])
+        step = int(state["global_step"])
         position = int(rollout["position"])
-        num_prompts = dataset_length(trainer.train_dataset)
-        if num_prompts is None:
-            log.warning("train_dataset has no length (IterableDataset): it restarts at its first prompt")
-            position = 0
-        elif num_prompts != rollout["num_prompts"]:
+        parts.progress.load_state_dict({"global_step": step})
+        num_prompts = parts.num_prompts
+        if num_prompts is not None and num_prompts != rollout["num_prompts"]:
             log.warning(
                 "train_dataset has %d prompts, the checkpoint was written with %s: prompt positions now "
                 "name other prompts", num_prompts, rollout["num_prompts"],
             )
-        trainer.frontier = TrainingFrontier(position)
+        parts.frontier.load_state_dict({"position": position})
         self.lineage = manifest.get("lineage") if manifest else None
-        self.resumed = ResumeInfo(checkpoint, trainer.global_step, position)
-        log.info("resumed from %s: step %d, prompt position %d", checkpoint, trainer.global_step, position)
+        self.resumed = ResumeInfo(checkpoint, step, position)
+        log.info("resumed from %s: step %d, prompt position %d", checkpoint, step, position)
 
-    def begin_attempt(self, trainer: Any) -> None:
+    def begin_attempt(self) -> None:
         """Number this process's attempt in the ledger and find the steps an earlier attempt logged."""
         if not self.dist.is_main:
             return
-        if self.resumed.checkpoint is None and not self.args.resume_from_checkpoint:
+        wanted = self.wanted
+        if self.resumed.checkpoint is None and not wanted:
             self.lineage = None  # a fresh run: whatever the folder holds belongs to another one
         current = self.ledger.lineage()
         if self.lineage is None:
-            self.lineage = current if self.args.resume_from_checkpoint and current else uuid.uuid4().hex
+            self.lineage = current if wanted and current else uuid.uuid4().hex
         if current != self.lineage:
             self.ledger.clear()
             self.ledger.set_lineage(self.lineage)
         self.attempt = self.ledger.start_attempt(self.resumed.checkpoint, self.resumed.step, self.resumed.position)
-        self.rerun_until = trainer.tracker.last_logged_step("train/attempt") or 0
+        self.rerun_until = self.tracker.last_logged_step("train/attempt") or 0
         if self.attempt > 1:
-            trainer.tracker.set_tags({"resumes": str(self.attempt - 1)})
+            self.tracker.set_tags({"resumes": str(self.attempt - 1)})
         if self.rerun_until > self.resumed.step:
             log.info("attempt %d: steps %d..%d were logged before and are marked train/rerun_step=1",
                      self.attempt, self.resumed.step + 1, self.rerun_until)
 
-    def record_step(self, trainer: Any, batch: Any) -> dict[str, float]:
+    def record_step(self, batch: Any) -> dict[str, float]:
         """Write this step's consumed prompt positions to the ledger (before the step counts as done);
         returns the metrics that tell a re-run step (logged before by an earlier attempt) apart."""
-        step = trainer.global_step
+        step = self.parts.global_step
         if self.dist.is_main:
             self.ledger.record(
                 attempt=self.attempt,
@@ -174,11 +207,11 @@ class Checkpointer:
                 trained=sorted({s.position for s in batch.samples}),
                 dropped_groups=sorted({r.position for r in batch.reports if r.num_samples == 0}),
                 stale_dropped=int(batch.stale_dropped),
-                frontier=trainer.frontier.position,
+                frontier=self.parts.position,
             )
         return {"train/attempt": float(self.attempt), "train/rerun_step": float(step <= self.rerun_until)}
 
-    def save(self, trainer: Any) -> dict[str, float]:
+    def save(self) -> dict[str, float]:
         """Write ``checkpoint-<global_step>``; every rank calls it (the state gather is a collective).
 
         ``save_strategy="no"`` is honoured here too, so the trainer's save after the last step writes nothing.
@@ -186,26 +219,26 @@ class Checkpointer:
         if self.args.save_strategy == "no":
             return {}
         start = time.perf_counter()
-        model_state, optim_state = full_state(trainer.model, trainer.optimizer)
+        step = self.parts.global_step
+        model_state, optim_state = full_state(self.parts.model, self.parts.optimizer)
         rng = gather_objects(rng_state())
         nbytes = 0
         if self.dist.is_main:
-            url, nbytes = self._write(trainer, model_state, optim_state, rng)
-            self._rotate(keep=self.storage.path(f"checkpoint-{trainer.global_step}"))
-            trainer.tracker.log_artifact_uri("checkpoint", url, step=trainer.global_step)
+            url, nbytes = self._write(step, model_state, optim_state, rng)
+            self._rotate(keep=self.storage.path(f"checkpoint-{step}"))
+            self.tracker.log_artifact_uri("checkpoint", url, step=step)
         barrier()
         return {"checkpoint/seconds": time.perf_counter() - start, "checkpoint/bytes": float(nbytes)}
 
     # ---- writing ------------------------------------------------------------------------------------
-    def _write(self, trainer: Any, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any], rng: list[Any]) -> tuple[str, int]:
-        step = trainer.global_step
+    def _write(self, step: int, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any], rng: list[Any]) -> tuple[str, int]:
         final = self.storage.path(f"checkpoint-{step}")
         # Debris of an earlier attempt at this step (a torn write, or a run resumed from further back).
         self.storage.remove_checkpoint(final)
         staging = Path(final) if self.storage.is_local else Path(tempfile.mkdtemp(prefix=f"grpo-ckpt-{step}-"))
         staging.mkdir(parents=True, exist_ok=True)
         try:
-            self._write_files(staging, trainer, model_state, optim_state, rng)
+            self._write_files(staging, step, model_state, optim_state, rng)
             manifest = build_manifest(staging, step, self.lineage or "")
             if not self.storage.is_local:
                 for name in manifest["files"]:
@@ -218,29 +251,30 @@ class Checkpointer:
         log.info("saved checkpoint %s", url)
         return url, sum(f["size"] for f in manifest["files"].values())
 
-    def _write_files(self, folder: Path, trainer: Any, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any], rng: list[Any]) -> None:
+    def _write_files(self, folder: Path, step: int, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any], rng: list[Any]) -> None:
         from safetensors.torch import save_file
 
+        parts = self.parts
         master_dtype = next(iter(model_state.values())).dtype
-        serve_dtype = torch.bfloat16 if getattr(self.args, "bf16", False) else master_dtype
-        write_servable(folder, trainer.model, model_state, trainer.tokenizer, serve_dtype)
-        if getattr(trainer, "peft_config", None) is not None:
+        serve_dtype = parts.serve_dtype or master_dtype
+        write_servable(folder, parts.model, model_state, parts.tokenizer, serve_dtype)
+        if parts.adapter_base is not None:
             from grpo_core.models.lora import adapter_files_state, write_adapter
 
             # LoRA: the adapter in PEFT's layout beside the weights, so vLLM (--lora-modules) and peft load
             # it from this folder; .vllm_lora/ is only a serving cache and is not kept.
-            write_adapter(trainer.model, str(folder), trainer.model_path, state=adapter_files_state(model_state))
+            write_adapter(parts.model, str(folder), parts.adapter_base, state=adapter_files_state(model_state))
         if serve_dtype != master_dtype:
-            aliases = tied_aliases(trainer.model)
+            aliases = tied_aliases(parts.model)
             save_file({k: v.contiguous() for k, v in model_state.items() if k not in aliases}, str(folder / MASTER_FILE))
         torch.save(optim_state, folder / OPTIMIZER_FILE)
-        (folder / SCHEDULER_FILE).write_text(json.dumps(trainer.lr_scheduler.state_dict()))
+        (folder / SCHEDULER_FILE).write_text(json.dumps(parts.lr_scheduler.state_dict()))
         torch.save({"ranks": rng}, folder / RNG_FILE)
-        position = trainer.frontier.position
-        num_prompts = dataset_length(trainer.train_dataset)
+        position = parts.position
+        num_prompts = parts.num_prompts
         (folder / TRAINER_STATE).write_text(json.dumps({
-            "global_step": trainer.global_step,
-            "mlflow_run_id": trainer.tracker.run_id,
+            "global_step": step,
+            "mlflow_run_id": self.tracker.run_id,
             "attempt": self.attempt,
             "frontier_position": position,
             "world_size": self.dist.world_size,

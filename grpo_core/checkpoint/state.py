@@ -117,10 +117,3 @@ def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> No
         raise CheckpointError(
             f"checkpoint weights do not fit the model: missing {missing[:5]}, unexpected {list(result.unexpected_keys)[:5]}"
         )
-
-
-def dataset_length(dataset: Any) -> int | None:
-    try:
-        return len(dataset)
-    except TypeError:  # IterableDataset
-        return None

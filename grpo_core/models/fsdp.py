@@ -39,6 +39,8 @@ class FSDPSettings:
 
     bf16: bool = False
     """bf16 parameters in forward/backward; fp32 master weights, gradient reduction and optimizer state."""
+    fp16: bool = False
+    """fp16 parameters in forward/backward (with the trainer's loss scaling); fp32 everywhere else."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward."""
     reshard_after_forward: bool = True
@@ -55,9 +57,11 @@ class FSDPSettings:
             raise ValueError(f"FSDPSettings.compile={self.compile!r}: use one of {COMPILE_MODES}")
 
     @classmethod
-    def from_config(cls, args) -> FSDPSettings:
+    def from_config(cls, args, bf16: bool) -> FSDPSettings:
+        """From an ``AsyncGRPOConfig``; ``bf16`` is its resolved value for this device."""
         return cls(
-            bf16=args.bf16,
+            bf16=bf16,
+            fp16=args.fp16,
             activation_checkpointing=args.gradient_checkpointing,
             reshard_after_forward=args.fsdp_reshard_after_forward,
             cpu_offload=args.fsdp_cpu_offload,
@@ -75,7 +79,7 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 def needs_fsdp(settings: FSDPSettings, world_size: int) -> bool:
     """Several ranks shard; one rank still goes through FSDP2 when bf16 mixed precision is asked."""
-    return world_size > 1 or settings.bf16 or settings.cpu_offload
+    return world_size > 1 or settings.bf16 or settings.fp16 or settings.cpu_offload
 
 
 def shard_policy(model: torch.nn.Module, settings: FSDPSettings, device: torch.device) -> torch.nn.Module:
@@ -103,10 +107,13 @@ def shard_policy(model: torch.nn.Module, settings: FSDPSettings, device: torch.d
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    from grpo_core.models.vision import vision_towers
+
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
+    compute_dtype = torch.bfloat16 if settings.bf16 else torch.float16 if settings.fp16 else None
     mp = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if settings.bf16
+        MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        if compute_dtype is not None
         else MixedPrecisionPolicy()
     )
     offload = CPUOffloadPolicy() if settings.cpu_offload else OffloadPolicy()
@@ -115,6 +122,10 @@ def shard_policy(model: torch.nn.Module, settings: FSDPSettings, device: torch.d
         # The last layer's weights are needed first in backward: keeping them avoids one gather.
         reshard = settings.reshard_after_forward and i < len(layers) - 1
         fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+    for _, tower in vision_towers(model):
+        # A frozen vision tower never runs on text-only rows: as a unit of its own it stays sharded
+        # and is never gathered, where inside the root unit it would be gathered every forward.
+        fully_shard(tower, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=settings.reshard_after_forward)
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -2,9 +2,10 @@
 
 ``VLLMControlClient`` is synchronous: pause/resume, the weight-transfer protocol routes (it satisfies
 vLLM's ``VLLMWeightSyncClient`` protocol), weight versions, LoRA adapters, ``/metrics`` and model info.
-``VLLMGenerateClient`` is asynchronous and talks to the tokens-in/tokens-out endpoint
-``/inference/v1/generate`` (needs ``--enable-scale-out``): the worker tokenizes with the chat template
-itself, so the trainer sees exactly the token ids that were sampled, with per-token weight versions.
+``VLLMGenerateClient`` is asynchronous and sends token ids (the worker tokenizes with the chat template
+itself, so the trainer sees exactly the token ids that were sampled): to the tokens-in/tokens-out
+endpoint ``/inference/v1/generate`` when the server offers it (``--enable-scale-out``; its replies carry
+per-token weight versions and candidate sets), else to ``/v1/completions`` with a token-id prompt.
 """
 
 from __future__ import annotations
@@ -64,6 +65,17 @@ class VLLMControlClient:
 
     def _get(self, route: str, params: dict[str, Any] | None = None) -> httpx.Response:
         return self._send("GET", route, True, params=params)
+
+    def probe(self, method: str, route: str, **kwargs: Any) -> httpx.Response:
+        """Send a request and return the reply whatever its status (start-up checks read refusals)."""
+        try:
+            response = self._http.request(method, route, **kwargs)
+        except DROPPED_CONNECTION:
+            response = self._http.request(method, route, **kwargs)
+        if response.status_code >= 500:
+            self._http.close()
+            self._http = httpx.Client(base_url=self.base_url, timeout=self._timeout)
+        return response
 
     # -- model and server information -------------------------------------------------------------
     def models(self) -> list[dict[str, Any]]:
@@ -189,12 +201,43 @@ def parse_generate_choice(choice: dict[str, Any], num_top: int) -> GeneratedChoi
     )
 
 
-class VLLMGenerateClient:
-    """Asynchronous generation through the tokens-in/tokens-out endpoint."""
+def parse_completion_choice(choice: dict[str, Any], num_top: int) -> GeneratedChoice:
+    """The same arrays from one ``choices[i]`` of a ``/v1/completions`` reply (asked with
+    ``return_token_ids`` and ``return_tokens_as_token_ids``, so top log-prob keys are ``token_id:N``).
+    This endpoint reports neither weight versions nor candidate sets."""
+    token_ids = [int(t) for t in choice.get("token_ids") or []]
+    block = choice.get("logprobs") or {}
+    logprobs = [float(v) for v in block.get("token_logprobs") or []]
+    if len(logprobs) != len(token_ids):
+        raise VLLMRequestError(
+            f"completion reply has {len(token_ids)} tokens but {len(logprobs)} log-probs; ask for logprobs >= 0"
+        )
+    top_ids = top_lp = None
+    if num_top > 0:
+        top_ids = np.full((len(token_ids), num_top), -1, dtype=np.int32)
+        top_lp = np.full((len(token_ids), num_top), -np.inf, dtype=np.float32)
+        for t, entry in enumerate(block.get("top_logprobs") or []):
+            ranked = sorted(((_token_id(k), float(v)) for k, v in (entry or {}).items()), key=lambda kv: -kv[1])[:num_top]
+            for j, (tid, lp) in enumerate(ranked):
+                top_ids[t, j] = tid
+                top_lp[t, j] = lp
+    return GeneratedChoice(
+        token_ids=token_ids, logprobs=logprobs, finish_reason=choice.get("finish_reason"), top_ids=top_ids, top_logprobs=top_lp
+    )
 
-    def __init__(self, base_url: str, timeout: float = 600.0, max_connections: int = 1024):
+
+def _token_id(key: str) -> int:
+    return int(key.rsplit(":", 1)[-1])
+
+
+class VLLMGenerateClient:
+    """Asynchronous generation from token ids: ``/inference/v1/generate`` when ``tokens_endpoint``, else
+    ``/v1/completions`` (no per-token weight versions or candidate sets there)."""
+
+    def __init__(self, base_url: str, timeout: float = 600.0, max_connections: int = 1024, tokens_endpoint: bool = True):
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout, limits=limits)
+        self.tokens_endpoint = tokens_endpoint
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -209,7 +252,12 @@ class VLLMGenerateClient:
         params = dict(sampling_params)
         # The reply's top list includes the sampled token, so N + 1 entries yield N others at worst.
         params["logprobs"] = num_top + 1 if num_top > 0 else 0
-        body: dict[str, Any] = {"token_ids": token_ids, "sampling_params": params}
+        if self.tokens_endpoint:
+            route, parse = "/inference/v1/generate", parse_generate_choice
+            body: dict[str, Any] = {"token_ids": token_ids, "sampling_params": params}
+        else:
+            route, parse = "/v1/completions", parse_completion_choice
+            body = {"prompt": token_ids, "return_token_ids": True, "return_tokens_as_token_ids": True, **params}
         if model is not None:
             body["model"] = model
         # The server closes idle keep-alive connections after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE) while
@@ -217,13 +265,13 @@ class VLLMGenerateClient:
         # server: send it again on a new connection. A sample is a fresh draw, so a retry is harmless.
         for attempt in range(_GENERATE_ATTEMPTS):
             try:
-                response = await self._http.post("/inference/v1/generate", json=body)
+                response = await self._http.post(route, json=body)
                 break
             except DROPPED_CONNECTION:
                 if attempt == _GENERATE_ATTEMPTS - 1:
                     raise
-        _raise_for("/inference/v1/generate", response)
-        return [parse_generate_choice(c, num_top) for c in response.json()["choices"]]
+        _raise_for(route, response)
+        return [parse(c, num_top) for c in response.json()["choices"]]
 
     async def max_model_len(self) -> int:
         response = await self._http.get("/v1/models")

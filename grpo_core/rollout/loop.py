@@ -27,6 +27,7 @@ import numpy as np
 
 from grpo_core.advantages import group_advantages
 from grpo_core.config import AsyncGRPOConfig
+from grpo_core.inputs import as_messages, check_reward_values
 from grpo_core.rollout.agent import (
     EnvironmentSession,
     RolloutTools,
@@ -40,11 +41,6 @@ from grpo_core.rollout.client import GeneratedChoice, VLLMGenerateClient, VLLMRe
 from grpo_core.rollout.reconcile import ReconcileResult, gather_sampling_masks, gather_top_logprobs, reconcile_turns
 from grpo_core.rollout.tool_calls import ParsedToolCalls, parse_tool_calls
 from grpo_core.rollout.types import Rollout, RolloutGroup, RolloutSample, TurnRecord
-
-
-def prompt_order(num_prompts: int, epoch: int, seed: int) -> np.ndarray:
-    """The order in which epoch ``epoch`` visits the prompts (a seeded permutation, stable across resumes)."""
-    return np.random.default_rng([seed, epoch]).permutation(num_prompts)
 
 
 def reward_func_name(func: Callable[..., Any]) -> str:
@@ -98,6 +94,7 @@ class AsyncRolloutLoop:
         tools: list[Callable[..., Any]] | None = None,
         environment_factory: Callable[[], Any] | None = None,
         adapter: Any = None,
+        tokens_endpoint: bool = True,
     ):
         self.config = config
         self.tokenizer = tokenizer
@@ -118,14 +115,17 @@ class AsyncRolloutLoop:
         # Built once (and validated here, before any request) for rollouts without an environment.
         self.shared_tools = RolloutTools(self.tools)
         self.client: VLLMGenerateClient | None = None
-        self.current_version = 0
+        self.tokens_endpoint = tokens_endpoint
+        # The weight version the server serves now, as the trainer publishes it (the rollout process
+        # replaces this); dates a turn when the server reports no per-token versions.
+        self.served_version: Callable[[], int] = lambda: 0
         # LoRA adapter sync: the trainer's AdapterPointer to the newest registered adapter (None otherwise).
         self.adapter = adapter
         self.max_model_len = 1 << 30  # read from the server before the first request
 
     async def connect(self) -> None:
         """Open the generation client and read the server's context length (the scheduler calls this)."""
-        self.client = VLLMGenerateClient(self.base_url, timeout=self.config.request_timeout)
+        self.client = VLLMGenerateClient(self.base_url, timeout=self.config.request_timeout, tokens_endpoint=self.tokens_endpoint)
         self.max_model_len = await self.client.max_model_len()
 
     async def close(self) -> None:
@@ -161,7 +161,7 @@ class AsyncRolloutLoop:
     async def generate_one(self, row_index: int, row: dict[str, Any], rollout_index: int) -> Rollout:
         """One rollout of ``row['prompt']``: turns until the model stops calling tools or the budget ends."""
         metrics: dict[str, float] = {}
-        messages = [dict(m) for m in row["prompt"]]
+        messages = as_messages(row["prompt"])
         num_prompt = len(messages)
         tools = self.shared_tools
         session: EnvironmentSession | None = None
@@ -204,8 +204,9 @@ class AsyncRolloutLoop:
                 break
             params = self.sampling_params()
             params["max_tokens"] = self.completion_budget(len(prompt_ids), budget)
+            started_under = self.served_version()
             choice, pinned = await self.generate_turn(prompt_ids, params, pinned)
-            turns.append(self.turn_record(prompt_ids, choice, pinned))
+            turns.append(self.turn_record(prompt_ids, choice, pinned, started_under))
             budget -= len(choice.token_ids)
             text = self.tokenizer.decode(choice.token_ids, skip_special_tokens=True)
             parsed = parse_tool_calls(text) if tools else ParsedToolCalls(text, [])
@@ -255,7 +256,9 @@ class AsyncRolloutLoop:
                     raise
                 pinned = newest
 
-    def turn_record(self, prompt_ids: list[int], choice: GeneratedChoice, pinned: tuple[str, int] | None = None) -> TurnRecord:
+    def turn_record(
+        self, prompt_ids: list[int], choice: GeneratedChoice, pinned: tuple[str, int] | None = None, started_under: int = 0
+    ) -> TurnRecord:
         return TurnRecord(
             prompt_ids=prompt_ids,
             output_ids=choice.token_ids,
@@ -264,8 +267,9 @@ class AsyncRolloutLoop:
             top_logprobs=choice.top_logprobs,
             sampling_masks=choice.sampling_masks,
             finish_reason=choice.finish_reason,
-            # In adapter mode the server's weight version is the base's; the adapter is the policy.
-            policy_version=pinned[1] if pinned is not None else oldest_version(choice, self.current_version),
+            # In adapter mode the server's weight version is the base's; the adapter is the policy. Without
+            # per-token versions (/v1/completions), the version the request started under is the oldest.
+            policy_version=pinned[1] if pinned is not None else oldest_version(choice, started_under),
         )
 
     def completion_budget(self, num_prompt_tokens: int, wanted: int) -> int:
@@ -279,21 +283,33 @@ class AsyncRolloutLoop:
         return min(wanted, room)
 
     async def score(self, group: RolloutGroup) -> None:
-        """Fill ``group.rewards_per_func`` and ``group.rewards`` (NaN where nothing scored)."""
+        """Fill ``group.rewards_per_func`` and ``group.rewards`` (NaN where nothing scored).
+
+        Reward functions are called with keywords, as TRL calls them: ``prompts``, ``completions``,
+        ``completion_ids`` and the dataset's other columns. A prompt given as a string gets its
+        completions as strings; a conversation gets them as lists of messages.
+        """
         g = len(group.rollouts)
         columns = {k: [v] * g for k, v in row_columns(group.row).items()}
-        prompts = [group.prompt] * g
-        completions = [list(r.messages[len(group.prompt):]) for r in group.rollouts]
+        as_text = isinstance(group.row.get("prompt"), str)
+        prompts = [group.row["prompt"] if as_text else group.prompt] * g
+        if as_text:
+            completions: list[Any] = [r.completion_text for r in group.rollouts]
+        else:
+            completions = [list(r.messages[len(group.prompt):]) for r in group.rollouts]
+        completion_ids = [[t for turn in r.turns for t in turn.output_ids] for r in group.rollouts]
+        kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
         per_func = np.full((g, len(self.reward_funcs)), np.nan)
         for j, func in enumerate(self.reward_funcs):
-            if is_async_callable(func):
-                values = await func(prompts, completions, **columns)
-            else:
-                loop = asyncio.get_running_loop()
-                values = await loop.run_in_executor(self.pool, lambda f=func: f(prompts, completions, **columns))
-            if len(values) != g:
-                raise ValueError(f"reward function {self.reward_names[j]} returned {len(values)} values for {g} completions")
-            per_func[:, j] = [np.nan if v is None else float(v) for v in values]
+            name = self.reward_names[j]
+            try:
+                if is_async_callable(func):
+                    values = await func(**kwargs)
+                else:
+                    values = await asyncio.get_running_loop().run_in_executor(self.pool, lambda f=func: f(**kwargs))
+            except Exception as exc:
+                raise RuntimeError(f"reward function {name!r} raised on dataset row {group.row_index}: {type(exc).__name__}: {exc}") from exc
+            per_func[:, j] = check_reward_values(name, group.row_index, values, g)
         own = rollout_rewards(group)
         weighted = per_func * self.reward_weights[None, :]
         scored_any = ~np.isnan(per_func).all(axis=1) | ~np.isnan(own)

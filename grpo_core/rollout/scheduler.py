@@ -1,7 +1,8 @@
 """Drives an ``AsyncRolloutLoop`` inside the rollout process: prompt order, admission, groups, queueing.
 
-Prompts are visited in a seeded per-epoch order from ``start_position`` on (so a resume continues
-exactly where training stopped). Each prompt becomes a group of ``num_generations`` rollouts;
+Prompts are visited from ``start_position`` on (``prompts.prompts_from``: a seeded per-epoch order
+for a map-style dataset, the stream's own order for an ``IterableDataset``), so a resume continues
+exactly where training stopped. Each prompt becomes a group of ``num_generations`` rollouts;
 rollouts are admitted while the number in flight stays under the live concurrency cap. A finished
 group is scored, gets advantages, its rollouts are reconciled into training sequences, and it is
 reported (kept or dropped) before its samples are queued. The report carries the group's summed
@@ -15,15 +16,16 @@ past a full queue instead of running ahead of the trainer with samples that woul
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from typing import Any
 
 import numpy as np
 
 from grpo_core.advantages import should_drop_group
+from grpo_core.inputs import as_messages
 from grpo_core.rollout.concurrency import ConcurrencyController, parse_vllm_metrics
-from grpo_core.rollout.loop import AsyncRolloutLoop, prompt_order, reconcile_metrics, rollout_rewards
+from grpo_core.rollout.loop import AsyncRolloutLoop, reconcile_metrics, rollout_rewards
+from grpo_core.rollout.prompts import prompts_from
 from grpo_core.rollout.types import GroupReport, RolloutGroup
 from grpo_core.step_metrics import merge_counters
 
@@ -45,6 +47,7 @@ class RolloutScheduler:
         self.failure: BaseException | None = None
         self.unadmitted = 0  # rollouts of created groups still waiting for a slot
         self.blocked_groups = 0  # finished groups waiting for room on the full queue
+        self.scoring_groups = 0  # groups whose rollouts all finished, being scored (rollout/score_queue_size)
 
     def _on_group_done(self, task: asyncio.Task[None], tasks: set[asyncio.Task[None]]) -> None:
         tasks.discard(task)
@@ -79,34 +82,25 @@ class RolloutScheduler:
 
     async def _schedule(self, tasks: set[asyncio.Task[None]]) -> None:
         loop, config = self.loop, self.loop.config
-        num_prompts = len(loop.dataset)
-        if num_prompts == 0:
-            raise ValueError("train_dataset is empty")
-        last_position = math.inf if config.max_steps > 0 else math.ceil(config.num_train_epochs * num_prompts)
-        position = loop.start_position
-        order: np.ndarray | None = None
-        rejected_in_epoch = 0
-        while position < last_position and not self.stop_event.is_set():
-            epoch, k = divmod(position, num_prompts)
-            if order is None or k == 0:
-                order = prompt_order(num_prompts, epoch, config.seed)
-                rejected_in_epoch = 0 if k == 0 else rejected_in_epoch
-            row_index = int(order[k])
-            row = loop.dataset[row_index]
-            if not loop.filter_prompt(row_index, row, epoch):
+        epochs = None if config.max_steps > 0 else config.num_train_epochs
+        rejected_in_epoch, current_epoch = 0, None
+        for prompt in prompts_from(loop.dataset, loop.start_position, config.seed, epochs):
+            if self.stop_event.is_set():
+                break
+            if prompt.epoch != current_epoch:
+                rejected_in_epoch, current_epoch = 0, prompt.epoch
+            if not loop.filter_prompt(prompt.row_index, prompt.row, prompt.epoch):
                 rejected_in_epoch += 1
-                if rejected_in_epoch == num_prompts:
-                    raise RuntimeError(f"filter_prompt rejected every prompt of epoch {epoch}; nothing left to train")
-                await loop.emit(_filtered_report(position, row_index, epoch))
-                position += 1
+                if prompt.epoch_size is not None and rejected_in_epoch == prompt.epoch_size:
+                    raise RuntimeError(f"filter_prompt rejected every prompt of epoch {prompt.epoch}; nothing left to train")
+                await loop.emit(_filtered_report(prompt.position, prompt.row_index, prompt.epoch))
                 continue
             await self._wait_for_room()
             self._raise_failure()
             self.unadmitted += config.num_generations
-            task = asyncio.create_task(self._run_group(position, row_index, row, epoch))
+            task = asyncio.create_task(self._run_group(prompt.position, prompt.row_index, prompt.row, prompt.epoch))
             tasks.add(task)
             task.add_done_callback(lambda t: self._on_group_done(t, tasks))
-            position += 1
             await asyncio.sleep(0)  # let admitted rollouts start before creating more groups
         self._raise_failure()
 
@@ -165,8 +159,12 @@ class RolloutScheduler:
         loop = self.loop
         g = loop.config.num_generations
         rollouts = await asyncio.gather(*(self._run_rollout(row_index, row, i) for i in range(g)))
-        group = RolloutGroup(row_index=row_index, epoch=epoch, prompt=list(row["prompt"]), rollouts=list(rollouts), row=row)
-        await loop.score(group)
+        group = RolloutGroup(row_index=row_index, epoch=epoch, prompt=as_messages(row["prompt"]), rollouts=list(rollouts), row=row)
+        self.scoring_groups += 1
+        try:
+            await loop.score(group)
+        finally:
+            self.scoring_groups -= 1
         advantages = loop.compute_advantages(group)
         dropped = should_drop_group(group.rewards)
         # Reconciled for dropped groups too: fork and realign rates describe the rollouts, kept or not.
@@ -193,10 +191,12 @@ class RolloutScheduler:
                 "rollout/concurrency_cap": float(self.controller.cap if self.controller else 0),
                 "rollout/concurrency": float(self.controller.in_flight if self.controller else 0),
                 "rollout/report_interval_s": now - self.last_report_time,
+                "rollout/score_queue_size": float(self.scoring_groups),
                 **merge_counters([r.metrics for r in group.rollouts]),
                 **reconcile_metrics(reconciled),
             },
             completions=[r.completion_text for r in group.rollouts],
+            prompt_text=str(group.prompt[-1].get("content") or "") if group.prompt else "",
         )
         self.last_report_time = now
         self.backpressure_s = 0.0

@@ -77,6 +77,7 @@ class GroupReport:
     completion_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0))
     metrics: dict[str, float] = field(default_factory=dict)
     completions: list[str] = field(default_factory=list)
+    prompt_text: str = ""  # the prompt's last message, for completion tables
 
 
 @dataclass

@@ -1,24 +1,35 @@
 """The rollout process: spawn it, feed the trainer through a queue, watch its heartbeat.
 
 The worker runs in a *spawned* process with ``CUDA_VISIBLE_DEVICES=""`` so that reward code never
-competes with the trainer for the GIL or the GPU. Everything handed to it is pickled, so
-``check_picklable`` runs first and names the lambda or closure that would fail.
+competes with the trainer for the GIL or the GPU. What it needs crosses as one cloudpickle payload:
+functions, classes and lambdas defined in the user's script go by value, everything importable by
+reference. The user's script itself is not run again in the child (multiprocessing's spawn would
+re-import ``__main__``, re-running a script without a main guard and starting the trainer twice),
+so a script written as the quick start prints it, with everything at module level, works as is;
+so does a run under ``torchrun`` or ``accelerate launch``. ``grpo_core.inputs.check_crossing``
+names, before the spawn, anything that cannot cross (an open socket, a lock, a live client).
 
 Trainer side: ``RolloutWorker.start()``, ``get(timeout)`` for the next item, ``check()`` raises
-``RolloutWorkerError`` if the process died or its heartbeat stopped, ``stop()``.
+``RolloutWorkerError`` if the process died or its heartbeat stopped, ``stop()``;
+``publish_version(v)`` tells the worker the weight version the server now serves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
 import queue as queue_lib
+import sys
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import cloudpickle
 
 _HEARTBEAT_PERIOD_S = 1.0
 
@@ -35,41 +46,21 @@ class WorkerSpec:
     loop_kwargs: dict[str, Any]
 
 
-def check_picklable(named_objects: dict[str, Any]) -> None:
-    """Raise TypeError naming any object that cannot cross to the spawned rollout process."""
-    for label, obj in named_objects.items():
-        items = obj if isinstance(obj, (list, tuple)) else [obj]
-        for item in items:
-            qualname = getattr(item, "__qualname__", "") or ""
-            name = getattr(item, "__name__", type(item).__name__)
-            if "<lambda>" in qualname or "<locals>" in qualname:
-                raise TypeError(
-                    f"{label} {name!r} ({qualname}) is a lambda or closure and cannot be sent to the rollout "
-                    "process; define it at module level, or use functools.partial or a callable class instance"
-                )
-            try:
-                pickle.dumps(item)
-            except Exception as exc:  # noqa: BLE001 - any pickling failure gets the same explanation
-                raise TypeError(
-                    f"{label} {name!r} cannot be pickled for the rollout process ({exc}); "
-                    "use a module-level function, functools.partial or a callable class instance"
-                ) from exc
-
-
 class RolloutWorker:
     """Handle on the rollout process, owned by the trainer (rank 0)."""
 
-    def __init__(self, spec: WorkerSpec, queue_maxsize: int, heartbeat_timeout_s: float):
+    def __init__(self, spec: WorkerSpec, queue_maxsize: int, heartbeat_timeout_s: float, initial_version: int = 0):
         self.spec = spec
         self.heartbeat_timeout_s = heartbeat_timeout_s
         ctx = mp.get_context("spawn")
         self.queue: Any = ctx.Queue(maxsize=queue_maxsize)
         self.errors: Any = ctx.Queue()
         self.heartbeat = ctx.Value("d", time.time())
+        self.served_version = ctx.Value("q", initial_version)
         self.stop_event = ctx.Event()
         self.process = ctx.Process(
             target=_worker_main,
-            args=(spec, self.queue, self.errors, self.heartbeat, self.stop_event),
+            args=(cloudpickle.dumps(spec), self.queue, self.errors, self.heartbeat, self.served_version, self.stop_event),
             name="grpo-rollout",
             daemon=True,
         )
@@ -79,7 +70,8 @@ class RolloutWorker:
         saved = os.environ.get("CUDA_VISIBLE_DEVICES")
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         try:
-            self.process.start()
+            with _main_script_hidden():
+                self.process.start()
         finally:
             if saved is None:
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
@@ -87,11 +79,23 @@ class RolloutWorker:
                 os.environ["CUDA_VISIBLE_DEVICES"] = saved
         self.heartbeat.value = time.time()
 
+    def publish_version(self, version: int) -> None:
+        """The weight version the server serves from now on (dates requests where the server reports none)."""
+        self.served_version.value = version
+
+    def queue_size(self) -> int:
+        """Samples and reports waiting for the trainer."""
+        try:
+            return int(self.queue.qsize())
+        except NotImplementedError:  # macOS has no sem_getvalue
+            return -1
+
     def check(self) -> None:
         """Raise ``RolloutWorkerError`` with the worker's own traceback when it failed."""
         error = self._error()
         if error is not None:
-            raise RolloutWorkerError(f"rollout worker failed:\n{error}")
+            summary, trace = error
+            raise RolloutWorkerError(f"{summary}\n\nrollout worker traceback:\n{trace}")
         if not self.process.is_alive():
             if self.process.exitcode == 0:
                 return  # it finished its epochs; the queue still holds its last items
@@ -146,16 +150,43 @@ class RolloutWorker:
         self.process.join(timeout=5)
 
 
-# ---------------------------------------------------------------------------- inside the rollout process
-def _worker_main(spec: WorkerSpec, out_queue: Any, errors: Any, heartbeat: Any, stop_event: Any) -> None:
+@contextlib.contextmanager
+def _main_script_hidden() -> Iterator[None]:
+    """Start a spawned child without it importing the parent's ``__main__``.
+
+    multiprocessing tells a spawned child to run the parent's main module again (by path, or by
+    name under ``python -m``) so that objects defined there can be unpickled by reference. Nothing
+    here is sent by reference to ``__main__`` (cloudpickle sends such objects by value), and
+    re-running a script without a main guard would start a second trainer. Without a file or a spec
+    on the main module, the preparation data carries neither, and the child imports nothing of it.
+    """
+    main = sys.modules["__main__"]
+    missing = object()
+    saved_file = main.__dict__.get("__file__", missing)
+    saved_spec = getattr(main, "__spec__", None)
+    if saved_file is not missing:
+        del main.__file__
+    main.__spec__ = None
     try:
-        asyncio.run(_run(spec, out_queue, heartbeat, stop_event))
-    except BaseException:  # noqa: BLE001 - every failure must reach the trainer
-        errors.put(traceback.format_exc())
-        raise SystemExit(1)
+        yield
+    finally:
+        main.__spec__ = saved_spec
+        if saved_file is not missing:
+            main.__file__ = saved_file
 
 
-async def _run(spec: WorkerSpec, out_queue: Any, heartbeat: Any, stop_event: Any) -> None:
+# ---------------------------------------------------------------------------- inside the rollout process
+def _worker_main(payload: bytes, out_queue: Any, errors: Any, heartbeat: Any, served_version: Any, stop_event: Any) -> None:
+    try:
+        spec: WorkerSpec = pickle.loads(payload)
+        asyncio.run(_run(spec, out_queue, heartbeat, served_version, stop_event))
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
+        summary = f"rollout worker failed: {type(exc).__name__}: {exc}"
+        errors.put((summary, traceback.format_exc()))
+        raise SystemExit(1) from None
+
+
+async def _run(spec: WorkerSpec, out_queue: Any, heartbeat: Any, served_version: Any, stop_event: Any) -> None:
     async def beat() -> None:
         while True:
             heartbeat.value = time.time()
@@ -176,6 +207,7 @@ async def _run(spec: WorkerSpec, out_queue: Any, heartbeat: Any, stop_event: Any
 
     beat_task = asyncio.create_task(beat())
     loop_obj = spec.loop_cls(emit=emit, **spec.loop_kwargs)
+    loop_obj.served_version = lambda: int(served_version.value)
     scheduler = RolloutScheduler(loop_obj, stop_event)
     try:
         await scheduler.run()

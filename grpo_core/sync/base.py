@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -22,6 +23,7 @@ class SyncStats:
     mode: str
     bytes: int
     seconds: float
+    adapters_registered: int | None = None  # adapter sync: versions the server holds after the push
 
 
 class WeightSync(ABC):
@@ -35,6 +37,11 @@ class WeightSync(ABC):
 
     def served_model_name(self, version: int) -> str | None:
         """The ``model`` field a request must name to sample from ``version`` (None: the default)."""
+        return None
+
+    def adapter_pointer(self) -> Any | None:
+        """Adapter sync: the shared pointer through which the rollout worker names the newest
+        registered adapter in its requests (None: requests name no adapter)."""
         return None
 
     def close(self) -> None:

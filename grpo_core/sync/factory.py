@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from grpo_core.server_checks import LoraServing, ServerConfigError, check_lora_limits, lora_command, probe_lora_serving
@@ -29,59 +30,71 @@ def resolve_lora_mode(requested: str, serving: LoraServing) -> str:
     return "merged"
 
 
-def wire_dtype(args: Any) -> Any:
+def wire_dtype(bf16: bool) -> Any:
     """The dtype weights travel in: bf16 when training in bf16 (the policy the trainer computes with,
     half the bytes of the fp32 master weights), else the weights' own dtype (None)."""
     import torch
 
-    return torch.bfloat16 if args.bf16 else None
+    return torch.bfloat16 if bf16 else None
 
 
-def make_weight_sync(trainer: Any, control: Any) -> WeightSync:
-    """The ``WeightSync`` for ``trainer``'s model and the server behind ``control`` (None off rank 0)."""
+@dataclass
+class SyncSetup:
+    """What the weight sync needs to know about a run (built by the trainer; nothing else of it)."""
+
+    config: Any  # AsyncGRPOConfig
+    model: Any  # the (sharded) policy
+    rank: int
+    backend: str  # resolved weight_transfer_backend
+    wire_dtype: Any  # torch dtype the weights travel in (None: their own)
+    model_path: str | None  # the base model's folder or hub id (names adapters, fills commands)
+    peft_config: Any = None  # LoRA: adapter sync or merged sync; None: full weights
+
+
+def make_weight_sync(setup: SyncSetup, control: Any) -> WeightSync:
+    """The ``WeightSync`` for ``setup`` and the server behind ``control`` (None off rank 0)."""
     from grpo_core.sync.protocol import ProtocolWeightSync
     from grpo_core.sync.source import ModelWeightSource
 
-    args, model, rank = trainer.args, trainer.model, trainer.dist.rank
-    dtype = wire_dtype(args)
-    peft_config = getattr(trainer, "peft_config", None)
-    if peft_config is None:
-        return ProtocolWeightSync(control, ModelWeightSource(model, wire_dtype=dtype), backend=args.weight_transfer_backend, rank=rank)
+    config, model = setup.config, setup.model
+    transport = dict(backend=setup.backend, rank=setup.rank)
+    if setup.peft_config is None:
+        return ProtocolWeightSync(control, ModelWeightSource(model, wire_dtype=setup.wire_dtype), **transport)
 
     from grpo_core.models.lora import base_named_tensors, max_rank, merged_named_tensors
     from grpo_core.sync.lora import LoraAdapterSync
 
-    mode = _agree_on_mode(_choose_lora_mode(trainer, control, max_rank(peft_config)) if control is not None else None)
+    mode = _agree_on_mode(_choose_lora_mode(setup, control, max_rank(setup.peft_config)) if control is not None else None)
     log.info("LoRA weight sync: %s", mode)
     if mode == "merged":
-        merged = ModelWeightSource(model, wire_dtype=dtype, named_tensors=functools.partial(merged_named_tensors, model))
-        return ProtocolWeightSync(control, merged, backend=args.weight_transfer_backend, rank=rank, mode="merged")
-    base = ModelWeightSource(model, wire_dtype=dtype, named_tensors=functools.partial(base_named_tensors, model))
+        merged = ModelWeightSource(model, wire_dtype=setup.wire_dtype, named_tensors=functools.partial(merged_named_tensors, model))
+        return ProtocolWeightSync(control, merged, mode="merged", **transport)
+    base = ModelWeightSource(model, wire_dtype=setup.wire_dtype, named_tensors=functools.partial(base_named_tensors, model))
     return LoraAdapterSync(
         control,
         model,
-        output_dir=args.output_dir,
-        max_staleness=args.max_staleness,
-        base_sync=ProtocolWeightSync(control, base, backend=args.weight_transfer_backend, rank=rank, mode="adapter"),
-        base_model_name_or_path=trainer.model_path,
-        rank=rank,
+        output_dir=config.output_dir,
+        max_staleness=config.max_staleness,
+        base_sync=ProtocolWeightSync(control, base, mode="adapter", **transport),
+        base_model_name_or_path=setup.model_path,
+        rank=setup.rank,
         # A request can run until its client gives up; its adapter folder must outlive it.
-        delete_grace_s=args.request_timeout,
+        delete_grace_s=config.request_timeout,
     )
 
 
-def _choose_lora_mode(trainer: Any, control: Any, adapter_rank: int) -> str:
-    args = trainer.args
-    model_name = trainer.model_path or "<model>"
-    serving = probe_lora_serving(control.base_url, timeout=args.request_timeout)
-    mode = resolve_lora_mode(args.lora_sync_mode, serving)
+def _choose_lora_mode(setup: SyncSetup, control: Any, adapter_rank: int) -> str:
+    config = setup.config
+    model_name = setup.model_path or "<model>"
+    serving = probe_lora_serving(control)
+    mode = resolve_lora_mode(config.lora_sync_mode, serving)
     if mode == "adapter":
-        check_lora_limits(serving, args, adapter_rank, model_name)
-    elif args.lora_sync_mode == "auto":
+        check_lora_limits(serving, config, adapter_rank, model_name)
+    elif config.lora_sync_mode == "auto":
         log.info(
             "the server cannot load LoRA adapters at run time, so every sync pushes merged weights; "
             "for adapter-only sync restart it with:\n%s",
-            lora_command(args, adapter_rank, model_name),
+            lora_command(config, adapter_rank, model_name),
         )
     return mode
 

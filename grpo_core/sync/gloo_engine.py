@@ -8,9 +8,11 @@ server receives weights exactly as a GPU server does over NCCL. Both halves live
 * ``GlooTrainerWeightTransferEngine`` runs in the trainer; only trainer rank 0 talks to vLLM.
 
 Wire format: one ``/update_weights`` call per sync carries every parameter's name, dtype and shape
-plus ``group_sizes``, the number of parameters in each decoder-layer group. For each group the
-sender concatenates the group's tensors into one uint8 buffer and broadcasts it; the receiver
-splits it back. One layer at a time bounds the sender's extra memory to the largest layer.
+plus ``group_sizes``, the number of parameters in each broadcast. The sender cuts the model into
+buckets of about ``bucket_bytes`` (``buckets.plan_buckets``, the rule vLLM's packed NCCL format
+uses), fills each bucket's flat uint8 buffer with one gather across FSDP2 ranks
+(``bucket_stream.send_buckets``, shared with the NCCL sender) and broadcasts it; the receiver splits
+it back. The sender's extra memory is one bucket plus the gather scratch.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
+
+from grpo_core.sync.bucket_stream import TransferStats, local_tensors, send_buckets, source_device
+from grpo_core.sync.buckets import DEFAULT_BUCKET_BYTES, plan_buckets, update_info
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +178,7 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     master_port: int = 0
     world_size: int = 2
     weight_version: str | None = None
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
@@ -181,11 +187,20 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     init_info_cls = GlooTrainerInitInfo
 
-    def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource, is_sender: bool = True):
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource,
+        is_sender: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ):
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.group: Any = None
         self.next_weight_version: str | None = None
+        self.bucket_bytes = bucket_bytes
         self.bytes_sent = 0
+        self.last_stats: TransferStats | None = None
 
     @classmethod
     def trainer_init(
@@ -197,7 +212,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     ) -> Self:
         if source is None:
             raise ValueError("gloo weight transfer needs a WeightSource")
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, bucket_bytes=init_info.bucket_bytes)
         if not engine.is_sender:
             return engine
         worker_info = GlooWeightTransferInitInfo(
@@ -228,34 +243,28 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     def send_weights(self) -> None:
         assert self.source is not None
         meta = self.source.metadata()
-        groups = self.source.groups()
+        plan = plan_buckets(meta, self.bucket_bytes)
+        device = source_device(self.source)
         if not self.is_sender:
-            for _ in self.source.iter_groups():
-                pass
+            self.last_stats = send_buckets(plan, local_tensors(self.source), None, device)
             return
-        update_info = {
-            "names": [m.name for m in meta],
-            "dtype_names": [str(m.dtype).removeprefix("torch.") for m in meta],
-            "shapes": [list(m.shape) for m in meta],
-            "group_sizes": [len(g) for g in groups],
-        }
-        self.bytes_sent = 0
+        info = update_info(meta) | {"group_sizes": [len(b.slots) for b in plan]}
         self.client.start_weight_update()
         with ThreadPoolExecutor(max_workers=1) as pool:
             # /update_weights blocks on the server until every broadcast below has landed.
-            pending = pool.submit(self.client.update_weights, update_info)
+            pending = pool.submit(self.client.update_weights, info)
             try:
-                for _names, tensors in self.source.iter_groups():
-                    flat = [t.detach().cpu().contiguous().view(-1).view(torch.uint8) for t in tensors]
-                    buffer = torch.cat(flat) if len(flat) > 1 else flat[0]
-                    self.group.broadcast(buffer, 0).wait()
-                    self.bytes_sent += buffer.numel()
-                    del buffer, flat
+                self.last_stats = send_buckets(plan, local_tensors(self.source), self._broadcast, device)
             except BaseException:
                 pending.cancel()
                 raise
             pending.result()
+        self.bytes_sent = self.last_stats.bytes
         self.client.finish_weight_update(self.next_weight_version)
+
+    def _broadcast(self, buffer: torch.Tensor) -> None:
+        # gloo moves host memory; a trainer on CUDA with the gloo backend copies each bucket down.
+        self.group.broadcast(buffer if buffer.device.type == "cpu" else buffer.cpu(), 0).wait()
 
     def shutdown(self) -> None:
         if self.group is not None:

@@ -158,6 +158,9 @@ class LoraAdapterSync(WeightSync):
     def registered_versions(self) -> list[int]:
         return list(self.window.registered)
 
+    def adapter_pointer(self) -> AdapterPointer:
+        return self.pointer
+
     # -- push -----------------------------------------------------------------------------------------
     def push(self, version: int) -> SyncStats:
         from grpo_core.models.lora import adapter_state, write_adapter
@@ -178,7 +181,9 @@ class LoraAdapterSync(WeightSync):
         for old in step.unload:
             self.control.unload_lora_adapter(self.adapter_name(old))
         self._delete(step.delete)
-        return SyncStats(mode=self.mode, bytes=sent, seconds=time.perf_counter() - start)
+        return SyncStats(
+            mode=self.mode, bytes=sent, seconds=time.perf_counter() - start, adapters_registered=len(self.window.registered)
+        )
 
     def _delete(self, versions: list[int]) -> None:
         import fsspec

@@ -1,7 +1,12 @@
 """Full-weight sync through vLLM's weight-transfer protocol: pause → start → update → finish → resume.
 
-The transport is picked by name: ``gloo`` (this package's backend, CPU servers) or ``nccl`` (vLLM's,
-GPUs). The server is paused with ``mode=keep`` so in-flight rollouts are frozen rather than aborted,
+The transport is picked by name: ``gloo`` (this package's backend, CPU servers) or ``nccl`` (vLLM's
+packed NCCL format, sent by ``nccl_trainer.BucketedNCCLTrainerEngine``). Both send the model in
+buckets of about ``bucket_bytes``, gathered with one collective per bucket across FSDP2 ranks.
+
+The server dials back to a rendezvous store on trainer rank 0: at ``master_address`` when given,
+else at the local address that routes to the server's URL (``address.rendezvous_address``), on a
+free port, inside ``port_range`` when the cluster's firewall allows only a range. The server is paused with ``mode=keep`` so in-flight rollouts are frozen rather than aborted,
 and with ``clear_cache=true`` so neither their KV nor the prefix cache keeps values computed with
 the old weights; tokens generated after the swap carry the new version in ``weight_versions``.
 """
@@ -9,30 +14,48 @@ the old weights; tokens generated after the swap carry the new version in ``weig
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.weight_transfer.base import WeightSource
-from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-from grpo_core.rollout.client import VLLMControlClient
-from grpo_core.server import free_port
+from grpo_core.sync.address import PortRange, choose_port, rendezvous_address
 from grpo_core.sync.base import SyncStats, WeightSync
+from grpo_core.sync.bucket_stream import TransferStats
+from grpo_core.sync.buckets import DEFAULT_BUCKET_BYTES
 from grpo_core.sync.vllm_plugin import GLOO_BACKEND, register
 
+if TYPE_CHECKING:
+    from grpo_core.rollout.client import VLLMControlClient
 
-def _trainer_init_info(backend: str, rank: int, address: str, port: int, world_size: int):
+
+def _trainer_engine(backend: str, control: Any, source: WeightSource, rank: int, address: str, port: int,
+                    world_size: int, bucket_bytes: int, num_buffers: int) -> Any:
+    """Rendezvous with the server (rank 0) and return the trainer-side engine for ``backend``."""
     if backend == GLOO_BACKEND:
-        from grpo_core.sync.gloo_engine import GlooTrainerInitInfo
+        from grpo_core.sync.gloo_engine import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
 
-        return GlooTrainerInitInfo(rank=rank, master_address=address, master_port=port, world_size=world_size)
+        info = GlooTrainerInitInfo(rank=rank, master_address=address, master_port=port, world_size=world_size,
+                                   bucket_bytes=bucket_bytes)
+        return GlooTrainerWeightTransferEngine.trainer_init(info, client=control, source=source)
     if backend == "nccl":
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-        return NCCLTrainerInitInfo(rank=rank, master_address=address, master_port=port, world_size=world_size)
+        from grpo_core.sync.nccl_trainer import BucketedNCCLTrainerEngine
+
+        info = NCCLTrainerInitInfo(rank=rank, master_address=address, master_port=port, world_size=world_size,
+                                   packed=True, packed_buffer_size_bytes=bucket_bytes, packed_num_buffers=num_buffers)
+        return BucketedNCCLTrainerEngine.trainer_init(info, client=control, source=source)
     raise ValueError(f"weight_transfer_backend={backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (GPU)")
 
 
 class ProtocolWeightSync(WeightSync):
-    """Pushes every weight of ``source`` over the named backend; call on every trainer rank."""
+    """Pushes every weight of ``source`` over the named backend; call on every trainer rank.
+
+    ``master_address``: where the server dials back (None: the local address routing to the server's
+    URL). ``port_range``: ports the rendezvous may use, both ends included (None: any free port).
+    ``bucket_bytes`` and ``num_buffers``: the bucket threshold and, on NCCL, the wire buffers in
+    flight (the sender's extra GPU memory is about ``num_buffers`` × the largest bucket).
+    """
 
     def __init__(
         self,
@@ -40,33 +63,42 @@ class ProtocolWeightSync(WeightSync):
         source: WeightSource,
         backend: str,
         rank: int = 0,
-        master_address: str = "127.0.0.1",
+        master_address: str | None = None,
+        port_range: PortRange | None = None,
         mode: str = "full",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        num_buffers: int = 2,
     ):
-        register()  # the trainer process needs the gloo trainer engine in vLLM's factory too
+        register()  # the server's gloo engine is vLLM's plugin; the trainer side is built here
         if rank == 0 and control is None:
             raise ValueError("trainer rank 0 needs a VLLMControlClient to drive the weight transfer")
         self.control = control if rank == 0 else None
         self.backend = backend
         self.mode = mode
         self.source = source
-        world_size = 1 + control.world_size() if self.control is not None else 0
-        port = free_port(master_address) if self.control is not None else 0
-        info = _trainer_init_info(backend, rank, master_address, port, world_size)
-        self.engine = WeightTransferTrainerFactory.trainer_init(info, client=self.control, source=source)
+        self.master_address = ""
+        port = world_size = 0
+        if self.control is not None:
+            self.master_address = rendezvous_address(self.control.base_url, master_address)
+            port = choose_port(self.master_address, port_range)
+            world_size = 1 + self.control.world_size()
+        self.engine = _trainer_engine(backend, self.control, source, rank, self.master_address, port, world_size,
+                                      bucket_bytes, num_buffers)
         self.bytes_per_push = sum(m.dtype.itemsize * _numel(m.shape) for m in source.metadata())
+
+    @property
+    def last_transfer(self) -> TransferStats | None:
+        """Buckets, bytes and the extra device memory of the last push (None before the first)."""
+        return getattr(self.engine, "last_stats", None)
 
     def push(self, version: int) -> SyncStats:
         start = time.perf_counter()
         if self.control is not None:
             self.control.pause(mode="keep", clear_cache=True)
         try:
-            if hasattr(self.engine, "next_weight_version"):
-                self.engine.next_weight_version = str(version)
+            # Both engines pass the version to /finish_weight_update, before the server resumes.
+            self.engine.next_weight_version = str(version)
             self.engine.send_weights()
-            if self.control is not None and not hasattr(self.engine, "next_weight_version"):
-                # vLLM's NCCL engine finishes without a version; set it before resuming.
-                self.control.update_weight_version(str(version))
         finally:
             if self.control is not None:
                 self.control.resume()

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, materialize_full_tensor
 
+from grpo_core.models.vision import frozen_tower_prefixes
+
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
@@ -25,7 +27,8 @@ def checkpoint_name(name: str) -> str:
 
 
 class ModelWeightSource(WeightSource):
-    """Trainable model weights under checkpoint names, cast to ``wire_dtype`` when given.
+    """Trainable model weights under checkpoint names, cast to ``wire_dtype`` when given; frozen
+    vision towers are left out.
 
     ``named_tensors`` lets LoRA merged sync supply merged weights instead of the raw parameters.
     """
@@ -38,7 +41,10 @@ class ModelWeightSource(WeightSource):
     ):
         self.module = module
         self.wire_dtype = wire_dtype
-        self._named = named_tensors or (lambda: iter(module.named_parameters()))
+        named = named_tensors or (lambda: iter(module.named_parameters()))
+        # A frozen vision tower never changes: the server keeps the copy it loaded (models/vision.py).
+        skip = frozen_tower_prefixes(module)
+        self._named = lambda: ((n, t) for n, t in named() if not checkpoint_name(n).startswith(skip))
         self._meta: list[ParamMeta] | None = None
 
     def metadata(self) -> list[ParamMeta]:
@@ -49,6 +55,12 @@ class ModelWeightSource(WeightSource):
                 for name, t in self._named()
             ]
         return self._meta
+
+    def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The same tensors under the same names, as this rank holds them: FSDP2 shards stay
+        DTensors and nothing is cast, so a bucketed sender gathers and casts whole buckets at once."""
+        for name, tensor in self._named():
+            yield checkpoint_name(name), tensor.detach()
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self._named():

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from grpo_core.batching import StepBatch
+from grpo_core.collector import StepBatch
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rewards import accuracy_reward
 from grpo_core.rollout.loop import AsyncRolloutLoop

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from grpo_core.batching import StepBatch
+from grpo_core.collector import StepBatch
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rewards import accuracy_reward
 from grpo_core.rollout.loop import AsyncRolloutLoop

@@ -1,0 +1,129 @@
+"""StepCollector and TrainingFrontier: staleness drops, step filling and the training frontier, by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from grpo_core.collector import WeightVersions, StepCollector, TrainingFrontier
+from grpo_core.rollout.scheduler import END_OF_DATA
+from grpo_core.rollout.types import GroupReport, RolloutSample
+
+
+def sample(position: int, version: int, n_prompt: int = 3, n_out: int = 2, group: int | None = None) -> RolloutSample:
+    ids = np.arange(10 * position + 1, 10 * position + 1 + n_prompt + n_out, dtype=np.int32)
+    mask = np.zeros(len(ids), dtype=bool)
+    mask[n_prompt:] = True
+    return RolloutSample(
+        token_ids=ids, completion_mask=mask, sampler_logprobs=np.full(len(ids), -1.0, np.float32),
+        advantage=1.0, reward=1.0, group_id=position if group is None else group, row_index=position, epoch=0,
+        rollout_id=f"r{position}-{version}-{np.random.rand()}", policy_version=version, position=position,
+    )
+
+
+def report(position: int, num_samples: int, dropped: bool = False) -> GroupReport:
+    return GroupReport(position=position, row_index=position, epoch=0, rewards=np.ones(2), rewards_per_func={},
+                       num_samples=num_samples, dropped=dropped)
+
+
+class ListSource:
+    """Stands in for the rollout worker's queue: hands out a fixed list, then raises."""
+
+    def __init__(self, items):
+        self.items = list(items)
+
+    def get(self, timeout_s: float):
+        if not self.items:
+            raise TimeoutError("no more items")
+        return self.items.pop(0)
+
+
+def collector(items, max_staleness=1, max_samples=4, frontier=None) -> StepCollector:
+    return StepCollector(
+        source=ListSource(items), world_size=1, gradient_accumulation_steps=1, token_budget=1000,
+        max_samples_per_step=max_samples, max_staleness=max_staleness, flat=False,
+        frontier=frontier or TrainingFrontier(), timeout_s=1.0,
+    )
+
+
+def test_stale_samples_are_dropped_and_counted():
+    # At version 5 with max_staleness 1, versions 3 and 2 are too old; 4 and 5 train.
+    items = [report(0, 4), sample(0, 3), sample(0, 4), sample(0, 2), sample(0, 5), END_OF_DATA]
+    c = collector(items, max_staleness=1)
+    batch = c.collect(WeightVersions([0, 1, 2, 3, 4, 5]))  # a push after every step
+    assert [s.policy_version for s in batch.samples] == [4, 5]
+    assert batch.stale_dropped == 2
+    assert batch.staleness == [1, 0]
+    assert c.stale_dropped_total == 2
+
+
+def test_step_stops_at_max_samples_and_carries_nothing_lost():
+    items = [report(0, 2), sample(0, 0), sample(0, 0), report(1, 2), sample(1, 0), sample(1, 0), END_OF_DATA]
+    c = collector(items, max_samples=3)
+    first = c.collect(WeightVersions([0]))
+    assert len(first.samples) == 3
+    second = c.collect(WeightVersions([0]))
+    assert len(second.samples) == 1
+    assert c.collect(WeightVersions([0])) is None
+
+
+def test_staleness_counts_weight_updates_not_optimizer_steps():
+    # weight_sync_steps=2: versions 0, 2, 4, 6 were pushed; the trainer is at step 7. A sample of
+    # version 2 lags two updates (4 and 6), not five steps; one of version 0 lags three.
+    pushed = WeightVersions([0, 2, 4, 6])
+    items = [report(0, 4), sample(0, 0), sample(0, 2), sample(0, 4), sample(0, 6), END_OF_DATA]
+    c = collector(items, max_staleness=2)
+    batch = c.collect(pushed)
+    assert [s.policy_version for s in batch.samples] == [2, 4, 6]
+    assert batch.staleness == [2, 1, 0]
+    assert batch.stale_dropped == 1
+    assert [pushed.staleness(v) for v in (0, 1, 2, 3, 6, 7)] == [3, 3, 2, 2, 0, 0]
+
+
+def test_weight_versions_record_only_newer_pushes():
+    versions = WeightVersions()
+    assert versions.current == 0 and versions.staleness(0) == 0
+    for v in (0, 2, 2, 1, 4):
+        versions.record(v)
+    assert versions.pushed == [0, 2, 4] and versions.current == 4
+
+
+def test_frontier_advances_only_over_fully_trained_prompts():
+    f = TrainingFrontier()
+    f.on_report(report(1, 2))
+    f.on_report(report(0, 1))
+    f.on_report(report(2, 0, dropped=True))  # dropped groups count as done at once
+    assert f.position == 0
+    f.on_consumed(sample(1, 0))
+    assert f.position == 0  # prompt 1 has one sample left, prompt 0 none trained
+    f.on_consumed(sample(0, 0))
+    assert f.position == 1
+    f.on_consumed(sample(1, 0))
+    assert f.position == 3  # 1 done, 2 was dropped
+
+
+def test_frontier_starts_at_resume_position():
+    f = TrainingFrontier(start=7)
+    f.on_report(report(7, 0, dropped=True))
+    assert f.position == 8
+
+
+def test_too_long_sample_is_dropped_and_counted_as_done():
+    long = sample(0, 0, n_prompt=600, n_out=600)
+    items = [report(0, 1), long, report(1, 1), sample(1, 0), END_OF_DATA]
+    c = collector(items)
+    batch = c.collect(WeightVersions([0]))
+    assert [s.position for s in batch.samples] == [1]
+    assert batch.plan.dropped_too_long == 1
+    c.mark_trained(batch)
+    assert c.frontier.position == 2
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_sample_rejects_non_finite_advantage(bad):
+    s = sample(0, 0)
+    with pytest.raises(ValueError, match="advantage"):
+        RolloutSample(
+            token_ids=s.token_ids, completion_mask=s.completion_mask, sampler_logprobs=s.sampler_logprobs,
+            advantage=bad, reward=0.0, group_id=0, row_index=0, epoch=0, rollout_id="x", policy_version=0,
+        )
