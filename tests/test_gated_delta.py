@@ -1,12 +1,16 @@
-"""Gated DeltaNet hybrids in packed rows are exact: tiny random Qwen3.5 and Qwen3-Next, fp32, CPU.
+"""Gated DeltaNet hybrids in packed rows are exact: tiny random Qwen3.5 and Qwen3-Next (and Qwen3.5-MoE,
+OLMo hybrid), CPU.
 
 * the kernels: the chunked delta rule equals the token-by-token recurrence, and the tree rule /
   tree convolution equal the recurrence / convolution run along every segment's path (fp64);
-* the models: trained-token log-probs of a tree row (shared prompt, completions forking three
+* the models, fp64: trained-token log-probs of a tree row (shared prompt, completions forking three
   levels deep, a segment longer than one 64-token chunk) and of a flat row equal each sample
-  forwarded alone, and so do the gradients of every parameter; changing one sibling's tokens
-  leaves the other sibling's log-probs where they were; the stock transformers functions fail
-  the same comparison (so it can fail);
+  forwarded alone, and so do the gradients of every parameter. "Alone" is transformers' own layer
+  code with the delta rule run token by token in fp64 (transformers' function computes in fp32
+  whatever the model's dtype, which would cap the comparison at fp32 rounding);
+* fp32 against transformers' unmodified path: equal up to fp32 rounding (~2e-5 in log-prob);
+* changing one sibling's tokens leaves the other sibling's log-probs where they were; the stock
+  transformers functions fail the comparison (so it can fail);
 * the architecture check accepts these hybrids and names what it refuses.
 
 Run: ``.venv/bin/python -m pytest tests/test_gated_delta.py -s`` (``-s`` prints the measured errors).
@@ -269,6 +273,37 @@ def test_fp32_against_stock_transformers(kind):
               f"max relative grad diff {grad_rel:.1e} ({where})")
         assert logprob_diff <= 1e-4
         assert grad_rel <= 1e-3
+
+
+def other_family(kind: str) -> torch.nn.Module:
+    from transformers import OlmoHybridConfig, OlmoHybridForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    torch.manual_seed(1)
+    if kind == "qwen3_5_moe":
+        return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(
+            **COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+            experts_implementation="eager"))
+    return OlmoHybridForCausalLM(OlmoHybridConfig(**COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=1))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "olmo_hybrid"])
+def test_other_gdn_families(kind):
+    """The same patches reach Qwen3.5-MoE's and OLMo hybrid's GDN layers. fp64: in fp32 a near-tie in
+    MoE routing flips with rounding (the stock fp32 Qwen3.5-MoE alone is 8e-5 off its fp64 self)."""
+    model = other_family(kind)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.12)
+    model = model.double().eval()
+    alone = copy.deepcopy(model)
+    alone.set_attn_implementation("sdpa")
+    ta.enable_tree_attention(model, backend="reference", linear_backend="reference")
+    assert len(hybrid.gated_delta_layers(model)) == 3
+    logprob_diff, grad_rel, where = compare(model, alone, forked_samples(), flat=False, oracle=True)
+    print(f"\nfp64 {kind} tree: max |logprob diff| {logprob_diff:.1e}, max relative grad diff {grad_rel:.1e} ({where})")
+    assert logprob_diff <= 1e-5
+    assert grad_rel <= 1e-4
 
 
 @pytest.mark.parametrize("kind", list(MODELS))

@@ -22,6 +22,9 @@ Use::
     enable_tree_attention(model)                      # checks the architecture, registers, switches
     out = model(**row.model_inputs(), logits_to_keep=row.logit_index)
 
+Gated DeltaNet layers of hybrids (Qwen3.5/3.6, Qwen3-Next) get trie-aware replacements of their
+token-mixing functions from ``grpo_core.models.hybrid`` (``enable_tree_attention`` installs them).
+
 Transformers (5.x) passes extra keyword arguments of ``model(...)`` down to the attention function,
 so ``tree_attention=<TreeAttentionMetadata>`` reaches every layer; stock Qwen3 and Llama code runs
 unchanged. The attention implementation is not in transformers' mask registry, so no ``[U, U]``
