@@ -227,3 +227,49 @@ def test_the_gloo_engine_sends_sharded_weights_in_buckets_exactly(two_rank_repor
 def test_the_rendezvous_is_offered_where_the_server_can_dial_it(two_rank_report):
     assert two_rank_report["init_address"] == "127.0.0.1"  # lo's address, the route to 127.0.0.2
     assert two_rank_report["init_port_in_range"]
+
+
+def test_the_double_buffer_arena_holds_any_two_consecutive_buckets():
+    from grpo_core.sync.bucket_stream import arena_bytes
+
+    plan = plan_buckets(_meta([(300,), (10,), (100,), (120,)]), 150)  # buckets of 600, 220, 240 bytes
+    assert [b.nbytes for b in plan] == [600, 220, 240]
+    # Not 2 × 600: the lone large tensor shares the arena with the smaller bucket beside it.
+    assert arena_bytes(plan) == 820
+    assert arena_bytes(plan[:1]) == 600
+
+
+def test_the_nccl_sender_puts_vllms_own_packed_chunks_on_the_wire():
+    """Byte for byte what vLLM's packer makes of the same weights, with the update info and calls of
+    vLLM's protocol (the communicator is a recorder: NCCL needs GPUs)."""
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+
+    from grpo_core.sync.nccl_trainer import BucketedNCCLTrainerEngine
+    from grpo_core.sync.source import ModelWeightSource
+
+    torch.manual_seed(0)
+    model = _Odd()
+    source = ModelWeightSource(model, wire_dtype=torch.bfloat16)
+    calls: list[tuple[str, object]] = []
+    client = SimpleNamespace(
+        start_weight_update=lambda: calls.append(("start", None)),
+        update_weights=lambda info: calls.append(("update", info)),
+        finish_weight_update=lambda version=None: calls.append(("finish", version)),
+    )
+    wire: list[torch.Tensor] = []
+    engine = BucketedNCCLTrainerEngine(client=client, source=source, bucket_bytes=40)
+    engine.comm = SimpleNamespace(broadcast=lambda t, src, stream=None: wire.append(t.clone()))
+    engine.next_weight_version = "3"
+    engine.send_weights()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected, tensors = [], iter(source)
+        while (chunk := pack_tensors(tensors, lambda item: item[1], 40)) is not None:
+            expected.append(chunk.packed_tensor)
+    assert len(wire) == len(expected) > 2
+    assert all(torch.equal(a, b) for a, b in zip(wire, expected))
+    assert [c for c, _ in calls] == ["start", "update", "finish"] and calls[-1][1] == "3"
+    info = NCCLWeightTransferUpdateInfo(**calls[1][1])
+    assert info.names == [m.name for m in source.metadata()] and set(info.dtype_names) == {"bfloat16"}

@@ -3,11 +3,15 @@
 ``send_buckets`` walks a bucket plan (``buckets.plan_buckets``) over the trainer's tensors: for each
 bucket it fills a flat wire buffer (``flat_gather.BucketGather``: cast, FSDP2 all-gather, unpack) and
 hands it to ``send``. On CUDA the two halves run on two streams: gathering on the caller's current
-stream, sending on a side stream, so bucket k+1's gather overlaps bucket k's broadcast. ``num_buffers``
-wire buffers (2: double buffering) rotate; a buffer is refilled only after the event recorded behind
-its last send has passed, so the extra device memory of a sync is ``num_buffers`` × the largest
-bucket plus the gather scratch, whatever the model's size. The host never waits inside the loop:
-every dependency is a device-side event, so the CPU enqueues all buckets while the GPUs work.
+stream, sending on a side stream, so bucket k+1's gather overlaps bucket k's broadcast.
+
+Double buffering in one arena: even buckets fill it from the front, odd buckets from the back, and
+it is as large as the largest sum of two consecutive buckets, so two buckets in flight never
+overlap, and a bucket's space is refilled only after the event recorded behind the send two buckets
+earlier has passed. The sync's extra device memory is that arena plus the gather scratch, at most
+twice the largest bucket whatever the model's size (a lone large tensor, such as a 0.6 GB
+embedding, does not double the arena as two equal buffers would). The host never waits inside the
+loop: every dependency is a device-side event, so the CPU enqueues all buckets while the GPUs work.
 
 On the CPU (gloo) the same loop runs serially. ``send`` is called on the sending rank only (the rank
 that passes it); every other rank runs the same loop with ``send=None`` to take part in the gathers.
@@ -36,7 +40,7 @@ class TransferStats:
     bytes: int
     largest_bucket_bytes: int
     buffer_bytes: int
-    """Wire buffers held at once (``num_buffers`` × the largest bucket; 0 off the sending rank)."""
+    """Wire buffer arena (≤ 2 × the largest bucket; 0 off the sending rank)."""
     scratch_bytes: int
     """Largest FSDP2 gather scratch (packed local shards + gathered copy; 0 with one rank)."""
     collectives: int
@@ -83,41 +87,44 @@ def send_buckets(
     tensors: Iterator[tuple[str, torch.Tensor]],
     send: Send | None,
     device: torch.device,
-    num_buffers: int = 2,
 ) -> TransferStats:
     """Gather every bucket of ``plan`` from ``tensors`` and ``send`` it (or only gather, ``send=None``).
 
     Returns once everything is enqueued; on CUDA the caller's stream then waits for the last send,
     so anything the caller runs next (an optimizer step, freeing memory) is ordered after the sync.
     """
-    if num_buffers < 1:
-        raise ValueError(f"num_buffers={num_buffers}: must be at least 1")
     gather = BucketGather()
-    largest = largest_bucket_bytes(plan)
     if device.type == "cuda":
-        buffer_count = _send_overlapped(plan, tensors, gather, send, device, num_buffers, largest)
+        buffer_bytes = _send_overlapped(plan, tensors, gather, send, device)
     else:
-        buffer_count = _send_serial(plan, tensors, gather, send, device, largest)
+        buffer_bytes = _send_serial(plan, tensors, gather, send, device)
     if next(tensors, None) is not None:
         raise RuntimeError("the weight source yielded more tensors than metadata() declared")
     return TransferStats(
         buckets=len(plan),
         bytes=sum(b.nbytes for b in plan),
-        largest_bucket_bytes=largest,
-        buffer_bytes=buffer_count * largest if send is not None else 0,
+        largest_bucket_bytes=largest_bucket_bytes(plan),
+        buffer_bytes=buffer_bytes,
         scratch_bytes=gather.scratch_bytes,
         collectives=gather.collectives,
     )
 
 
-def _send_serial(plan, tensors, gather: BucketGather, send: Send | None, device: torch.device, largest: int) -> int:
+def arena_bytes(plan: Sequence[Bucket]) -> int:
+    """The double-buffer arena for ``plan``: the largest sum of two consecutive buckets."""
+    sizes = [b.nbytes for b in plan]
+    return max((a + b for a, b in zip(sizes, sizes[1:])), default=sum(sizes))
+
+
+def _send_serial(plan, tensors, gather: BucketGather, send: Send | None, device: torch.device) -> int:
+    largest = largest_bucket_bytes(plan)
     buffer = torch.empty(largest, dtype=torch.uint8, device=device) if send is not None else None
     for bucket in plan:
         out = buffer[: bucket.nbytes] if buffer is not None else None
         gather.fill(bucket, take_bucket(tensors, bucket), out)
         if send is not None:
             send(out)
-    return 1
+    return largest if send is not None else 0
 
 
 _SEND_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -132,22 +139,21 @@ def _send_stream(device: torch.device) -> torch.cuda.Stream:
     return _SEND_STREAMS[index]
 
 
-def _send_overlapped(plan, tensors, gather: BucketGather, send: Send | None, device: torch.device,
-                     num_buffers: int, largest: int) -> int:
+def _send_overlapped(plan, tensors, gather: BucketGather, send: Send | None, device: torch.device) -> int:
     gather_stream = torch.cuda.current_stream(device)
     if send is None:
         for bucket in plan:
             gather.fill(bucket, take_bucket(tensors, bucket), None)
         return 0
     send_stream = _send_stream(device)
-    count = min(num_buffers, len(plan))
-    buffers = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(count)]
-    sent: list[torch.cuda.Event | None] = [None] * count
+    size = arena_bytes(plan)
+    arena = torch.empty(size, dtype=torch.uint8, device=device)
+    sent: list[torch.cuda.Event | None] = [None, None]  # behind the last send from the front / back
     for k, bucket in enumerate(plan):
-        slot = k % count
-        if sent[slot] is not None:
-            gather_stream.wait_event(sent[slot])  # the buffer's previous bucket has left
-        out = buffers[slot][: bucket.nbytes]
+        end = k % 2
+        if sent[end] is not None:
+            gather_stream.wait_event(sent[end])  # bucket k-2 has left this end of the arena
+        out = arena[: bucket.nbytes] if end == 0 else arena[size - bucket.nbytes :]
         gather.fill(bucket, take_bucket(tensors, bucket), out)
         filled = torch.cuda.Event()
         filled.record(gather_stream)
@@ -156,8 +162,8 @@ def _send_overlapped(plan, tensors, gather: BucketGather, send: Send | None, dev
             send(out)
         done = torch.cuda.Event()
         done.record(send_stream)
-        sent[slot] = done
-    # The buffers are freed when this returns: the gather stream (where the allocator reuses them)
-    # must not run ahead of the sends still reading them.
+        sent[end] = done
+    # The arena is freed when this returns: the gather stream (where the allocator reuses it) must
+    # not run ahead of the sends still reading it.
     gather_stream.wait_stream(send_stream)
-    return count
+    return size

@@ -56,11 +56,27 @@ def copy_into(out: torch.Tensor, slot: Slot, tensor: torch.Tensor) -> None:
 
 
 class BucketGather:
-    """Gathers buckets into wire buffers; remembers the largest scratch it needed (``scratch_bytes``)."""
+    """Gathers buckets into wire buffers; one per sync (its gather scratch lives as long as it does)."""
 
     def __init__(self) -> None:
-        self.scratch_bytes = 0
         self.collectives = 0
+        # Reused by every bucket: a fresh pair per bucket would pile up, since the host runs ahead
+        # of the device and the allocator cannot recycle memory an enqueued collective still owns.
+        # Reuse is safe in stream order: a bucket's packing waits behind the last one's unpacking.
+        self._local: torch.Tensor | None = None
+        self._gathered: torch.Tensor | None = None
+
+    @property
+    def scratch_bytes(self) -> int:
+        return sum(t.numel() for t in (self._local, self._gathered) if t is not None)
+
+    def _scratch(self, size: int, world: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if (self._local is None or self._local.numel() < size or self._gathered.numel() < world * size
+                or self._local.device != device):
+            self._local = self._gathered = None  # free the smaller pair before taking the larger
+            self._local = torch.empty(size, dtype=torch.uint8, device=device)
+            self._gathered = torch.empty(world * size, dtype=torch.uint8, device=device)
+        return self._local[:size], self._gathered[: world * size]
 
     def fill(self, bucket: Bucket, tensors: Sequence[torch.Tensor], out: torch.Tensor | None) -> None:
         """Write every tensor of ``bucket`` into ``out`` (uint8, ``bucket.nbytes``), or only take part."""
@@ -94,10 +110,7 @@ class BucketGather:
             layout.append((slot, row_numel, chunk_rows, size))
             size += chunk_rows * row_numel * slot.dtype.itemsize
         size = _align(size)
-        device = items[0][1].device
-        local = torch.empty(size, dtype=torch.uint8, device=device)
-        gathered = torch.empty(world * size, dtype=torch.uint8, device=device)
-        self.scratch_bytes = max(self.scratch_bytes, (world + 1) * size)
+        local, gathered = self._scratch(size, world, items[0][1].device)
         for (slot, row_numel, chunk_rows, offset), (_, tensor) in zip(layout, items):
             shard = tensor.to_local()
             held = _rows_held(slot.shape[0], chunk_rows, rank)

@@ -5,13 +5,14 @@ parameter on FSDP2), then concatenates them into packed chunks. This engine keep
 and changes only how the bytes are produced:
 
 * wire format, unchanged: the init handshake carries ``packed=True``, ``packed_buffer_size_bytes``
-  (the bucket threshold) and ``packed_num_buffers``; each sync's ``/update_weights`` carries
+  (the bucket threshold) and ``packed_num_buffers`` (the receiver's own buffering); each sync's ``/update_weights`` carries
   ``{names, dtype_names, shapes}``; then one NCCL broadcast per bucket, cut as vLLM's packed receiver
   cuts (``buckets.plan_buckets``). An unmodified vLLM GPU server receives it with its own
   ``NCCLWeightTransferEngine``;
 * production: each bucket is gathered with one collective across FSDP2 ranks, cast to the wire dtype
   on the GPU, and broadcast from a side stream while the next bucket is gathered
-  (``bucket_stream.send_buckets``); nothing passes through host memory.
+  (``bucket_stream.send_buckets``, driven by ``packed_send.send_packed``); nothing passes through
+  host memory.
 
 The communicator is vLLM's (``PyNcclCommunicator`` over a ``StatelessProcessGroup`` rendezvous),
 the same object the server's workers build, opened by trainer rank 0 only; the other trainer ranks
@@ -23,14 +24,13 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Self
 
-import torch
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
 from vllm.distributed.weight_transfer.nccl_common import trainer_init as open_trainer_endpoint
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-from grpo_core.sync.bucket_stream import TransferStats, local_tensors, send_buckets, source_device
-from grpo_core.sync.buckets import plan_buckets, update_info
+from grpo_core.sync.bucket_stream import TransferStats
+from grpo_core.sync.packed_send import send_packed
 
 
 class BucketedNCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):
@@ -45,11 +45,9 @@ class BucketedNCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]
         source: WeightSource,
         is_sender: bool = True,
         bucket_bytes: int,
-        num_buffers: int,
     ):
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.bucket_bytes = bucket_bytes
-        self.num_buffers = num_buffers
         self.comm: Any = None
         self.next_weight_version: str | None = None
         self.last_stats: TransferStats | None = None
@@ -71,7 +69,6 @@ class BucketedNCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]
             source=source,
             is_sender=init_info.is_sender,
             bucket_bytes=init_info.packed_buffer_size_bytes,
-            num_buffers=init_info.packed_num_buffers,
         )
         if not engine.is_sender:
             return engine
@@ -90,38 +87,22 @@ class BucketedNCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]
             pending = pool.submit(client.init_weight_transfer_engine, worker_init_payload(worker_info))
             engine.comm = open_trainer_endpoint(init_info)
             pending.result()
+        if getattr(engine.comm, "disabled", False):
+            # vLLM's communicator turns itself off when it cannot load NCCL; its broadcasts would
+            # then return at once and send nothing.
+            raise RuntimeError("vLLM's PyNcclCommunicator is disabled in the trainer: it could not load NCCL "
+                               "(set VLLM_NCCL_SO_PATH to the libnccl.so.2 the server uses)")
         return engine
 
     def send_weights(self) -> None:
         assert self.source is not None
-        meta = self.source.metadata()
-        plan = plan_buckets(meta, self.bucket_bytes)
-        device = source_device(self.source)
-        if not self.is_sender:
-            self.last_stats = send_buckets(plan, local_tensors(self.source), None, device, self.num_buffers)
-            torch.cuda.current_stream(device).synchronize()
-            return
-        self.client.start_weight_update()
-        pool = ThreadPoolExecutor(max_workers=1)
-        try:
-            # /update_weights returns once the server has received every bucket: it runs beside
-            # the broadcasts, which rendezvous with the workers' receives inside NCCL.
-            pending = pool.submit(self.client.update_weights, update_info(meta))
-            comm = self.comm
-            self.last_stats = send_buckets(
-                plan,
-                local_tensors(self.source),
-                lambda buffer: comm.broadcast(buffer, src=0, stream=torch.cuda.current_stream(device)),
-                device,
-                self.num_buffers,
-            )
-            torch.cuda.current_stream(device).synchronize()
-            pending.result()
-        finally:
-            # Never join the request thread on failure: the server would still sit in a broadcast
-            # this rank will not make, and joining would turn the error into a hang.
-            pool.shutdown(wait=False)
-        self.client.finish_weight_update(self.next_weight_version)
+        self.last_stats = send_packed(
+            self.client if self.is_sender else None,
+            self.source,
+            self.comm if self.is_sender else None,
+            self.bucket_bytes,
+            self.next_weight_version,
+        )
 
     def shutdown(self) -> None:
         if self.comm is not None:

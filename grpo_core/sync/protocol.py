@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 
 def _trainer_engine(backend: str, control: Any, source: WeightSource, rank: int, address: str, port: int,
-                    world_size: int, bucket_bytes: int, num_buffers: int) -> Any:
+                    world_size: int, bucket_bytes: int) -> Any:
     """Rendezvous with the server (rank 0) and return the trainer-side engine for ``backend``."""
     if backend == GLOO_BACKEND:
         from grpo_core.sync.gloo_engine import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
@@ -43,7 +43,7 @@ def _trainer_engine(backend: str, control: Any, source: WeightSource, rank: int,
         from grpo_core.sync.nccl_trainer import BucketedNCCLTrainerEngine
 
         info = NCCLTrainerInitInfo(rank=rank, master_address=address, master_port=port, world_size=world_size,
-                                   packed=True, packed_buffer_size_bytes=bucket_bytes, packed_num_buffers=num_buffers)
+                                   packed=True, packed_buffer_size_bytes=bucket_bytes)
         return BucketedNCCLTrainerEngine.trainer_init(info, client=control, source=source)
     raise ValueError(f"weight_transfer_backend={backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (GPU)")
 
@@ -53,8 +53,8 @@ class ProtocolWeightSync(WeightSync):
 
     ``master_address``: where the server dials back (None: the local address routing to the server's
     URL). ``port_range``: ports the rendezvous may use, both ends included (None: any free port).
-    ``bucket_bytes`` and ``num_buffers``: the bucket threshold and, on NCCL, the wire buffers in
-    flight (the sender's extra GPU memory is about ``num_buffers`` × the largest bucket).
+    ``bucket_bytes``: the bucket threshold (a bucket closes after the tensor that passes it); the
+    sender's extra GPU memory is at most twice the largest bucket, plus the FSDP2 gather scratch.
     """
 
     def __init__(
@@ -67,7 +67,6 @@ class ProtocolWeightSync(WeightSync):
         port_range: PortRange | None = None,
         mode: str = "full",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        num_buffers: int = 2,
     ):
         register()  # the server's gloo engine is vLLM's plugin; the trainer side is built here
         if rank == 0 and control is None:
@@ -83,7 +82,7 @@ class ProtocolWeightSync(WeightSync):
             port = choose_port(self.master_address, port_range)
             world_size = 1 + self.control.world_size()
         self.engine = _trainer_engine(backend, self.control, source, rank, self.master_address, port, world_size,
-                                      bucket_bytes, num_buffers)
+                                      bucket_bytes)
         self.bytes_per_push = sum(m.dtype.itemsize * _numel(m.shape) for m in source.metadata())
 
     @property
