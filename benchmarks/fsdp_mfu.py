@@ -44,7 +44,7 @@ from grpo_core.config import AsyncGRPOConfig  # noqa: E402
 from grpo_core.loss import LossConfig, LossInputs, grpo_loss, token_logprobs  # noqa: E402
 from grpo_core.models import tree_attention as ta  # noqa: E402
 from grpo_core.models.fsdp import FSDPSettings, iter_full_layers, shard_policy  # noqa: E402
-from grpo_core.models.loading import DistInfo  # noqa: E402
+from grpo_core.distributed import DistInfo  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
 from grpo_core.perf import ModelFlops, device_peak_flops, synchronize  # noqa: E402
 from grpo_core.rollout.types import RolloutSample  # noqa: E402

@@ -33,7 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
-from types import SimpleNamespace
+import dataclasses
 
 import httpx
 import torch
@@ -41,10 +41,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from grpo_core.config import AsyncGRPOConfig  # noqa: E402
-from grpo_core.models.loading import DistInfo, load_policy  # noqa: E402
+from grpo_core.distributed import DistInfo  # noqa: E402
+from grpo_core.models.loading import load_policy  # noqa: E402
 from grpo_core.models.lora import adapter_state, apply_lora  # noqa: E402
 from grpo_core.rollout.client import VLLMControlClient  # noqa: E402
-from grpo_core.sync.factory import make_weight_sync  # noqa: E402
+from grpo_core.sync.factory import SyncSetup, make_weight_sync  # noqa: E402
 
 SEVEN_B = dict(  # Qwen2.5-7B config.json
     architectures=["Qwen2ForCausalLM"], hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
@@ -71,9 +72,10 @@ def time_syncs(url: str, model_path: str, mode: str, rank: int, repeats: int, ou
     model, _ = load_policy(model_path, torch.device("cpu"))
     model = apply_lora(model, lora_config(rank)).eval()
     args = AsyncGRPOConfig(output_dir=out_dir, vllm_server_base_url=url, report_to="none", lora_sync_mode=mode, max_staleness=1)
-    trainer = SimpleNamespace(args=args, model=model, dist=DistInfo(), model_path=model_path, peft_config=lora_config(rank))
+    setup = SyncSetup(config=args, model=model, rank=DistInfo().rank, backend="gloo", wire_dtype=None,
+                      model_path=model_path, peft_config=lora_config(rank))
     control = VLLMControlClient(url)
-    sync = make_weight_sync(trainer, control)
+    sync = make_weight_sync(setup, control)
     try:
         randomize_adapter(model, 0)
         first = sync.push(0)  # adapter mode: base weights + adapter; merged: a normal push
@@ -149,13 +151,14 @@ def compare_generation(url: str, model_path: str, rank: int, rounds: int, concur
     randomize_adapter(model, 0)
     control = VLLMControlClient(url)
     args = AsyncGRPOConfig(output_dir=out_dir, vllm_server_base_url=url, report_to="none", lora_sync_mode="adapter", max_staleness=1)
-    trainer = SimpleNamespace(args=args, model=model, dist=DistInfo(), model_path=model_path, peft_config=lora_config(rank))
-    adapter_sync = make_weight_sync(trainer, control)
+    setup = SyncSetup(config=args, model=model, rank=DistInfo().rank, backend="gloo", wire_dtype=None,
+                      model_path=model_path, peft_config=lora_config(rank))
+    adapter_sync = make_weight_sync(setup, control)
     try:
         adapter_sync.push(0)
         name = adapter_sync.served_model_name(0)
         # The same policy as merged weights on the base name.
-        merged_sync = make_weight_sync(SimpleNamespace(**{**vars(trainer), "args": AsyncGRPOConfig(**{**args.to_dict(), "lora_sync_mode": "merged"})}), control)
+        merged_sync = make_weight_sync(dataclasses.replace(setup, config=args.replace(lora_sync_mode="merged")), control)
         merged_sync.push(1)
         merged_sync.close()
         throughput(url, None, concurrency, 8, seed=999)  # warm-up both paths

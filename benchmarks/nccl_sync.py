@@ -16,12 +16,14 @@ perturbed before every sync, so each sync carries new values):
   with one tensor per bucket (one gather and one broadcast per parameter); ``vllm_engine:MB`` vLLM's
   own trainer engine (``full_tensor()`` per parameter, packed) on the same communicator; ``push:MB``
   a whole ``ProtocolWeightSync.push`` (pause, sync, resume);
-* ``sync_s``: gather + send + receive + apply, from the start of the sync to the server's answer to
-  ``/finish_weight_update`` (every HTTP round trip of the protocol included); ``recv_done_s``: to
-  the moment the receiver had applied the last tensor (its clock, the same host's monotonic clock);
+* ``transfer_s``: gather + send + receive + apply, from the moment the trainer sends
+  ``/update_weights`` to the moment the receiver has applied the last tensor (its clock: the same
+  host's monotonic clock); ``sync_s``: the engine's whole ``send_weights`` (``/start_weight_update``
+  to the answer of ``/finish_weight_update``, every HTTP round trip of the protocol included);
+  ``host_s``: the trainer's host time to enqueue all gathers and sends;
 * bytes, the NCCL broadcast bandwidth between the trainer's GPU 0 and the receiver's GPU measured
   in the same run (a plain broadcast of a buffer as large as the model's wire bytes), the ideal time
-  bytes / bandwidth and the ratio sync_s / ideal; the peak extra GPU memory of the sync on rank 0
+  bytes / bandwidth and the ratio transfer_s / ideal; the peak extra GPU memory of the sync on rank 0
   (measured, and the sender's own plan);
 * after every sync, off the clock: every tensor the receiver holds equals the trainer's full weights
   cast to bf16, exactly (the receiver broadcasts each one back and rank 0 compares).
@@ -57,13 +59,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from grpo_core.sync.address import choose_port, parse_port_range, rendezvous_address  # noqa: E402
 from grpo_core.sync.bucket_stream import TransferStats  # noqa: E402
 from grpo_core.sync.packed_send import send_packed  # noqa: E402
-from nccl_sync_receiver import TorchNcclComm, build_model, current_stream, synchronize, use_cuda_platform  # noqa: E402
+from nccl_sync_receiver import (  # noqa: E402
+    TorchNcclComm,
+    allow_nccl_without_suspend,
+    build_model,
+    current_stream,
+    synchronize,
+    use_cuda_platform,
+)
 
 MB = 2**20
 
 
-def probe_vllm() -> str | None:
-    """None when vLLM's NCCL transfer classes import here and its NCCL wrapper loads NCCL, else why not."""
+def probe_vllm(shim: dict) -> str | None:
+    """None when vLLM's NCCL transfer classes import here and its NCCL wrapper loads NCCL, else why not.
+    ``shim`` receives what had to be adjusted for that (``allow_nccl_without_suspend``)."""
     try:
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator  # noqa: F401
         from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
@@ -75,8 +85,13 @@ def probe_vllm() -> str | None:
     if torch.cuda.is_available():
         try:
             use_cuda_platform()
-            # PyNcclCommunicator silently disables itself when this fails (its broadcasts do nothing).
-            NCCLLibrary()
+            try:
+                NCCLLibrary()
+            except AttributeError as exc:
+                shim["first_error"] = f"{type(exc).__name__}: {exc}"
+                shim["nccl_symbols_dropped"] = allow_nccl_without_suspend()
+                # PyNcclCommunicator silently disables itself when this fails (its broadcasts do nothing).
+                NCCLLibrary()
         except Exception as exc:  # noqa: BLE001
             return f"vLLM's NCCL wrapper: {type(exc).__name__}: {exc}"
     return None
@@ -123,6 +138,20 @@ class TorchSender:
 
     def send_weights(self) -> None:
         self.last_stats = send_packed(self.control, self.source, self.comm, self.bucket_bytes)
+
+
+class TimedClient:
+    """The control client, noting when ``/update_weights`` is sent (the transfer's start)."""
+
+    def __init__(self, client: Any):
+        self.client, self.update_sent = client, 0.0
+
+    def update_weights(self, update_info: Any) -> None:
+        self.update_sent = time.perf_counter()
+        self.client.update_weights(update_info)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
 
 
 class _in_thread(threading.Thread):
@@ -199,7 +228,7 @@ def run_trainer(args) -> None:
     model = build_model(args.model, device, torch.float32, seed=0)
     # fp32 master weights, bf16 compute, as the trainer runs on GPUs (the CPU smoke test: fp32 only)
     shard_policy(model, FSDPSettings(bf16=not args.smoke), device)
-    control = VLLMControlClient(args.receiver_url) if rank == 0 else None
+    control = TimedClient(VLLMControlClient(args.receiver_url)) if rank == 0 else None
     url = args.receiver_url if rank == 0 else None
     port_range = parse_port_range(args.port_range)
     default_bytes = int(args.default_bucket_mb * MB)
@@ -208,6 +237,7 @@ def run_trainer(args) -> None:
         from grpo_core.sync.source import ModelWeightSource
 
         use_cuda_platform()
+        allow_nccl_without_suspend()
         source: Any = ModelWeightSource(model, wire_dtype=torch.bfloat16)
         sync = ProtocolWeightSync(control, source, backend="nccl", rank=rank, port_range=port_range,
                                   bucket_bytes=default_bytes)
@@ -249,10 +279,12 @@ def run_trainer(args) -> None:
             if rank == 0:
                 timing = httpx.get(f"{url}/harness/timing", timeout=60).json()
                 row["recv_done_s"] = timing["update_end"] - start
+                # gather + send + receive + apply, from the moment /update_weights is sent
+                row["transfer_s"] = timing["update_end"] - control.update_sent
                 row["arrived"], row["expected"] = timing["arrived"], timing["expected"]
             if stats is not None:
                 row.update(buckets=stats.buckets, bytes=stats.bytes, planned_extra_bytes=stats.extra_bytes,
-                           collectives=stats.collectives)
+                           collectives=stats.collectives, host_s=stats.host_s)
             dist.barrier()
             row["equal"], row["verified_tensors"] = verify(source, comm, url)
             if rep >= args.warmup:
@@ -298,6 +330,7 @@ def _variant_runner(kind: str, bucket: int, sender: Any, sync: Any, control: Any
 def _summarise(rows: list[dict], report: dict) -> dict:
     med = lambda key: statistics.median(r[key] for r in rows) if rows and key in rows[0] else None  # noqa: E731
     out = {"runs": rows, "sync_s": med("sync_s"), "recv_done_s": med("recv_done_s"),
+           "transfer_s": med("transfer_s"), "host_s": med("host_s"),
            "peak_extra_bytes": max(r["peak_extra_bytes"] for r in rows),
            "planned_extra_bytes": rows[0].get("planned_extra_bytes"), "buckets": rows[0].get("buckets"),
            "collectives": rows[0].get("collectives"),
@@ -306,7 +339,7 @@ def _summarise(rows: list[dict], report: dict) -> dict:
     bw = report.get("bandwidth", {}).get("bytes_per_s")
     if bw:
         ideal = report["wire_bytes"] / bw
-        out.update(ideal_s=ideal, ratio=out["sync_s"] / ideal, ratio_recv_done=out["recv_done_s"] / ideal)
+        out.update(ideal_s=ideal, ratio=out["transfer_s"] / ideal, ratio_sync=out["sync_s"] / ideal)
     return out
 
 
@@ -319,7 +352,8 @@ def _numel(shape) -> int:
 
 # ------------------------------------------------------------------------------------------ launcher
 def launch(args) -> None:
-    why_not = probe_vllm()
+    shim: dict[str, Any] = {}
+    why_not = probe_vllm(shim)
     transport = args.transport if args.transport != "auto" else ("vllm" if why_not is None else "torch")
     if args.smoke:
         transport, args.model = "torch", "tiny"
@@ -331,7 +365,8 @@ def launch(args) -> None:
         "env": {"torch": torch.__version__, "python": platform.python_version(), "gpus": gpus,
                 "device": torch.cuda.get_device_name(0) if gpus else "cpu",
                 "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None},
-        "transport": transport, "vllm_import_error": why_not, "command": " ".join(sys.argv), "runs": {}}
+        "transport": transport, "vllm_unusable": why_not, "vllm_shim": shim, "command": " ".join(sys.argv),
+        "runs": {}}
     here = os.path.dirname(os.path.abspath(__file__))
     for n in (int(x) for x in args.trainer_ranks.split(",")):
         receiver_gpu = gpus - 1 if not args.smoke else -1
@@ -389,18 +424,21 @@ def _passthrough(args) -> list[str]:
 
 
 def print_table(combined: dict) -> None:
-    print(f"\ntransport {combined['transport']}; sync = gather + send + receive + apply, median; ideal = bytes / bandwidth")
-    print(f"{'ranks':>5} {'variant':>18} {'GB':>6} {'GB/s bw':>8} {'ideal ms':>8} {'sync ms':>8} {'recv ms':>8} "
-          f"{'ratio':>6} {'buckets':>7} {'peak MiB':>8} {'plan MiB':>8} {'equal':>5}")
+    print(f"\ntransport {combined['transport']}; medians. transfer = /update_weights sent -> last tensor applied "
+          "(gather + send + receive + apply); sync = start_weight_update .. finish_weight_update answered; "
+          "ideal = bytes / broadcast bandwidth; ratio = transfer / ideal")
+    print(f"{'ranks':>5} {'variant':>18} {'GB':>6} {'GB/s bw':>8} {'ideal ms':>8} {'xfer ms':>8} {'sync ms':>8} "
+          f"{'ratio':>6} {'host ms':>7} {'buckets':>7} {'peak MiB':>8} {'plan MiB':>8} {'equal':>5}")
     for name, run in combined["runs"].items():
         if "error" in run:
             print(f"{name}: {run['error']}")
             continue
         bw = run["bandwidth"]["bytes_per_s"]
         for variant, v in run["variants"].items():
+            host = f"{1e3 * v['host_s']:7.1f}" if v.get("host_s") is not None else f"{'-':>7}"
             print(f"{run['world_size']:>5} {variant:>18} {run['wire_bytes'] / 1e9:6.2f} {bw / 1e9:8.1f} "
-                  f"{1e3 * v['ideal_s']:8.2f} {1e3 * v['sync_s']:8.2f} {1e3 * v['recv_done_s']:8.2f} {v['ratio']:6.2f} "
-                  f"{v['buckets'] or '-':>7} {v['peak_extra_bytes'] / MB:8.0f} "
+                  f"{1e3 * v['ideal_s']:8.2f} {1e3 * v['transfer_s']:8.2f} {1e3 * v['sync_s']:8.2f} {v['ratio']:6.2f} "
+                  f"{host} {v['buckets'] or '-':>7} {v['peak_extra_bytes'] / MB:8.0f} "
                   f"{(v['planned_extra_bytes'] or 0) / MB:8.0f} {str(v['all_equal']):>5}")
 
 

@@ -13,6 +13,9 @@ HTTP routes a vLLM server in dev mode answers for a weight sync (``/get_world_si
 * transport ``torch``: the same packed format received over a ``torch.distributed`` NCCL group
   (``TorchNcclComm``, ``TorchPackedReceiver``), for machines where vLLM cannot be imported.
 
+vLLM 0.32's NCCL wrapper also insists on two symbols of NCCL ≥ 2.29.7 that the transfer never
+calls (``allow_nccl_without_suspend``); torch 2.11 ships NCCL 2.28.9.
+
 Harness-only routes under ``/harness/``: set the packing threshold, receive broadcasts for the
 bandwidth measurement, send every weight back for verification, report timings, stop.
 
@@ -93,6 +96,26 @@ def current_stream(device: torch.device) -> Any:
     return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
 
+def allow_nccl_without_suspend() -> list[str]:
+    """Let vLLM 0.32's NCCL wrapper load an NCCL older than 2.29.7; returns the symbols dropped.
+
+    The wrapper binds ``ncclCommSuspend`` and ``ncclCommResume`` eagerly and refuses a library
+    without them, although ``PyNcclCommunicator`` checks ``has_symbol`` before it uses either (to
+    suspend a communicator's memory, which no weight transfer does). Those two, and only when the
+    loaded library lacks them, are taken off its table; any other missing symbol still fails.
+    """
+    import ctypes
+
+    from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
+    from vllm.utils.nccl import find_nccl_library
+
+    library = ctypes.CDLL(find_nccl_library())
+    dropped = [f.name for f in NCCLLibrary.exported_functions
+               if f.name in ("ncclCommSuspend", "ncclCommResume") and not hasattr(library, f.name)]
+    NCCLLibrary.exported_functions = [f for f in NCCLLibrary.exported_functions if f.name not in dropped]
+    return dropped
+
+
 class TorchNcclComm:
     """An NCCL group outside the default process group, from ``torch.distributed`` alone (gloo on the
     CPU, for ``--smoke``); offers the ``broadcast(tensor, src, stream)`` of vLLM's ``PyNcclCommunicator``."""
@@ -169,6 +192,7 @@ class Receiver:
             from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
             use_cuda_platform()
+            allow_nccl_without_suspend()
             config = SimpleNamespace(model_config=None,
                                      parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=0))
             self.engine: Any = NCCLWeightTransferEngine(None, config, device, self.applier)

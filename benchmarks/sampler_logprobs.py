@@ -48,7 +48,7 @@ from grpo_core.collector import StepBatch  # noqa: E402
 from grpo_core.config import AsyncGRPOConfig  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
 from grpo_core.rewards import accuracy_reward  # noqa: E402
-from grpo_core.rollout.loop import AsyncRolloutLoop  # noqa: E402
+from grpo_core.rollout.stages import AsyncRolloutLoop  # noqa: E402
 from grpo_core.rollout.scheduler import END_OF_DATA, RolloutScheduler  # noqa: E402
 from grpo_core.rollout.types import GroupReport, RolloutSample  # noqa: E402
 

@@ -7,13 +7,13 @@
 ``prefect deploy`` refuses a deployment whose work pool does not exist, and a pool's base job
 template is what makes the flow pod (Kubernetes) or process (local) look the way the flow expects.
 So each pool a selected deployment names is created, or has its template updated, from
-``infra/work-pools/`` before the deployments are registered. Registration itself is Prefect's own
-``prefect deploy``, so ``prefect.yaml`` means exactly what Prefect's documentation says it means.
+``infra/work-pools/`` before the deployments are registered, with Prefect's own
+``prefect work-pool create --overwrite``. Registration itself is Prefect's own ``prefect deploy``, so
+``prefect.yaml`` means exactly what Prefect's documentation says it means.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -33,7 +33,6 @@ class PoolSpec:
     name: str
     type: str
     base_job_template: dict[str, Any]
-    description: str = ""
 
 
 def load_project(path: str | Path) -> dict[str, Any]:
@@ -65,40 +64,22 @@ def load_pool_specs(root: str | Path) -> dict[str, PoolSpec]:
     specs = {}
     for name, entry in index.items():
         template = json.loads((index_path.parent / entry["template"]).read_text())
-        specs[name] = PoolSpec(name, entry["type"], template, entry.get("description", ""))
+        specs[name] = PoolSpec(name, entry["type"], template)
     return specs
 
 
-async def ensure_work_pools(specs: list[PoolSpec]) -> list[str]:
-    """Create each pool, or update the template of one that exists; returns what was done per pool."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
-    from prefect.exceptions import ObjectNotFound
+def work_pool_command(spec: PoolSpec, template_path: Path) -> list[str]:
+    """``prefect work-pool create`` for ``spec``: creates the pool, or replaces the template of one that exists."""
+    return [sys.executable, "-m", "prefect", "--no-prompt", "work-pool", "create", spec.name, "--type", spec.type,
+            "--base-job-template", str(template_path), "--overwrite"]
 
-    done = []
-    async with get_client() as client:
-        for spec in specs:
-            try:
-                existing = await client.read_work_pool(spec.name)
-            except ObjectNotFound:
-                await client.create_work_pool(
-                    WorkPoolCreate(
-                        name=spec.name, type=spec.type, base_job_template=spec.base_job_template,
-                        description=spec.description,
-                    )
-                )
-                done.append(f"created work pool {spec.name} ({spec.type})")
-                continue
-            if existing.type != spec.type:
-                raise ValueError(
-                    f"work pool {spec.name!r} exists with type {existing.type!r}, but infra/ declares "
-                    f"{spec.type!r}; delete it (prefect work-pool delete {spec.name}) or rename it"
-                )
-            await client.update_work_pool(
-                spec.name, WorkPoolUpdate(base_job_template=spec.base_job_template, description=spec.description)
-            )
-            done.append(f"updated work pool {spec.name} ({spec.type})")
-    return done
+
+def ensure_work_pools(specs: list[PoolSpec], root: Path) -> None:
+    """Create or update each pool through Prefect's CLI (a pool of another type is refused by Prefect)."""
+    index = yaml.safe_load((root / POOLS_INDEX).read_text())
+    for spec in specs:
+        template = (root / POOLS_INDEX).parent / index[spec.name]["template"]
+        subprocess.run(work_pool_command(spec, template), cwd=root, check=True)
 
 
 def deploy_command(file: Path, names: list[str] | None) -> list[str]:
@@ -126,8 +107,7 @@ def deploy_all(file: str | Path = "prefect.yaml", names: list[str] | None = None
     unknown = [p for p in pool_names if p not in specs]
     if unknown:
         raise ValueError(f"work pools {unknown} have no template in {POOLS_INDEX}")
-    for line in asyncio.run(ensure_work_pools([specs[p] for p in pool_names])):
-        print(line)
+    ensure_work_pools([specs[p] for p in pool_names], root)
     short_names = [n.split("/")[-1] for n in names] if names else None
     subprocess.run(deploy_command(path, short_names), cwd=root, check=True)
     # Every deployment here runs the same flow; its name comes from the @flow decorator.

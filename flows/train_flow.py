@@ -141,7 +141,7 @@ def train_attempt(provisioner: Provisioner, launch: TrainingLaunch, pid_file: st
         if pid_file:
             Path(pid_file).write_text(str(pid))
 
-    with follow_log(launch.log_file, _logger()):
+    with follow_log(launch.log_file):
         return provisioner.run_training(launch, on_start=note_pid)
 
 
@@ -338,15 +338,34 @@ def summary_artifact(job: JobConfig, summary: dict[str, Any]) -> None:
         _logger().warning("could not create the summary artifact", exc_info=True)
 
 
+def _api_only_logger() -> tuple[logging.Logger, dict[str, Any]] | None:
+    """A logger that writes to the Prefect run's logs only (the console already shows the trainer's
+    own output), and the run's identifiers it must send along; None outside a run."""
+    from prefect.logging.handlers import APILogHandler
+
+    try:
+        extra = dict(get_run_logger().extra)
+    except Exception:  # noqa: BLE001 - outside a run context
+        return None
+    logger = logging.getLogger("grpo.train_log")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    if not any(isinstance(h, APILogHandler) for h in logger.handlers):
+        logger.addHandler(APILogHandler())
+    return logger, extra
+
+
 @contextlib.contextmanager
-def follow_log(path: str | None, logger: Any) -> Iterator[None]:
-    """Copy the lines a training process appends to ``path`` into ``logger`` (the flow run's logs) while
-    the block runs, so the Prefect UI shows training progress as it happens."""
+def follow_log(path: str | None) -> Iterator[None]:
+    """Copy the lines a training process appends to ``path`` into the flow run's logs while the block
+    runs, so the Prefect UI shows training progress as it happens."""
     import threading
 
-    if path is None:
+    target = _api_only_logger()
+    if path is None or target is None:
         yield
         return
+    logger, extra = target
     stop = threading.Event()
     # Lines an earlier attempt wrote to the same file were copied then.
     start = os.path.getsize(path) if os.path.exists(path) else 0
@@ -364,7 +383,7 @@ def follow_log(path: str | None, logger: Any) -> Iterator[None]:
             if newline:
                 position += len(complete) + 1
                 for line in complete.decode(errors="replace").splitlines():
-                    logger.info("[train] %s", line)
+                    logger.info("[train] %s", line, extra=extra)
             if done:
                 return
             stop.wait(1.0)

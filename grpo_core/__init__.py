@@ -13,7 +13,7 @@ __all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout",
 _LOCATIONS = {
     "AsyncGRPOConfig": "grpo_core.config",
     "AsyncGRPOTrainer": "grpo_core.trainer",
-    "AsyncRolloutLoop": "grpo_core.rollout.loop",
+    "AsyncRolloutLoop": "grpo_core.rollout.stages",
     "Rollout": "grpo_core.rollout.types",
     "RolloutGroup": "grpo_core.rollout.types",
     "RolloutSample": "grpo_core.rollout.types",
@@ -22,7 +22,7 @@ _LOCATIONS = {
 
 if TYPE_CHECKING:
     from grpo_core.config import AsyncGRPOConfig
-    from grpo_core.rollout.loop import AsyncRolloutLoop
+    from grpo_core.rollout.stages import AsyncRolloutLoop
     from grpo_core.rollout.types import Rollout, RolloutGroup, RolloutSample, TurnRecord
     from grpo_core.trainer import AsyncGRPOTrainer
 

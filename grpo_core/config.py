@@ -31,7 +31,7 @@ class ConfigError(ValueError):
 
 
 LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
-"""The values vLLM accepts for ``--max-lora-rank``."""
+"""The values vLLM accepts as the server's largest LoRA rank (``ServerOptions.max_lora_rank``)."""
 
 TRL_COMPATIBILITY_ONLY = frozenset({"ignore_data_skip"})
 """Fields accepted so that a TRL config reads the same, with the only value that behaves here."""
@@ -117,7 +117,7 @@ class AsyncGRPOConfig:
     num_generations: Annotated[int, Field(ge=2)] = 8
     """Rollouts per prompt (one group); the advantage baseline is the group's mean reward."""
     max_completion_length: Annotated[int, Field(ge=1)] = 2048
-    """Most tokens generated per rollout, summed over its turns (never past the server's ``--max-model-len``)."""
+    """Most tokens generated per rollout, summed over its turns (never past the server's context length)."""
     temperature: Annotated[float, Field(gt=0)] = 1.0
     """Sampling temperature; the trainer's log-probs use the same temperature."""
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
@@ -153,7 +153,7 @@ class AsyncGRPOConfig:
     only when every candidate has the same ratio, e.g. pure top-k truncation)."""
     num_sampler_logprobs: Annotated[int, Field(ge=0)] = 8
     """Top-N sampler log-probs requested per generated token (for score centering); 0 turns centering off.
-    The server's ``--max-logprobs`` must be at least N + 1."""
+    The server's log-prob cap (``ServerOptions``/``VLLMServerSpec.max_logprobs``) must be at least N + 1."""
     vllm_importance_sampling_clip_min: Annotated[float, Field(ge=0, lt=1)] = 0.5
     """Tokens whose trainer/sampler ratio falls below this are dropped from the loss (0.5: a factor of two in
     probability, beyond the drift of a few optimizer steps or bf16-vs-fp32 kernels)."""
@@ -177,6 +177,10 @@ class AsyncGRPOConfig:
     """Unique tokens per packed row (one row per rank per micro-batch); at least the longest prompt + completion."""
     packing: Literal["tree", "flat"] = "tree"
     """``tree`` (prefix-trie rows, shared tokens forwarded once) or ``flat`` (padding-free, no sharing)."""
+    gdn_backend: Literal["auto", "reference", "fla"] = "auto"
+    """Kernel of Gated DeltaNet layers (Qwen3.5/3.6, Qwen3-Next) in packed rows: ``fla`` (flash-linear-attention's
+    varlen kernels, CUDA), ``reference`` (PyTorch, any device), or ``auto``: fla where it imports and its forward and
+    backward match the reference on a probe tree, else the reference. Unused for attention-only models."""
 
     # ---- vLLM server and weight transfer -----------------------------------------------------------
     vllm_server_base_url: str = "http://localhost:8000"
@@ -186,8 +190,8 @@ class AsyncGRPOConfig:
     request_timeout: Annotated[float, Field(gt=0)] = 600.0
     """Timeout of one HTTP request to the server."""
     weight_transfer_backend: Literal["gloo", "nccl"] | None = None
-    """``nccl`` (GPU servers) or ``gloo`` (CPU servers, this package's vLLM plugin); must match the server's
-    ``--weight-transfer-config``. None: ``nccl`` when the trainer runs on CUDA, else ``gloo``."""
+    """``nccl`` (GPU servers) or ``gloo`` (CPU servers, this package's vLLM plugin); must match the server's weight-transfer
+    configuration (checked at start-up). None: ``nccl`` when the trainer runs on CUDA, else ``gloo``."""
     weight_transfer_address: str | None = None
     """Address the server connects back to for the weight-transfer rendezvous. None: this host's address on the
     interface that routes to the server's host (loopback for a local server)."""
@@ -196,8 +200,8 @@ class AsyncGRPOConfig:
     lora_sync_mode: Literal["auto", "merged", "adapter"] = "auto"
     """With ``peft_config`` only. ``merged``: every sync merges the adapter into the base weights and pushes
     them all over ``weight_transfer_backend``. ``adapter``: only the adapter is written under
-    ``<output_dir>/.vllm_lora/`` and loaded by name (needs ``--enable-lora`` and
-    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` on the server). ``auto``: ``adapter`` when the server offers both
+    ``<output_dir>/.vllm_lora/`` and loaded by name (needs a server started with
+    ``ServerOptions.enable_lora``, which turns on runtime LoRA loading). ``auto``: ``adapter`` when the server offers both
     at start-up, else ``merged``; picked once, never switched during the run."""
 
     # ---- checkpoints ----------------------------------------------------------------------------
@@ -252,13 +256,6 @@ class AsyncGRPOConfig:
         if self.bf16 is not None:
             return self.bf16
         return bf16_supported and not self.fp16
-
-    def port_range(self) -> tuple[int, int] | None:
-        """``weight_transfer_port_range`` as ``(low, high)``."""
-        if self.weight_transfer_port_range is None:
-            return None
-        low, high = self.weight_transfer_port_range.split("-")
-        return int(low), int(high)
 
     def needs_candidate_sets(self) -> bool:
         """Truncated sampling: the trainer must renormalise over each token's candidate set."""

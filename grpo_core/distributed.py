@@ -32,10 +32,35 @@ import torch
 import torch.distributed as dist
 
 from grpo_core.loss import reduce_metric_parts
-from grpo_core.models.loading import DistInfo
 from grpo_core.packing.planner import Planner, StepPlan
 from grpo_core.packing.trie import TreeRow
 from grpo_core.rollout.types import GroupReport, RolloutSample
+
+@dataclass
+class DistInfo:
+    """Where this process sits in a torchrun launch (1 process when not launched by torchrun)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> "DistInfo":
+        return cls(
+            rank=int(os.environ.get("RANK", 0)),
+            world_size=int(os.environ.get("WORLD_SIZE", 1)),
+            local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        )
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def device(self) -> torch.device:
+        if torch.cuda.is_available():
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
 
 if TYPE_CHECKING:  # the rollout side (httpx, reward code) stays out of processes that only train
     from grpo_core.collector import StepBatch, StepCollector, WeightVersions

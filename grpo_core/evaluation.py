@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from grpo_core.inputs import as_messages, first_rows, reward_name
+from grpo_core.models.vision import refuse_images
 from grpo_core.rollout.client import VLLMGenerateClient
 
 
@@ -140,6 +141,8 @@ def evaluate_rewards(
     """Every reward function's mean (and their weighted sum) over sampled completions of ``dataset``."""
     rows = first_rows(dataset, max_prompts if max_prompts is not None else 1 << 62)
     prompts = [as_messages(r["prompt"]) for r in rows]
+    for prompt, row in zip(prompts, rows):
+        refuse_images(prompt, row)
     columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"} if rows else {}
     return asyncio.run(
         _evaluate(base_url, tokenizer, prompts, columns, reward_funcs, weights, samples_per_prompt, temperature, max_tokens,

@@ -19,6 +19,8 @@ from typing import Any
 
 import cloudpickle
 
+from grpo_core.models.vision import ImageInputError, refuse_images
+
 
 class InputError(ValueError):
     """Something handed to the trainer cannot work; the message names it and says what fixes it."""
@@ -35,12 +37,22 @@ def check_model_reference(model: Any) -> None:
     path = os.fspath(model)
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
-            raise InputError(f"model={path!r}: the folder has no config.json, so it holds no transformers model")
+            raise InputError(f"no model at {path!r}: the folder has no config.json, so it holds no transformers model")
         return
     if os.path.exists(path) or path.startswith((".", "/", "~")) or not _HUB_ID.match(path):
+        raise InputError(f"no model at {path!r}: it is not a local folder, nor a hub id of the form 'org/name'")
+    from huggingface_hub import model_info, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(path, "config.json"), str):
+        return  # downloaded before: loads offline too
+    try:
+        # One short request, where the loader would retry for tens of seconds before failing.
+        model_info(path, timeout=10)
+    except Exception as exc:  # noqa: BLE001 - not found, gated, offline: all mean the same here
         raise InputError(
-            f"model={path!r}: no model at this path (no such folder), and it is not a hub id of the form 'org/name'"
-        )
+            f"no model at {path!r}: it is not a local folder, and the hub could not provide it "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+        ) from exc
 
 
 def model_load_error(model: Any, exc: Exception) -> Exception:
@@ -82,6 +94,10 @@ def check_train_dataset(dataset: Any, reward_funcs: list[Callable[..., Any]]) ->
                 "string or a list of chat messages ({'role': ..., 'content': ...})"
             )
         _check_prompt(row["prompt"], index)
+        try:
+            refuse_images(as_messages(row["prompt"]), row)
+        except ImageInputError as exc:
+            raise InputError(f"train_dataset row {index}: {exc}") from None
     columns = set(rows[0])
     for func in reward_funcs:
         missing = sorted(_required_columns(func) - columns)
@@ -96,22 +112,12 @@ def _check_prompt(prompt: Any, index: int) -> None:
     if isinstance(prompt, str):
         return
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m for m in prompt):
-        for m in prompt:
-            if _has_image(m.get("content")):
-                raise InputError(
-                    f"train_dataset row {index}: the prompt holds an image; only text prompts are supported "
-                    "(vision-language models train on text here)"
-                )
         return
     shown = repr(prompt)
     raise InputError(
         f"train_dataset column 'prompt' must hold a string or a list of chat messages ({{'role': ..., 'content': ...}}); "
         f"row {index} holds {type(prompt).__name__} {shown[:80]}"
     )
-
-
-def _has_image(content: Any) -> bool:
-    return isinstance(content, list) and any(isinstance(part, dict) and part.get("type") in ("image", "image_url") for part in content)
 
 
 def as_messages(prompt: Any) -> list[dict[str, Any]]:

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("httpx", "httpcore", "urllib3", "vllm"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
-    from grpo_core.models.loading import DistInfo
+    from grpo_core.distributed import DistInfo
     from grpo_core.tracking import MLflowTracker, NullTracker
     from grpo_core.trainer import AsyncGRPOTrainer
 

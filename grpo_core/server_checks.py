@@ -4,7 +4,7 @@ and does it offer what the run's settings need?
 Each check probes behaviour through the control client (``/server_info`` does not expose the flags),
 and a failure names what is missing, which feature needs it, and prints the command to restart the
 server with (``VLLMServerSpec.shell_command``, the one place the flags are spelled). Features with a
-fallback only warn: without ``--enable-scale-out`` generation goes through ``/v1/completions`` and
+fallback only warn: without the tokens-in/tokens-out endpoint generation goes through ``/v1/completions`` and
 samples are dated by the weight version at request start instead of per token; without candidate
 sets the trainer renormalises over the whole vocabulary.
 """
@@ -92,7 +92,9 @@ def check_server(
         )
     _check_weight_transfer_backend(control, config.resolved_weight_transfer_backend(cuda), command)
 
-    probe = _Prober(control, _probe_ids(model_config))
+    probe = _Prober(control, list(range(5, 13)))  # ordinary tokens; a one-token prompt can give a flat distribution
+    if model_config is not None:
+        probe.check_vocabulary(int(_text_config(model_config)["vocab_size"]), model)
     if not probe.tokens_endpoint:
         log.warning(
             "the server runs without %s: generation goes through /v1/completions, which does not report per-token "
@@ -140,21 +142,13 @@ def _check_same_model(served: dict[str, Any], model: str, model_config: Any) -> 
         )
 
 
-def _probe_ids(model_config: Any) -> list[int]:
-    # Ordinary low ids (a one-token prompt can give a flat distribution), and the trainer's highest id:
-    # a server with a smaller vocabulary rejects it.
-    ids = list(range(5, 12))
-    vocab = _text_config(model_config)["vocab_size"] if model_config is not None else None
-    return ids + [int(vocab) - 1] if vocab else ids + [12]
-
-
 # ---- weight transfer --------------------------------------------------------------------------------
 _ENGINE_BACKENDS = {"GlooWeightTransferEngine": "gloo", "NCCLWeightTransferEngine": "nccl"}
 
 
 def _check_weight_transfer_backend(control: VLLMControlClient, backend: str, command: str) -> None:
     # An init with an unknown field is refused before anything happens, naming the engine the server
-    # built from --weight-transfer-config (or saying it has none).
+    # built from its weight-transfer configuration (or saying it has none).
     reply = control.probe("POST", "/init_weight_transfer_engine", json={"init_info": {"grpo_core_probe": 0}})
     text = reply.text
     if "not configured" in text:
@@ -190,12 +184,21 @@ class _Prober:
         return self.control.probe("POST", "/v1/completions", json=body)
 
     def _refuse(self, reply: httpx.Response) -> None:
-        if reply.status_code == 400 and ("vocab" in reply.text.lower() or "out of range" in reply.text.lower()):
-            raise ServerConfigError(
-                f"the server rejects the trainer's highest token id {self.token_ids[-1]}: it serves a model with a smaller "
-                f"vocabulary than the trainer's ({reply.text[:300]}). Point the trainer at a server started on its model."
-            )
         raise ServerConfigError(f"generation probe failed: HTTP {reply.status_code} {reply.text[:500]}")
+
+    def check_vocabulary(self, vocab_size: int, model: str) -> None:
+        """A server whose model has a smaller vocabulary refuses the trainer's highest token id (the
+        config comparison above cannot see a server's model on another machine)."""
+        saved, self.token_ids = self.token_ids, [vocab_size - 1]
+        try:
+            reply = self.generate({"max_tokens": 1, "temperature": 1.0})
+        finally:
+            self.token_ids = saved
+        if reply.status_code == 400:
+            raise ServerConfigError(
+                f"the server serves another model than the trainer's {model!r}: it refuses the trainer's highest token id "
+                f"{vocab_size - 1} ({reply.text[:300]}). Point the trainer at a server started on the same model."
+            )
 
     def generate(self, params: dict[str, Any]) -> httpx.Response:
         return self._generate_raw(params, self.tokens_endpoint)
@@ -208,8 +211,10 @@ class _Prober:
         choice = reply.json()["choices"][0]
         num_top = max(int(params.get("logprobs", 0)), 1)
         parsed = parse_generate_choice(choice, num_top) if self.tokens_endpoint else parse_completion_choice(choice, num_top)
-        values = [parsed.logprobs[0], *(parsed.top_logprobs[0].tolist() if parsed.top_logprobs is not None else [])]
-        return sorted((v for v in values if v > -1e30), reverse=True)
+        by_id = {parsed.token_ids[0]: parsed.logprobs[0]}  # the sampled token may also be among the top
+        if parsed.top_ids is not None:
+            by_id.update((int(i), float(v)) for i, v in zip(parsed.top_ids[0], parsed.top_logprobs[0]) if i >= 0)
+        return sorted((v for v in by_id.values() if v > -1e30), reverse=True)
 
     def sampling_mask(self, params: dict[str, Any]) -> Any:
         if not self.tokens_endpoint:
@@ -224,7 +229,7 @@ def _check_processed_logprobs(probe: _Prober, command: str) -> None:
     cold = probe.top_logprobs({"max_tokens": 1, "temperature": 0.5, "logprobs": 2})
     warm = probe.top_logprobs({"max_tokens": 1, "temperature": 1.0, "logprobs": 2})
     if len(warm) >= 2 and abs(warm[0] - warm[1]) < 1e-9:
-        log.warning("could not verify --logprobs-mode: the probe prompt gives a flat distribution")
+        log.warning("could not verify %s: the probe prompt gives a flat distribution", flags.LOGPROBS_MODE)
         return
     if abs(cold[0] - warm[0]) < 1e-6:
         raise ServerConfigError(
@@ -278,8 +283,8 @@ def _check_candidate_sets(probe: _Prober, config: AsyncGRPOConfig, command: str)
 class LoraServing:
     """What the server offers for serving LoRA adapters that the trainer loads at run time."""
 
-    runtime_updates: bool  # /v1/load_lora_adapter exists (VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)
-    enabled: bool  # started with --enable-lora
+    runtime_updates: bool  # /v1/load_lora_adapter exists (runtime LoRA updating on)
+    enabled: bool  # started with LoRA serving on
     max_loras: int | None = None
     max_lora_rank: int | None = None
 
@@ -289,11 +294,11 @@ class LoraServing:
 
 
 def smallest_lora_rank(rank: int) -> int:
-    """The smallest ``--max-lora-rank`` value vLLM accepts that still serves an adapter of ``rank``."""
+    """The smallest largest-rank value vLLM accepts that still serves an adapter of ``rank``."""
     for candidate in (1, 8, 16, 32, 64, 128, 256, 320, 512):
         if candidate >= rank:
             return candidate
-    raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest --max-lora-rank (512)")
+    raise ValueError(f"LoRA rank {rank} exceeds the largest {flags.MAX_LORA_RANK} vLLM accepts (512)")
 
 
 def lora_command(config: AsyncGRPOConfig, adapter_rank: int, model: str = "<model>", cuda: bool = False) -> str:

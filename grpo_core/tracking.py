@@ -245,6 +245,19 @@ def log_final_model(client: Any, run_id: str, registered_model_name: str | None 
         return log_transformers_model(client.tracking_uri, run_id, tmp, registered_model_name, artifact_path)
 
 
+def _serving_requirements() -> list[str]:
+    """The packages (at their installed versions) that load the logged model with transformers."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for name in ("torch", "transformers", "tokenizers", "safetensors", "accelerate"):
+        try:
+            out.append(f"{name}=={version(name).split('+')[0]}")
+        except PackageNotFoundError:
+            continue
+    return out
+
+
 def log_transformers_model(
     tracking_uri: str, run_id: str, model_dir: str | Path, registered_model_name: str | None = None, artifact_path: str = "model"
 ) -> str:
@@ -262,6 +275,8 @@ def log_transformers_model(
             name=artifact_path,
             task="text-generation",
             registered_model_name=registered_model_name,
+            # Named explicitly: MLflow's default list adds torchvision, which a text model does not need.
+            pip_requirements=_serving_requirements(),
         )
     mlflow.MlflowClient(tracking_uri).set_tag(run_id, "final_model", info.model_uri)
     return info.model_uri

@@ -29,19 +29,19 @@ import torch
 from grpo_core.checkpoint import CheckpointParts, Checkpointer
 from grpo_core.collector import StepBatch, StepCollector, TrainingFrontier, WeightVersions
 from grpo_core.config import AsyncGRPOConfig
-from grpo_core.distributed import StepFeed, broadcast_object, gather_step_results, init_distributed, shutdown_distributed
+from grpo_core.distributed import DistInfo, StepFeed, broadcast_object, gather_step_results, init_distributed, shutdown_distributed
 from grpo_core.inputs import check_crossing, check_model_reference, check_train_dataset, model_load_error
 from grpo_core.loss import LossConfig, LossInputs, candidate_mask_from_ids, finalize_metrics, grpo_loss, token_logprobs
 from grpo_core.models.fsdp import FSDPSettings, full_value, needs_fsdp, shard_policy
-from grpo_core.models.loading import DistInfo, load_policy, load_tokenizer
+from grpo_core.models.loading import load_policy, load_tokenizer
 from grpo_core.models.tree_attention import enable_tree_attention
 from grpo_core.packing.collator import PackedRow, pack_row
 from grpo_core.perf import PerfMeter, synchronize
-from grpo_core.rollout.loop import AsyncRolloutLoop
+from grpo_core.rollout.stages import AsyncRolloutLoop
 from grpo_core.rollout.prompts import is_streaming
 from grpo_core.rollout.tool_calls import ToolRegistry
 from grpo_core.rollout.worker import RolloutWorker, WorkerSpec
-from grpo_core.step_metrics import group_metrics
+from grpo_core.group_metrics import group_metrics
 from grpo_core.tracking import Tracker, make_tracker
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class AsyncGRPOTrainer:
 
             self.model = apply_lora(self.model, peft_config)
             warn_if_not_saved(self.args)
-        self.attention_backend = enable_tree_attention(self.model)
+        self.attention_backend = enable_tree_attention(self.model, linear_backend=self.args.gdn_backend)
         self.perf = PerfMeter(self.model, self.device, self.bf16, self.dist.world_size)
         self.model = shard_policy(self.model, fsdp_settings, self.device)  # before the optimizer sees the weights
         self.optimizer = torch.optim.AdamW(
@@ -164,7 +164,7 @@ class AsyncGRPOTrainer:
                     metrics.update(self._sync_weights())
                 if self._is_eval_step():
                     metrics.update(self.evaluate())  # after the push: the server serves this step's policy
-                metrics.update(self._step_metrics(batch, step_start))
+                metrics.update(self._sample_and_queue_metrics(batch, step_start))
                 metrics.update(self.perf.metrics(batch.plan.rows, metrics["perf/fwd_bwd_s"], metrics["perf/step_s"]))
                 self._log(metrics)
                 self._log_completions(batch)
@@ -463,7 +463,7 @@ class AsyncGRPOTrainer:
         return str(folder)
 
     # ------------------------------------------------------------------------------------------ metrics
-    def _step_metrics(self, batch: StepBatch, step_start: float) -> dict[str, float]:
+    def _sample_and_queue_metrics(self, batch: StepBatch, step_start: float) -> dict[str, float]:
         wall = time.perf_counter() - step_start
         metrics = group_metrics(batch.reports)
         metrics.update(batch.plan.metrics())

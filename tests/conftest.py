@@ -92,3 +92,64 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory):
         proc.wait(20)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+# ---- Prefect ----------------------------------------------------------------------------------------------
+REPO = Path(__file__).resolve().parents[1]
+# Generous: on a busy two-core machine the Prefect server can take many seconds per request.
+HTTP = httpx.Client(timeout=60)
+
+
+class Service:
+    """A child process in its own process group, with its log; stopped by that group only."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path):
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def prefect(tmp_path_factory):
+    """A Prefect server; yields (API URL, the environment for clients, the server)."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": api,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_ENABLED": "false",
+        # Schedule within seconds of registration, and let the worker notice runs quickly.
+        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
+    }
+    server = Service([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                     {k: v for k, v in env.items() if k != "PREFECT_API_URL"}, home / "server.log")
+    deadline = time.monotonic() + 180
+    while True:
+        assert server.proc.poll() is None, f"prefect server exited:\n{server.tail()}"
+        try:
+            if HTTP.get(f"{api}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"prefect server did not start in 180 s:\n{server.tail()}"
+        time.sleep(1)
+    yield api, env, server
+    server.stop()

@@ -144,16 +144,12 @@ def test_parser_combines_engines() -> None:
     assert m.kv_cache_size_tokens == 2000
 
 
-def test_parser_label_escapes_timestamps_and_junk() -> None:
+def test_parser_label_escapes_timestamps_and_special_values() -> None:
     text = (
         'weird{path="a\\"b,c}d",note="x\\\\y\\nz"} 7 1700000000000\n'
         "no_labels 3.5\n"
         'nan_metric{a="1"} NaN\n'
         'inf_metric{a="1"} +Inf\n'
-        "this line is not a sample\n"
-        'broken{a="1" 2\n'
-        'om_total{a="1"} 2.0 # {trace_id="abc"} 1.0\n'
-        "# EOF\n"
     )
     by_name = {s.name: s for s in parse_prometheus_text(text)}
     assert by_name["weird"].labels == {"path": 'a"b,c}d', "note": "x\\y\nz"}
@@ -161,8 +157,11 @@ def test_parser_label_escapes_timestamps_and_junk() -> None:
     assert by_name["no_labels"].value == 3.5
     assert math.isnan(by_name["nan_metric"].value)
     assert by_name["inf_metric"].value == math.inf
-    assert by_name["om_total"].value == 2.0
-    assert "broken" not in by_name and "this" not in by_name
+
+
+def test_a_scrape_that_does_not_parse_gives_no_metrics() -> None:
+    assert parse_prometheus_text('broken{a="1" 2\n') == []
+    assert parse_vllm_metrics("this is not a scrape\n") == parse_vllm_metrics("")
 
 
 def test_parser_ignores_unsized_cache_and_nan_gauge() -> None:

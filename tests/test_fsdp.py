@@ -191,7 +191,7 @@ class _ListSource:
 def _two_rank_checks(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
     from grpo_core.distributed import StepFeed, gather_step_results, init_distributed
-    from grpo_core.models.loading import DistInfo
+    from grpo_core.distributed import DistInfo
 
     torch.set_num_threads(1)
     info = DistInfo.from_env()

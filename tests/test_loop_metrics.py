@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from grpo_core.rollout.types import GroupReport
-from grpo_core.step_metrics import derived_rollout_metrics, group_metrics, merge_counters
+from grpo_core.group_metrics import derived_rollout_metrics, group_metrics, merge_counters
 
 
 def report(metrics: dict[str, float], rewards: list[float] | None = None, per_func: dict | None = None, **kw) -> GroupReport:  # noqa: ANN003

@@ -17,9 +17,9 @@ import pytest
 
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rollout.client import GeneratedChoice
-from grpo_core.rollout.loop import AsyncRolloutLoop, reconcile_metrics
+from grpo_core.rollout.stages import AsyncRolloutLoop, reconcile_metrics
 from grpo_core.rollout.types import RolloutGroup
-from grpo_core.step_metrics import derived_rollout_metrics, merge_counters
+from grpo_core.group_metrics import derived_rollout_metrics, merge_counters
 from tests.test_loop_templates import COMPACT_ARGS_TEMPLATE, NO_THINK_TEMPLATE, with_template
 
 # --------------------------------------------------------------------------------------------------
@@ -40,18 +40,30 @@ def calculator(expression: str) -> str:
 
 
 def broken(x: int) -> str:
-    """Always raises."""
+    """Always raises.
+
+    Args:
+        x: Any number.
+    """
     raise ValueError(f"cannot handle {x}")
 
 
 def slow(seconds: float) -> str:
-    """Sleeps in its thread."""
+    """Sleeps in its thread.
+
+    Args:
+        seconds: How long.
+    """
     time.sleep(seconds)
     return "done"
 
 
 async def async_upper(text: str) -> str:
-    """An async tool."""
+    """An async tool.
+
+    Args:
+        text: What to upper-case.
+    """
     await asyncio.sleep(0)
     return text.upper()
 
@@ -94,7 +106,11 @@ class AsyncEnv:
     """All methods async; no reset; reward None (the environment declines to score)."""
 
     async def shout(self, text: str) -> str:
-        """Upper-case the text."""
+        """Upper-case the text.
+
+        Args:
+            text: What to upper-case.
+        """
         return text.upper()
 
     async def get_reward(self, completion: list[dict[str, Any]]) -> float | None:

@@ -301,7 +301,7 @@ class _ScriptedClient:
 
 
 def _loop_with(client: _ScriptedClient, pointer: AdapterPointer | None):
-    from grpo_core.rollout.loop import AsyncRolloutLoop
+    from grpo_core.rollout.stages import AsyncRolloutLoop
 
     loop = AsyncRolloutLoop(AsyncGRPOConfig(), tokenizer=None, dataset=[], reward_funcs=[], base_url="http://unused",
                             emit=None, adapter=pointer)

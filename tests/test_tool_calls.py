@@ -32,8 +32,7 @@ def add(a: int, b: int = 0) -> int:
 
     Args:
         a: The first term.
-        b (int): The second term,
-            defaulting to zero.
+        b: The second term, defaulting to zero.
 
     Returns:
         The sum.
@@ -42,12 +41,23 @@ def add(a: int, b: int = 0) -> int:
 
 
 def describe(name: str, loud: bool | None = None, scale: float = 1.0) -> dict:
-    """Describe something."""
+    """Describe something.
+
+    Args:
+        name: What to describe.
+        loud: Shout it.
+        scale: How much.
+    """
     return {"name": name, "loud": loud, "scale": scale}
 
 
 def sleepy(seconds: float, tag: str) -> str:
-    """Block the calling thread (a slow sync tool)."""
+    """Block the calling thread (a slow sync tool).
+
+    Args:
+        seconds: How long to block.
+        tag: What to log.
+    """
     time.sleep(seconds)
     with _LOG_LOCK:
         CALL_LOG.append(tag)
@@ -55,14 +65,23 @@ def sleepy(seconds: float, tag: str) -> str:
 
 
 async def async_sleepy(seconds: float, tag: str) -> str:
-    """A slow async tool."""
+    """A slow async tool.
+
+    Args:
+        seconds: How long to wait.
+        tag: What to log.
+    """
     await asyncio.sleep(seconds)
     CALL_LOG.append(tag)
     return tag
 
 
 def explode(message: str) -> str:
-    """Always fails."""
+    """Always fails.
+
+    Args:
+        message: The error's message.
+    """
     raise RuntimeError(message)
 
 
@@ -81,7 +100,11 @@ def _decorator(fn):  # type: ignore[no-untyped-def]
 
 @_decorator
 def decorated(x: str) -> str:
-    """A tool behind a functools.wraps decorator: still importable by name."""
+    """A tool behind a functools.wraps decorator: still importable by name.
+
+    Args:
+        x: The text to upper-case.
+    """
     return x.upper()
 
 
@@ -108,10 +131,15 @@ class Holder:
 
 
 def untyped(x):  # type: ignore[no-untyped-def]
+    """No type hint.
+
+    Args:
+        x: Anything.
+    """
     return x
 
 
-def listy(xs: list[int]) -> int:
+def undocumented(xs: list[int]) -> int:
     return len(xs)
 
 
@@ -222,7 +250,7 @@ def test_rejects_closure_by_name() -> None:
 
 @pytest.mark.parametrize(
     ("fn", "words"),
-    [(untyped, "type annotation"), (listy, "str, int, float or bool"), (star, r"\*args")],
+    [(untyped, "type hint"), (undocumented, "docstring"), (star, r"\*args")],
 )
 def test_register_rejects_unsupported_signatures(fn: object, words: str) -> None:
     with pytest.raises(TypeError, match=words):
@@ -244,10 +272,12 @@ def test_schemas_from_signature_and_docstring() -> None:
                 },
                 "required": ["a"],
             },
+            "return": {"type": "integer", "description": "The sum."},
         },
     }
     props = schemas[1]["function"]["parameters"]
-    assert props["properties"] == {"name": {"type": "string"}, "loud": {"type": "boolean"}, "scale": {"type": "number"}}
+    assert {k: v["type"] for k, v in props["properties"].items()} == {"name": "string", "loud": "boolean", "scale": "number"}
+    assert props["properties"]["loud"].get("nullable") is True
     assert props["required"] == ["name"]
 
 

@@ -3,36 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-
-@dataclass
-class DistInfo:
-    """Where this process sits in a torchrun launch (1 process when not launched by torchrun)."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @classmethod
-    def from_env(cls) -> "DistInfo":
-        return cls(
-            rank=int(os.environ.get("RANK", 0)),
-            world_size=int(os.environ.get("WORLD_SIZE", 1)),
-            local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-        )
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def device(self) -> torch.device:
-        if torch.cuda.is_available():
-            return torch.device("cuda", self.local_rank)
-        return torch.device("cpu")
 
 
 def load_policy(model: Any, device: torch.device) -> tuple[torch.nn.Module, str | None]:

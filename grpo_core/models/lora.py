@@ -49,7 +49,7 @@ def apply_lora(model: torch.nn.Module, peft_config: Any) -> torch.nn.Module:
     if bad:
         raise LoraConfigError(f"LoraConfig with {', '.join(bad)} cannot be synced to vLLM; use plain LoRA on linear layers")
     if max_rank(peft_config) > 512:
-        raise LoraConfigError(f"LoRA rank {max_rank(peft_config)} exceeds vLLM's largest --max-lora-rank (512)")
+        raise LoraConfigError(f"LoRA rank {max_rank(peft_config)} exceeds the largest LoRA rank vLLM serves (512)")
     wrapped = get_peft_model(model, peft_config)
     others = sorted(
         f"{name} ({type(module).__name__})"

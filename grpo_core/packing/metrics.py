@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from grpo_core.packing.planner import StepPlan
 
 
-def step_metrics(plan: StepPlan) -> dict[str, float]:
+def plan_metrics(plan: StepPlan) -> dict[str, float]:
     rows = plan.rows
     slots = max(len(rows), 1)
     samples = sum(r.num_samples for r in rows)

@@ -65,9 +65,9 @@ class StepPlan:
         return sum(row.num_samples for row in self.rows)
 
     def metrics(self) -> dict[str, float]:
-        from grpo_core.packing.metrics import step_metrics
+        from grpo_core.packing.metrics import plan_metrics
 
-        return step_metrics(self)
+        return plan_metrics(self)
 
 
 class Planner:

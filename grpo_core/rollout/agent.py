@@ -33,7 +33,7 @@ Environments
     Each rollout has its own instance, but sync methods of different instances run concurrently in
     the pool, so state shared between instances must be thread-safe.
 
-Metrics recorded per rollout (summed over a step by ``step_metrics``): ``tools/<name>/calls``,
+Metrics recorded per rollout (summed over a step by ``group_metrics``): ``tools/<name>/calls``,
 ``tools/<name>/errors``, ``tools/<name>/latency_s_sum`` and ``_max`` for registered names only (a
 name the model made up must not mint a metric); ``rollout/tool_calls``, ``rollout/tool_call_errors``,
 ``rollout/unknown_tool_calls``; ``env/reset_s_sum``, ``env/get_reward_s_sum``, ``env/rollouts``,

@@ -4,7 +4,7 @@
 vLLM's ``VLLMWeightSyncClient`` protocol), weight versions, LoRA adapters, ``/metrics`` and model info.
 ``VLLMGenerateClient`` is asynchronous and sends token ids (the worker tokenizes with the chat template
 itself, so the trainer sees exactly the token ids that were sampled): to the tokens-in/tokens-out
-endpoint ``/inference/v1/generate`` when the server offers it (``--enable-scale-out``; its replies carry
+endpoint ``/inference/v1/generate`` when the server offers it (its scale-out endpoints are on; its replies carry
 per-token weight versions and candidate sets), else to ``/v1/completions`` with a token-id prompt.
 """
 

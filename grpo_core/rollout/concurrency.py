@@ -45,76 +45,19 @@ class PromSample:
     value: float = math.nan
 
 
-_ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
-
-
-def _parse_labels(line: str, start: int) -> tuple[dict[str, str], int]:
-    """Parse ``{a="x",b="y"}`` beginning at ``line[start] == "{"``; return the labels and the index after ``}``.
-
-    A scanner rather than a regex because label values may hold escaped quotes, commas and braces.
-    """
-    labels: dict[str, str] = {}
-    i = start + 1
-    n = len(line)
-    while True:
-        while i < n and line[i] in " ,":
-            i += 1
-        if i >= n:
-            raise ValueError("unterminated label set")
-        if line[i] == "}":
-            return labels, i + 1
-        eq = line.find("=", i)
-        if eq < 0:
-            raise ValueError("label without '='")
-        key = line[i:eq].strip()
-        i = eq + 1
-        while i < n and line[i] == " ":
-            i += 1
-        if i >= n or line[i] != '"':
-            raise ValueError(f"label {key!r} has no quoted value")
-        i += 1
-        chars: list[str] = []
-        while i < n and line[i] != '"':
-            if line[i] == "\\" and i + 1 < n:
-                chars.append(_ESCAPES.get(line[i + 1], "\\" + line[i + 1]))
-                i += 2
-            else:
-                chars.append(line[i])
-                i += 1
-        if i >= n:
-            raise ValueError(f"label {key!r} value is unterminated")
-        labels[key] = "".join(chars)
-        i += 1
-
-
 def parse_prometheus_text(text: str) -> list[PromSample]:
-    """Parse Prometheus (or OpenMetrics) exposition text into samples.
+    """Samples of Prometheus exposition text, read with ``prometheus_client``'s parser.
 
-    Comment lines (``# HELP``, ``# TYPE``, ``# EOF``) are skipped, as are lines that do not parse: a
-    scrape is advisory, so one odd line must not hide the gauges the controller needs. Timestamps and
-    OpenMetrics exemplars after the value are ignored.
+    A scrape is advisory: text that does not parse yields no samples (the controller then keeps its
+    cap), never an error in the rollout loop.
     """
-    samples: list[PromSample] = []
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        try:
-            brace = line.find("{")
-            space = line.find(" ")
-            if brace >= 0 and (space < 0 or brace < space):
-                name = line[:brace].strip()
-                labels, end = _parse_labels(line, brace)
-                rest = line[end:]
-            else:
-                name, _, rest = line.partition(" ")
-                labels = {}
-            rest = rest.split(" # ", 1)[0].split()
-            value = float(rest[0])  # float() already reads NaN, +Inf and -Inf
-        except (ValueError, IndexError):
-            continue
-        samples.append(PromSample(name=name, labels=labels, value=value))
-    return samples
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        families = list(text_string_to_metric_families(text))
+    except (ValueError, TypeError, IndexError):
+        return []
+    return [PromSample(name=s.name, labels=dict(s.labels), value=float(s.value)) for f in families for s in f.samples]
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ exactly where training stopped. Each prompt becomes a group of ``num_generations
 rollouts are admitted while the number in flight stays under the live concurrency cap. A finished
 group is scored, gets advantages, its rollouts are reconciled into training sequences, and it is
 reported (kept or dropped) before its samples are queued. The report carries the group's summed
-per-rollout counters (tools, environment, CLEAN/REALIGN/FORK) for ``step_metrics``.
+per-rollout counters (tools, environment, CLEAN/REALIGN/FORK) for ``group_metrics``.
 
 Back-pressure: while a finished group waits for room on the trainer's full queue, no new group is
 created. Rollouts already admitted run on, so generation stops at most one cap's worth of rollouts
@@ -24,10 +24,10 @@ import numpy as np
 from grpo_core.advantages import should_drop_group
 from grpo_core.inputs import as_messages
 from grpo_core.rollout.concurrency import ConcurrencyController, parse_vllm_metrics
-from grpo_core.rollout.loop import AsyncRolloutLoop, reconcile_metrics, rollout_rewards
+from grpo_core.rollout.stages import AsyncRolloutLoop, reconcile_metrics, rollout_rewards
 from grpo_core.rollout.prompts import prompts_from
 from grpo_core.rollout.types import GroupReport, RolloutGroup
-from grpo_core.step_metrics import merge_counters
+from grpo_core.group_metrics import merge_counters
 
 END_OF_DATA = "end-of-data"
 """Queued after the last group when the run is bounded by epochs (``max_steps`` <= 0)."""

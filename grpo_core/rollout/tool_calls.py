@@ -7,8 +7,9 @@ the tool result, so the model can learn the format instead of the rollout dying.
 
 ``ToolRegistry`` holds the user's tools. The rollout worker runs in a spawned process, and the model
 calls a tool by name, so every tool must be a module-level function registered under its
-``__name__``: lambdas, closures and nested functions are refused with a TypeError at registration,
-long before a pickling error would surface in the worker. Sync tools run in the worker's thread pool so
+``__name__``: lambdas, closures and nested functions are refused with a TypeError at registration.
+Its schema is transformers' ``get_json_schema`` of the function (type hints and a Google-style
+docstring with an ``Args:`` entry per parameter), as TRL builds it. Sync tools run in the worker's thread pool so
 a slow tool never blocks the event loop that streams the other rollouts; async tools are awaited. A
 tool that raises, times out or gets bad arguments yields its error text as the result: a tool failure
 is an observation for the model, not a crash of the rollout. Tests: tests/test_tool_calls.py.
@@ -23,8 +24,6 @@ import json
 import re
 import sys
 import time
-import types
-import typing
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -97,9 +96,6 @@ def parse_tool_calls(text: str) -> ParsedToolCalls:
 # Registry
 # ---------------------------------------------------------------------------------------------------
 
-_JSON_TYPES: dict[type, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}
-
-
 @dataclass(frozen=True)
 class _Param:
     name: str
@@ -112,7 +108,7 @@ class _Param:
 class _Tool:
     fn: Callable[..., Any]
     is_async: bool
-    description: str
+    schema: dict[str, Any]  # OpenAI function-tool shape, from transformers' get_json_schema
     params: tuple[_Param, ...]
 
 
@@ -145,69 +141,43 @@ def _check_module_level(fn: Any) -> None:
         raise TypeError(f"tool {fn.__qualname__!r} is not reachable as {fn.__module__}.{fn.__qualname__}")
 
 
-def _docstring_parts(fn: Callable[..., Any], param_names: Iterable[str]) -> tuple[str, dict[str, str]]:
-    """Summary (the first paragraph) and Google-style ``Args:`` descriptions of a docstring."""
-    doc = inspect.getdoc(fn) or ""
-    summary = " ".join(doc.split("\n\n", 1)[0].split())
-    if re.match(r"(Args|Arguments|Parameters|Returns|Raises):", summary):
-        summary = ""
-    names = set(param_names)
-    args: dict[str, str] = {}
-    lines = iter(doc.splitlines())
-    for line in lines:
-        if re.fullmatch(r"(Args|Arguments|Parameters):\s*", line):
-            break
-    current = None
-    # The section runs over the indented lines after its header; a blank or unindented line ends it.
-    for line in lines:
-        if not line.strip() or not line[0].isspace():
-            break
-        m = re.match(r"\s*(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)", line)
-        if m and m.group(1) in names:
-            current = m.group(1)
-            args[current] = m.group(2).strip()
-        elif current is not None:
-            args[current] = f"{args[current]} {line.strip()}".strip()
-    return summary, args
-
-
-def _json_type(tool: str, param: str, annotation: Any) -> str:
-    # Optional[X] / X | None is X: "may be omitted" is expressed by a default, not by null.
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        options = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if len(options) == 1:
-            annotation = options[0]
-    if annotation in _JSON_TYPES:
-        return _JSON_TYPES[annotation]
-    raise TypeError(
-        f"tool {tool!r}: parameter {param!r} is annotated {annotation!r}; tool parameters must be str, int, float or bool"
-    )
-
-
 def _describe(fn: Callable[..., Any]) -> _Tool:
+    """The tool's schema, as transformers builds it from the type hints and the Google-style docstring
+    (what a chat template expects), and the parameters the runner checks calls against."""
+    from transformers.utils import get_json_schema
+    from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
+
     name = fn.__name__
-    hints = typing.get_type_hints(fn)
-    signature = inspect.signature(fn)
-    summary, arg_docs = _docstring_parts(fn, signature.parameters)
-    params = []
-    for p in signature.parameters.values():
+    for p in inspect.signature(fn).parameters.values():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY):
             raise TypeError(f"tool {name!r}: parameter {p.name!r} must be passable by keyword (no *args, **kwargs, /)")
-        if p.name not in hints:
-            raise TypeError(f"tool {name!r}: parameter {p.name!r} needs a type annotation (str, int, float or bool)")
-        json_type = _json_type(name, p.name, hints[p.name])
-        params.append(_Param(p.name, json_type, p.default is p.empty, arg_docs.get(p.name, "")))
-    return _Tool(fn, inspect.iscoroutinefunction(fn), summary, tuple(params))
+    try:
+        schema = get_json_schema(fn)
+    except (DocstringParsingException, TypeHintParsingException) as exc:
+        raise TypeError(
+            f"tool {name!r}: {exc}. A tool needs a type hint on every parameter and a docstring with a summary line and "
+            "an 'Args:' entry per parameter: the model reads them"
+        ) from exc
+    parameters = schema["function"].get("parameters", {})
+    required = set(parameters.get("required", []))
+    params = tuple(
+        _Param(key, str(spec.get("type", "")), key in required, str(spec.get("description", "")))
+        for key, spec in parameters.get("properties", {}).items()
+    )
+    return _Tool(fn, inspect.iscoroutinefunction(fn), schema, params)
 
 
 def _type_ok(json_type: str, value: Any) -> bool:
+    """Whether ``value`` fits a parameter's JSON type (compound types are left to the tool itself)."""
     if json_type == "string":
         return isinstance(value, str)
     if json_type == "boolean":
         return isinstance(value, bool)
     if json_type == "integer":
         return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, (int, float)) and not isinstance(value, bool)  # number
+    if json_type == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return True
 
 
 def _render(value: Any) -> str:
@@ -247,23 +217,7 @@ class ToolRegistry:
 
     def schemas(self) -> list[dict[str, Any]]:
         """JSON schemas in the OpenAI function-tool shape, for the chat template's ``tools=`` argument."""
-        out = []
-        for name, tool in self._tools.items():
-            properties: dict[str, Any] = {}
-            for p in tool.params:
-                properties[p.name] = {"type": p.json_type}
-                if p.description:
-                    properties[p.name]["description"] = p.description
-            parameters: dict[str, Any] = {"type": "object", "properties": properties}
-            required = [p.name for p in tool.params if p.required]
-            if required:
-                parameters["required"] = required
-            function: dict[str, Any] = {"name": name}
-            if tool.description:
-                function["description"] = tool.description
-            function["parameters"] = parameters
-            out.append({"type": "function", "function": function})
-        return out
+        return [tool.schema for tool in self._tools.values()]
 
     def _argument_error(self, tool: _Tool, name: str, args: dict[str, Any]) -> str | None:
         known = {p.name: p for p in tool.params}

@@ -19,6 +19,7 @@ that passes it); every other rank runs the same loop with ``send=None`` to take 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,8 @@ class TransferStats:
     """Largest FSDP2 gather scratch (packed local shards + gathered copy; 0 with one rank)."""
     collectives: int
     """Gather collectives issued (one per bucket with sharded tensors; 0 with one rank)."""
+    host_s: float
+    """Host time to walk the plan and enqueue every gather and send (the device may still be busy)."""
 
     @property
     def extra_bytes(self) -> int:
@@ -94,10 +97,12 @@ def send_buckets(
     so anything the caller runs next (an optimizer step, freeing memory) is ordered after the sync.
     """
     gather = BucketGather()
-    if device.type == "cuda":
-        buffer_bytes = _send_overlapped(plan, tensors, gather, send, device)
-    else:
-        buffer_bytes = _send_serial(plan, tensors, gather, send, device)
+    start = time.perf_counter()
+    with torch.no_grad():  # the source hands out parameters as they are, grad-tracked
+        if device.type == "cuda":
+            buffer_bytes = _send_overlapped(plan, tensors, gather, send, device)
+        else:
+            buffer_bytes = _send_serial(plan, tensors, gather, send, device)
     if next(tensors, None) is not None:
         raise RuntimeError("the weight source yielded more tensors than metadata() declared")
     return TransferStats(
@@ -107,6 +112,7 @@ def send_buckets(
         buffer_bytes=buffer_bytes,
         scratch_bytes=gather.scratch_bytes,
         collectives=gather.collectives,
+        host_s=time.perf_counter() - start,
     )
 
 

@@ -56,8 +56,16 @@ def make_weight_sync(setup: SyncSetup, control: Any) -> WeightSync:
     from grpo_core.sync.protocol import ProtocolWeightSync
     from grpo_core.sync.source import ModelWeightSource
 
+    from grpo_core.sync.address import parse_port_range
+
     config, model = setup.config, setup.model
-    transport = dict(backend=setup.backend, rank=setup.rank)
+    ports = config.weight_transfer_port_range
+    transport = dict(
+        backend=setup.backend,
+        rank=setup.rank,
+        master_address=config.weight_transfer_address,
+        port_range=parse_port_range(ports) if ports else None,
+    )
     if setup.peft_config is None:
         return ProtocolWeightSync(control, ModelWeightSource(model, wire_dtype=setup.wire_dtype), **transport)
 

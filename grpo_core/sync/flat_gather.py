@@ -44,6 +44,16 @@ def _dim0_mesh(tensor: torch.Tensor):
     return None
 
 
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a plain tensor as is), without a grad-tracked ``to_local()`` call.
+
+    ``_local_tensor`` is read directly: ``to_local()`` goes through autograd and DTensor dispatch
+    for each of the ~300 tensors of a model, host time that the sync's pipeline waits on.
+    """
+    local = getattr(tensor, "_local_tensor", None)
+    return local if local is not None else tensor
+
+
 def copy_into(out: torch.Tensor, slot: Slot, tensor: torch.Tensor) -> None:
     """Write ``tensor`` (any dtype, any device) into its slot of the flat uint8 buffer ``out``, cast."""
     if tuple(tensor.shape) != slot.shape:
@@ -89,7 +99,7 @@ class BucketGather:
                 by_mesh.setdefault(mesh, []).append(i)
                 continue
             if mesh is not None:  # a 1-rank mesh: the local shard is the whole tensor
-                tensor = tensor.to_local()
+                tensor = local_shard(tensor)
             elif hasattr(tensor, "full_tensor"):
                 tensor = tensor.full_tensor()
                 self.collectives += 1
@@ -112,7 +122,7 @@ class BucketGather:
         size = _align(size)
         local, gathered = self._scratch(size, world, items[0][1].device)
         for (slot, row_numel, chunk_rows, offset), (_, tensor) in zip(layout, items):
-            shard = tensor.to_local()
+            shard = local_shard(tensor)
             held = _rows_held(slot.shape[0], chunk_rows, rank)
             if shard.shape[0] != held:
                 raise RuntimeError(

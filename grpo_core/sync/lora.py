@@ -7,7 +7,7 @@ The window holds ``max_staleness + 1`` versions: a rollout that started under ve
 ``v`` in every request, and any sample it yields stays trainable until ``v`` leaves the window, so
 an older name is never needed by a sample that could still be trained. The new version is loaded
 before the oldest is unloaded (the server briefly holds ``max_staleness + 2``, hence the
-``--max-loras`` minimum). Unloading only drops the name from the API server; requests already
+``max_loras`` minimum). Unloading only drops the name from the API server; requests already
 admitted keep running under their adapter, and the engine may re-read its folder if it evicts and
 re-activates it, so a folder is deleted only ``delete_grace_s`` (by default the request timeout)
 after its unload. No pause is needed: loading an adapter leaves every running request alone.

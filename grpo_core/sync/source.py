@@ -2,9 +2,10 @@
 
 Wrappers change parameter names (activation checkpointing inserts ``_checkpoint_wrapped_module``,
 torch.compile ``_orig_mod``, peft ``base_model.model`` and ``base_layer``); the server's
-``load_weights`` expects the names of the saved checkpoint, so they are normalised here. FSDP2
-shards (DTensors) are gathered with ``full_tensor()`` one parameter at a time while the engine
-sends one decoder layer per broadcast, so no full copy of the model is ever built.
+``load_weights`` expects the names of the saved checkpoint, so they are normalised here. Iteration
+gathers FSDP2 shards (DTensors) with ``full_tensor()`` one parameter at a time; the bucketed senders
+(``bucket_stream``) read ``iter_local`` instead and gather a whole bucket in one collective, so no
+full copy of the model is ever built either way.
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ class ModelWeightSource(WeightSource):
 
     def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The same tensors under the same names, as this rank holds them: FSDP2 shards stay
-        DTensors and nothing is cast, so a bucketed sender gathers and casts whole buckets at once."""
+        DTensors and nothing is cast or detached, so a bucketed sender gathers and casts whole
+        buckets at once (under ``no_grad``: a ``detach()`` per DTensor would be one more dispatched op)."""
         for name, tensor in self._named():
-            yield checkpoint_name(name), tensor.detach()
+            yield checkpoint_name(name), tensor
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self._named():

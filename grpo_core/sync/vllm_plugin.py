@@ -1,17 +1,30 @@
 """vLLM general plugin: registers the gloo weight-transfer backend in every vLLM process.
 
 Declared in pyproject.toml under the ``vllm.general_plugins`` entry-point group, so vLLM calls
-``register()`` once in the API server, the engine core and each worker. It must stay cheap and
-must not import torch-heavy modules of this package: the engine class is registered lazily.
+``register()`` once in the API server, the engine core, each worker and the subprocess that
+inspects model classes. It must stay cheap and must not import torch-heavy modules of this
+package: the engine class is registered lazily.
+
+It also lets vLLM import its Qwen3-VL / Qwen3.5 model modules without torchvision (see
+``_text_only_vision_imports``): this environment has none, and text-only serving never runs an
+image processor.
 """
 
 from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+from types import ModuleType
 
 GLOO_BACKEND = "gloo"
 
 
 def register() -> None:
     """Register the worker-side and trainer-side gloo engines with vLLM's factories (idempotent)."""
+    _text_only_vision_imports()
     from vllm.distributed.weight_transfer.factory import (
         WeightTransferEngineFactory,
         WeightTransferTrainerFactory,
@@ -26,3 +39,34 @@ def register() -> None:
         WeightTransferTrainerFactory.register_engine(
             GLOO_BACKEND, "grpo_core.sync.gloo_engine", "GlooTrainerWeightTransferEngine"
         )
+
+
+# vLLM's qwen3_vl module (imported by qwen3_5 too) imports ``smart_resize`` from transformers'
+# torchvision-backed Qwen2-VL image processor; transformers ships the same function in a PIL-backed
+# module. Only image preprocessing differs between the two, and a server started with
+# --language-model-only never preprocesses an image.
+_TORCHVISION_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+_PIL_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
+
+
+class _PilProcessorAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves the torchvision-backed module name to the PIL-backed module, when it is imported."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        return importlib.util.spec_from_loader(name, self) if name == _TORCHVISION_MODULE else None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        return importlib.import_module(_PIL_MODULE)
+
+    def exec_module(self, module: ModuleType) -> None:
+        pass  # already executed under its own name
+
+
+def _text_only_vision_imports() -> None:
+    """Without torchvision, let the torchvision-backed Qwen2-VL image-processor module resolve to
+    transformers' PIL-backed one. Lazy (nothing is imported until vLLM asks for that module) and
+    idempotent; does nothing when torchvision is installed."""
+    if any(isinstance(f, _PilProcessorAlias) for f in sys.meta_path):
+        return
+    if importlib.util.find_spec("torchvision") is None:
+        sys.meta_path.insert(0, _PilProcessorAlias())

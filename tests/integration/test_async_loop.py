@@ -1,7 +1,7 @@
 """The asynchronous loop against the real CPU vLLM server and a real MLflow server.
 
 (a) weight sync makes the server's log-probs equal the trainer's; (b) stale samples are dropped and
-counted; (c) a lambda reward fails at train() naming it; (d) a killed or frozen worker ends the run
+counted; (c) an object that cannot cross to the rollout process fails at train() naming it; (d) a killed or frozen worker ends the run
 with an error within the heartbeat timeout; (e) the MLflow run holds the step metrics and the config.
 """
 
@@ -90,22 +90,32 @@ def test_stale_samples_dropped(vllm_server, tiny_model_path, tmp_path):
     # after the first sync the queue holds samples from older versions, which must be dropped.
     data = arithmetic_dataset()
     config = fast_config(vllm_server.base_url, tmp_path, max_staleness=0, max_steps=5, max_concurrent_rollouts=64)
-    trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward, format_reward], data["train"], args=config)
+    trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward, format_reward], train_dataset=data["train"], args=config)
     history = trainer.train()
     assert len(history) == 5
     assert max(h["sample/staleness_max"] for h in history) == 0.0
     assert history[-1]["sample/stale_dropped_total"] > 0
 
 
-def bad_lambda_reward():
-    return lambda prompts, completions, **kw: [0.0] * len(completions)
+class LockedReward:
+    """A callable reward that holds a lock: a resource no other process can be given."""
+
+    def __init__(self):
+        import threading
+
+        self.lock = threading.Lock()
+
+    def __call__(self, completions, **kwargs):
+        return [0.0] * len(completions)
 
 
-def test_lambda_reward_fails_at_train_naming_it(tiny_model_path, tmp_path):
+def test_an_object_that_cannot_cross_fails_at_train_naming_it(tiny_model_path, tmp_path):
+    # Lambdas and closures cross to the rollout process by value (tests/integration/test_drop_in.py
+    # trains with one); a lock cannot, and train() names the object and the argument it came in.
     data = arithmetic_dataset()
     config = fast_config("http://127.0.0.1:9", tmp_path)  # never contacted: the check comes first
-    trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward, bad_lambda_reward()], data["train"], args=config)
-    with pytest.raises(TypeError, match=r"reward function '<lambda>'.*bad_lambda_reward"):
+    trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward, LockedReward()], train_dataset=data["train"], args=config)
+    with pytest.raises(TypeError, match=r"reward_funcs 'LockedReward' cannot be sent to the rollout process.*lock"):
         trainer.train()
 
 
@@ -114,7 +124,7 @@ def test_dead_or_silent_worker_ends_the_run(vllm_server, tiny_model_path, tmp_pa
     data = arithmetic_dataset()
     timeout = 10.0
     config = fast_config(vllm_server.base_url, tmp_path, max_steps=10_000, worker_heartbeat_timeout_s=timeout)
-    trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward], data["train"], args=config)
+    trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward], train_dataset=data["train"], args=config)
     hit: dict[str, float] = {}
 
     def strike() -> None:
@@ -143,7 +153,7 @@ def test_mlflow_run_holds_step_metrics_and_config(vllm_server, mlflow_server, ti
     config = fast_config(vllm_server.base_url, tmp_path, max_steps=3, report_to="mlflow")
     tracker = MLflowTracker(mlflow_server, "test-skeleton", "skeleton")
     tracker.log_params(config.to_dict())
-    trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward, format_reward], data["train"], args=config, tracker=tracker)
+    trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward, format_reward], train_dataset=data["train"], args=config, tracker=tracker)
     trainer.train()
     tracker.close()
     client = mlflow.MlflowClient(mlflow_server)
@@ -168,7 +178,7 @@ LOGPROB_DIFF_BOUND = 1e-6
 def test_logprob_diff_mean_is_near_zero_at_staleness_zero(vllm_server, tiny_model_path, tmp_path):
     data = arithmetic_dataset()
     config = fast_config(vllm_server.base_url, tmp_path, max_staleness=0, max_steps=4)
-    trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward, format_reward], data["train"], args=config)
+    trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward, format_reward], train_dataset=data["train"], args=config)
     history = trainer.train()
     diffs = [h["sampling/logprob_diff_mean"] for h in history]
     assert all(h["sample/staleness_max"] == 0.0 for h in history)
@@ -181,10 +191,10 @@ def test_top_k_without_candidate_sets_warns_once_and_trains(vllm_server, tiny_mo
     # which needs Triton), so a top_k run must take the whole-vocabulary fallback and say so once.
     data = arithmetic_dataset()
     config = fast_config(vllm_server.base_url, tmp_path, max_steps=3, top_k=20)
-    trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward], data["train"], args=config)
+    trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward], train_dataset=data["train"], args=config)
     with caplog.at_level("WARNING"):
         history = trainer.train()
-    assert len(history) == 3 and trainer.candidate_sets is False
+    assert len(history) == 3 and trainer.server.candidate_sets is False
     warning = "does not return each token's candidate set"
     in_process = [r for r in caplog.records if warning in r.getMessage()]
     in_children = capfd.readouterr().err.count(warning)  # the rollout process shares our stderr
@@ -205,7 +215,7 @@ def test_trainer_recovers_a_server_left_mid_sync(vllm_server, tiny_model_path, t
         if died == "after start":
             control.start_weight_update()
         data = arithmetic_dataset()
-        trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward], data["train"],
+        trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward], train_dataset=data["train"],
                                    args=fast_config(vllm_server.base_url, tmp_path, max_steps=2))
         history = trainer.train()
         assert len(history) == 2

@@ -17,7 +17,7 @@ import pytest
 from grpo_core.collector import StepBatch
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rewards import accuracy_reward
-from grpo_core.rollout.loop import AsyncRolloutLoop
+from grpo_core.rollout.stages import AsyncRolloutLoop
 from grpo_core.rollout.types import GroupReport, RolloutGroup
 from grpo_core.tiny import arithmetic_dataset
 from grpo_core.trainer import AsyncGRPOTrainer
@@ -70,7 +70,7 @@ def test_curriculum_skips_solved_prompts(vllm_server, tiny_model_path, tmp_path)
         # many epochs, and a curriculum that keeps skipping eventually rejects a whole epoch (an error).
         queue_maxsize=16, pass_rate_cap=0.5,
     )
-    trainer = CurriculumTrainer(tiny_model_path, [accuracy_reward], data, args=config)
+    trainer = CurriculumTrainer(tiny_model_path, [accuracy_reward], train_dataset=data, args=config)
     history = trainer.train()
 
     assert len(history) == config.max_steps

@@ -23,71 +23,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 import yaml
 
-from grpo_core.server import free_port
+from tests.conftest import HTTP, Service
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
-# Generous: on a busy two-core machine the Prefect server can take many seconds per request.
-HTTP = httpx.Client(timeout=60)
-
-
-class Service:
-    """A child process in its own process group, with its log; stopped by that group only."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path):
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def tail(self, chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
-
-
-@pytest.fixture(scope="module")
-def prefect(tmp_path_factory):
-    """A Prefect server; yields (API URL, the environment for clients, the server)."""
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(home),
-        "PREFECT_API_URL": api,
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_UI_ENABLED": "false",
-        # Schedule within seconds of registration, and let the worker notice runs quickly.
-        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
-        "PREFECT_WORKER_QUERY_SECONDS": "2",
-    }
-    server = Service([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                     {k: v for k, v in env.items() if k != "PREFECT_API_URL"}, home / "server.log")
-    deadline = time.monotonic() + 180
-    while True:
-        assert server.proc.poll() is None, f"prefect server exited:\n{server.tail()}"
-        try:
-            if HTTP.get(f"{api}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, f"prefect server did not start in 180 s:\n{server.tail()}"
-        time.sleep(1)
-    yield api, env, server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -260,10 +204,12 @@ def test_embedded_default_run_completes_with_metrics_in_mlflow(
     job = copy.deepcopy(deployment["parameters"]["job"])
     job["model"] = tiny_model_path
     job["server"] = {"managed": False, "base_url": vllm_server.base_url}
-    job["tracking"] = {"tracking_uri": mlflow_server, "experiment": experiment}
+    registered = f"tiny-arithmetic-{uuid.uuid4().hex[:6]}"
+    job["tracking"] = {"tracking_uri": mlflow_server, "experiment": experiment, "registered_model_name": registered}
     job["eval_prompts"] = 4
     job["eval_samples_per_prompt"] = 1
-    job["trainer"].update(max_steps=3, per_device_train_batch_size=16, output_dir=str(tmp_path / "run"))
+    job["trainer"].update(max_steps=3, per_device_train_batch_size=16, output_dir=str(tmp_path / "run"),
+                          learning_rate=1.7e-4, log_completions=True)
 
     started = time.monotonic()
     reply = create_run(api, deployment, job)
@@ -291,21 +237,43 @@ def test_embedded_default_run_completes_with_metrics_in_mlflow(
     assert tags["git_commit"] == subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                                                 text=True).stdout.strip()
 
+    # A search written for a TRL run finds it: the trainer's settings are top-level params.
+    found = mlflow.search_runs(experiment_names=[experiment], filter_string="params.learning_rate = '0.00017'",
+                               output_format="list")
+    assert [r.info.run_id for r in found] == [mlflow_run.info.run_id]
+    assert mlflow_run.data.params["max_staleness"] == str(job["trainer"]["max_staleness"])
+    # The completions table (log_completions) is in the run.
+    table = client.load_table(experiment_id=mlflow_run.info.experiment_id, artifact_file="completions.json",
+                              run_ids=[mlflow_run.info.run_id])
+    assert {"step", "prompt", "completion", "reward"} <= set(table.columns) and len(table) > 0
+    assert set(table["step"]) <= {1, 2, 3}
+
     # The checkpoint the trainer wrote after its last step is referenced by URI, not copied...
     run_id = mlflow_run.info.run_id
     refs = mlflow.artifacts.download_artifacts(artifact_uri=f"runs:/{run_id}/checkpoints", tracking_uri=mlflow_server,
                                                dst_path=str(tmp_path / "refs"))
     reference = json.loads((Path(refs) / "checkpoint-step-000003.json").read_text())
     assert Path(reference["uri"]) == tmp_path / "run" / "checkpoint-3" and reference["step"] == 3
-    # ...and the final model's servable files are in the run (not the optimizer), and load as a model.
-    assert summary["final_model_uri"] == f"runs:/{run_id}/model"
-    served = Path(mlflow.artifacts.download_artifacts(artifact_uri=summary["final_model_uri"], tracking_uri=mlflow_server,
-                                                      dst_path=str(tmp_path / "served")))
-    names = {f.name for f in served.iterdir()}
-    assert {"config.json", "model.safetensors"} <= names and "optimizer.pt" not in names, names
-    from transformers import AutoModelForCausalLM
+    # ...and the final model is an MLflow transformers model, registered, that loads back.
+    mlflow.set_tracking_uri(mlflow_server)
+    versions = client.search_model_versions(f"name = '{registered}'")
+    assert len(versions) == 1 and versions[0].run_id == run_id
+    components = mlflow.transformers.load_model(f"models:/{registered}/{versions[0].version}", return_type="components")
+    weights = dict(components["model"].named_parameters())
+    assert summary["final_model_uri"] and "model" in components and "tokenizer" in components
+    from safetensors.torch import load_file
 
-    AutoModelForCausalLM.from_pretrained(served)
+    saved = load_file(str(tmp_path / "run" / "checkpoint-3" / "model.safetensors"))
+    name = next(iter(saved))
+    assert torch.equal(weights[name].detach().to(saved[name].dtype), saved[name])
+
+    # Prefect: the summary and progress artifacts of the flow run, and its logs hold the training steps.
+    artifacts = HTTP.post(f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [run["id"]]}}}).json()
+    by_key = {a["key"]: a for a in artifacts}
+    assert by_key["training-summary"]["type"] == "markdown" and summary["mlflow_run_id"] in by_key["training-summary"]["data"]
+    assert by_key["training-progress"]["type"] == "progress" and float(by_key["training-progress"]["data"]) == 100.0
+    logs = run_logs(api, run["id"])
+    assert "[train]" in logs and "step 3" in logs, logs[-3000:]
 
 
 def test_deploy_selects_by_name_and_names_unknown_ones():

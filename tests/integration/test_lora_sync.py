@@ -13,7 +13,6 @@ import asyncio
 import re
 import threading
 import time
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -21,12 +20,13 @@ import torch
 from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
 
 from grpo_core.config import AsyncGRPOConfig
-from grpo_core.models.loading import DistInfo, load_policy
+from grpo_core.distributed import DistInfo
+from grpo_core.models.loading import load_policy
 from grpo_core.models.lora import apply_lora
 from grpo_core.rollout.client import VLLMControlClient
 from grpo_core.server import VLLMServer, VLLMServerSpec
 from grpo_core.server_checks import ServerConfigError
-from grpo_core.sync.factory import make_weight_sync
+from grpo_core.sync.factory import SyncSetup, make_weight_sync
 
 pytestmark = pytest.mark.integration
 
@@ -55,10 +55,10 @@ def randomize_adapter(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
 
 
-def trainer_of(model: torch.nn.Module, model_path: str, args: AsyncGRPOConfig, r: int = 8) -> SimpleNamespace:
-    """What ``make_weight_sync`` reads from an ``AsyncGRPOTrainer``."""
-    return SimpleNamespace(
-        args=args, model=model, dist=DistInfo(), model_path=model_path,
+def trainer_of(model: torch.nn.Module, model_path: str, args: AsyncGRPOConfig, r: int = 8) -> SyncSetup:
+    """What ``make_weight_sync`` needs of a trainer (fp32 on CPU, rank 0)."""
+    return SyncSetup(
+        config=args, model=model, rank=DistInfo().rank, backend="gloo", wire_dtype=None, model_path=model_path,
         peft_config=LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"),
     )
 
@@ -289,7 +289,7 @@ def wait_until_running(control: VLLMControlClient, count: int, finished: list, t
 def test_rollout_samples_carry_the_adapter_version_they_were_sampled_from(vllm_server, control, tiny_model_path, tmp_path):
     from transformers import AutoTokenizer
 
-    from grpo_core.rollout.loop import AsyncRolloutLoop
+    from grpo_core.rollout.stages import AsyncRolloutLoop
 
     url = vllm_server.base_url
     model = lora_policy(tiny_model_path, seed=21)

@@ -70,6 +70,12 @@ class RecordingSource:
     def stop(self) -> None:
         self.worker.stop()
 
+    def publish_version(self, version: int) -> None:
+        self.worker.publish_version(version)
+
+    def queue_size(self) -> int:
+        return self.worker.queue_size()
+
 
 class ReplaySource:
     """Hands out a recorded stream, then the end of the data."""
@@ -82,6 +88,12 @@ class ReplaySource:
 
     def stop(self) -> None:
         pass
+
+    def publish_version(self, version: int) -> None:
+        pass
+
+    def queue_size(self) -> int:
+        return len(self.items)
 
 
 class RecordingTrainer(AsyncGRPOTrainer):
@@ -104,7 +116,7 @@ def replay_main(argv: list[str] | None = None) -> None:
     """One torchrun rank: train on the recorded stream, then gather the final weights onto rank 0."""
     from grpo_core.distributed import init_distributed, shutdown_distributed
     from grpo_core.models.fsdp import full_state_dict
-    from grpo_core.models.loading import DistInfo
+    from grpo_core.distributed import DistInfo
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -118,7 +130,7 @@ def replay_main(argv: list[str] | None = None) -> None:
     init_distributed(info, torch.device("cpu"), timeout_s=600)
     ReplayTrainer.items = pickle.loads(Path(args.stream).read_bytes())
     config = AsyncGRPOConfig(**json.loads(Path(args.config).read_text()))
-    trainer = ReplayTrainer(args.model, [accuracy_reward, format_reward], arithmetic_dataset()["train"], args=config)
+    trainer = ReplayTrainer(args.model, [accuracy_reward, format_reward], train_dataset=arithmetic_dataset()["train"], args=config)
     history = trainer.train()
     sharded = all(hasattr(p, "full_tensor") for p in trainer.model.parameters())
     state = full_state_dict(trainer.model)
@@ -155,7 +167,7 @@ def test_two_ranks_train_like_one_on_the_same_samples(vllm_server, tiny_model_pa
     start = time.monotonic()
     data = arithmetic_dataset()
     reference = RecordingTrainer(
-        tiny_model_path, [accuracy_reward, format_reward], data["train"],
+        tiny_model_path, [accuracy_reward, format_reward], train_dataset=data["train"],
         args=AsyncGRPOConfig(**run_config(vllm_server.base_url, tmp_path / "one", ranks=1)),
     )
     one = reference.train()

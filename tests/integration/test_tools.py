@@ -31,7 +31,7 @@ import torch
 from grpo_core.collector import StepBatch
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rewards import accuracy_reward
-from grpo_core.rollout.loop import AsyncRolloutLoop
+from grpo_core.rollout.stages import AsyncRolloutLoop
 from grpo_core.rollout.types import RolloutSample
 from grpo_core.tiny import arithmetic_dataset, build_tiny_model
 from grpo_core.tiny import calculator as tiny_calculator
@@ -137,7 +137,7 @@ def test_tool_rollouts_reach_the_trainer(vllm_server, tools_model_path, tools_to
     tool_kwargs: dict[str, Any] = {"environment_factory": CalculatorEnv} if kind == "clean" else {"tools": [calculator]}
     data = arithmetic_dataset(num_train=64, num_eval=4)["train"]
     trainer = RecordingTrainer(
-        tools_model_path, [called_calculator, accuracy_reward], data,
+        tools_model_path, [called_calculator, accuracy_reward], train_dataset=data,
         args=config(vllm_server.base_url, tmp_path, fork_threshold_tokens=2 if kind == "fork" else 1024),
         processing_class=tokenizer, **tool_kwargs,
     )

@@ -28,6 +28,7 @@ import numpy as np
 from grpo_core.advantages import group_advantages
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.inputs import as_messages, check_reward_values
+from grpo_core.models.vision import refuse_images
 from grpo_core.rollout.agent import (
     EnvironmentSession,
     RolloutTools,
@@ -162,6 +163,7 @@ class AsyncRolloutLoop:
         """One rollout of ``row['prompt']``: turns until the model stops calling tools or the budget ends."""
         metrics: dict[str, float] = {}
         messages = as_messages(row["prompt"])
+        refuse_images(messages, row)  # rows past the ones checked before the spawn
         num_prompt = len(messages)
         tools = self.shared_tools
         session: EnvironmentSession | None = None
@@ -278,7 +280,7 @@ class AsyncRolloutLoop:
         if room < 1:
             raise ValueError(
                 f"prompt of {num_prompt_tokens} tokens leaves no room under the server's max_model_len "
-                f"{self.max_model_len}; raise --max-model-len or shorten the prompt"
+                f"{self.max_model_len}; raise the server's max_model_len or shorten the prompt"
             )
         return min(wanted, room)
 

@@ -20,7 +20,10 @@ from grpo_core.rollout.types import GroupReport
 # Counters carried by GroupReport.metrics that are summed over the step's groups.
 _COUNTER_PREFIXES = ("tools/", "env/", "rollout/")
 # GroupReport.metrics that are snapshots, not counters: the last group's value stands for the step.
-_SNAPSHOTS = ("rollout/concurrency_cap", "rollout/concurrency", "rollout/report_interval_s", "rollout/backpressure_s")
+_SNAPSHOTS = (
+    "rollout/concurrency_cap", "rollout/concurrency", "rollout/report_interval_s", "rollout/backpressure_s",
+    "rollout/score_queue_size",
+)
 
 
 def merge_counters(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
@@ -41,7 +44,7 @@ def _ratio(num: float, den: float) -> float:
 
 
 def derived_rollout_metrics(counters: Mapping[str, float]) -> dict[str, float]:
-    """Means and fractions from a step's summed counters (see ``agent.py`` and ``loop.py`` for the names)."""
+    """Means and fractions from a step's summed counters (see ``agent.py`` and ``stages.py`` for the names)."""
     out: dict[str, float] = {}
     if "rollout/later_turns" in counters:
         # Forks over turns after the first: 0 for single-turn runs, by definition.
@@ -92,7 +95,7 @@ def group_metrics(reports: list[GroupReport]) -> dict[str, float]:
     metrics["rollout/groups_dropped_frac"] = float(np.mean([r.dropped for r in generated]))
     metrics["rollout/generated_tokens"] = float(sum(r.generated_tokens for r in generated))
     last = generated[-1].metrics
-    for key in ("rollout/concurrency_cap", "rollout/concurrency"):
+    for key in ("rollout/concurrency_cap", "rollout/concurrency", "rollout/score_queue_size"):
         if key in last:
             metrics[key] = last[key]
     metrics["rollout/backpressure_s"] = float(sum(r.metrics.get("rollout/backpressure_s", 0.0) for r in generated))
