@@ -422,8 +422,9 @@ def test_score_sums_weighted_functions_and_rollout_reward(tokenizer) -> None:  #
 
     g = run(group())
     # contains_twelve = 1 (x2), async_judge = None then 0.5, environment: count 0 == target 0 -> 1.
-    np.testing.assert_allclose(g.rewards, [2.0 + 1.0, 2.0 + 0.5 + 1.0])
-    np.testing.assert_allclose(g.rewards_per_func, [[1.0, np.nan], [1.0, 0.5]])
+    # Exact: weights and rewards are small binary fractions, so products and sums are exact (NaN = NaN here).
+    np.testing.assert_array_equal(g.rewards, [2.0 + 1.0, 2.0 + 0.5 + 1.0])
+    np.testing.assert_array_equal(g.rewards_per_func, [[1.0, np.nan], [1.0, 0.5]])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -195,9 +195,10 @@ def test_custom_generate_one_reward_is_summed_and_reported(tokenizer) -> None:  
     rows = [{"prompt": [{"role": "user", "content": "Problem 1"}], "solution": "2"}]
     _, items = drive(SelfScoringLoop, tokenizer, rows, num_train_epochs=1, num_generations=3)
     (report,) = reports(items)
-    np.testing.assert_allclose(report.rewards, [0.0, 0.25, 0.5])
-    np.testing.assert_allclose(report.rewards_per_func["right_or_wrong"], [0.0, 0.0, 0.0])
-    np.testing.assert_allclose(report.rewards_per_func["rollout_reward"], [0.0, 0.25, 0.5])
+    # Exact: multiples of 1/4 and their sums with 0 are exact in binary.
+    np.testing.assert_array_equal(report.rewards, [0.0, 0.25, 0.5])
+    np.testing.assert_array_equal(report.rewards_per_func["right_or_wrong"], [0.0, 0.0, 0.0])
+    np.testing.assert_array_equal(report.rewards_per_func["rollout_reward"], [0.0, 0.25, 0.5])
     assert not report.dropped and report.num_samples == 3
     assert group_metrics([report])["rewards/rollout_reward/mean"] == 0.25
 

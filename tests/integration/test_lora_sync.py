@@ -30,8 +30,12 @@ from grpo_core.sync.factory import SyncSetup, make_weight_sync
 
 pytestmark = pytest.mark.integration
 
-# Measured on the shared CPU server (fp32 weights): adapter 8e-6, merged 7e-6 at most; the adapter
-# moves the same log-probs by ~0.5, so this bound separates "same policy" from "other policy" widely.
+# Empirical: the server's log-probs (vLLM's CPU kernels and LoRA path, another process) against the
+# trainer's, both fp32; not derivable, as the server's reduction orders are unknown (see
+# test_async_loop.test_sync_makes_server_logprobs_equal_trainer). From fp32: a few u·λ per token (u·λ ≈
+# 4e-6 for this model's log-probs), √k·u·λ ≈ 1e-4 for random-order roundings over k = 512 terms; 2e-4
+# adds the adapter's rank-r path. The adapter moves the same log-probs by ~0.5, so this bound
+# separates "same policy" from "other policy" widely.
 FP32_TOL = 2e-4
 PROMPT = list(range(5, 25))
 OLD_ROLLOUTS_BURST = 32
