@@ -190,6 +190,9 @@ class Receiver:
         self.applier = Applier(model)
         if transport == "vllm":
             from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+            # Imported by the engine's receive; first imported under the CUDA platform it pulls in
+            # vLLM's flash-attention kernels, which the CPU build lacks.
+            from vllm.model_executor.model_loader import mtp_validation  # noqa: F401
 
             use_cuda_platform()
             allow_nccl_without_suspend()

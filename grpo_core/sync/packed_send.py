@@ -8,7 +8,8 @@ vLLM imports so the same code also drives a receiver over a plain ``torch.distri
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 import torch
@@ -55,7 +56,7 @@ def send_packed(
             lambda buffer: comm.broadcast(buffer, src=0, stream=torch.cuda.current_stream(device) if cuda else None),
             device,
         )
-        _wait(device)
+        _wait_for_sends(device, pending)
         pending.result()
     finally:
         # Never join the request thread on failure: the server would still sit in a broadcast
@@ -69,3 +70,21 @@ def _wait(device: torch.device) -> None:
     # The sync is done when the last send has left: the caller may then change the weights.
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+def _wait_for_sends(device: torch.device, pending: Future) -> None:
+    """Wait for the last send while watching the server's answer to ``/update_weights``.
+
+    A server whose receive fails answers with an error and never joins the remaining broadcasts;
+    waiting on the stream alone would then hang this rank for good (seen on the two-GPU harness).
+    """
+    if device.type != "cuda":
+        return  # host sends have completed when they return
+    sent = torch.cuda.Event()
+    sent.record(torch.cuda.current_stream(device))
+    while not sent.query():
+        if pending.done():
+            pending.result()  # raises the server's error; an answer means every bucket arrived
+            break
+        time.sleep(50e-6)
+    sent.synchronize()
