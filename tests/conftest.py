@@ -71,6 +71,9 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory):
          "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts"),
          "--workers", "1"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        # MLflow's background job runner (five Huey consumers, for its GenAI features) is not used here
+        # and would take processes and memory from the two cores the suite runs on.
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180

@@ -23,10 +23,11 @@ import os
 import pickle
 import queue as queue_lib
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import cloudpickle
@@ -40,10 +41,13 @@ class RolloutWorkerError(RuntimeError):
 
 @dataclass
 class WorkerSpec:
-    """Everything the rollout process needs; must pickle."""
+    """Everything the rollout process needs."""
 
     loop_cls: type
     loop_kwargs: dict[str, Any]
+    """Sent with cloudpickle (the user's functions and classes by value)."""
+    shared_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Objects in shared memory (e.g. the adapter pointer), which only the spawn itself may hand over."""
 
 
 class RolloutWorker:
@@ -60,7 +64,8 @@ class RolloutWorker:
         self.stop_event = ctx.Event()
         self.process = ctx.Process(
             target=_worker_main,
-            args=(cloudpickle.dumps(spec), self.queue, self.errors, self.heartbeat, self.served_version, self.stop_event),
+            args=(cloudpickle.dumps((spec.loop_cls, spec.loop_kwargs)), spec.shared_kwargs, self.queue, self.errors,
+                  self.heartbeat, self.served_version, self.stop_event),
             name="grpo-rollout",
             daemon=True,
         )
@@ -176,18 +181,34 @@ def _main_script_hidden() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------- inside the rollout process
-def _worker_main(payload: bytes, out_queue: Any, errors: Any, heartbeat: Any, served_version: Any, stop_event: Any) -> None:
+def _worker_main(
+    payload: bytes, shared: dict[str, Any], out_queue: Any, errors: Any, heartbeat: Any, served_version: Any, stop_event: Any
+) -> None:
+    # Unpickling imports the user's modules and the tokenizer's (transformers: seconds on a loaded
+    # machine), before the event loop can beat: a thread beats until the loop's own beat takes over.
+    starting = threading.Event()
+    threading.Thread(target=_beat_while_starting, args=(heartbeat, starting), daemon=True).start()
     try:
-        spec: WorkerSpec = pickle.loads(payload)
-        asyncio.run(_run(spec, out_queue, heartbeat, served_version, stop_event))
+        loop_cls, loop_kwargs = pickle.loads(payload)
+        spec = WorkerSpec(loop_cls=loop_cls, loop_kwargs=loop_kwargs, shared_kwargs=shared)
+        asyncio.run(_run(spec, out_queue, heartbeat, served_version, stop_event, starting))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
         summary = f"rollout worker failed: {type(exc).__name__}: {exc}"
         errors.put((summary, traceback.format_exc()))
         raise SystemExit(1) from None
 
 
-async def _run(spec: WorkerSpec, out_queue: Any, heartbeat: Any, served_version: Any, stop_event: Any) -> None:
+def _beat_while_starting(heartbeat: Any, started: threading.Event) -> None:
+    while not started.wait(_HEARTBEAT_PERIOD_S):
+        heartbeat.value = time.time()
+
+
+async def _run(
+    spec: WorkerSpec, out_queue: Any, heartbeat: Any, served_version: Any, stop_event: Any, started: threading.Event
+) -> None:
     async def beat() -> None:
+        # From here on a stalled event loop (a blocking reward function, a frozen process) stops the beat.
+        started.set()
         while True:
             heartbeat.value = time.time()
             await asyncio.sleep(_HEARTBEAT_PERIOD_S)
@@ -206,7 +227,7 @@ async def _run(spec: WorkerSpec, out_queue: Any, heartbeat: Any, served_version:
     from grpo_core.rollout.scheduler import RolloutScheduler
 
     beat_task = asyncio.create_task(beat())
-    loop_obj = spec.loop_cls(emit=emit, **spec.loop_kwargs)
+    loop_obj = spec.loop_cls(emit=emit, **spec.loop_kwargs, **spec.shared_kwargs)
     loop_obj.served_version = lambda: int(served_version.value)
     scheduler = RolloutScheduler(loop_obj, stop_event)
     try:

@@ -287,3 +287,23 @@ def test_deploy_selects_by_name_and_names_unknown_ones():
     specs = load_pool_specs(ROOT)
     assert {d["work_pool"]["name"] for d in project["deployments"]} <= specs.keys()
     assert {s.type for s in specs.values()} == {"process", "kubernetes"}
+
+
+def test_storage_credentials_come_from_an_aws_credentials_block(prefect):
+    # The flow's storage_credentials parameter names a prefect-aws AwsCredentials block; its values
+    # reach the environment the training processes inherit, and only the names are logged.
+    api, env, _ = prefect
+    script = (
+        "import os\n"
+        "from prefect_aws import AwsCredentials\n"
+        "from flows.train_flow import load_storage_credentials\n"
+        "AwsCredentials(aws_access_key_id='AKIAEXAMPLE', aws_secret_access_key='s3cr3t-value', region_name='eu-west-1',\n"
+        "               aws_client_parameters={'endpoint_url': 'http://127.0.0.1:9000'}).save('grpo-s3-test', overwrite=True)\n"
+        "load_storage_credentials('grpo-s3-test')\n"
+        "print(os.environ['AWS_ACCESS_KEY_ID'], os.environ['AWS_SECRET_ACCESS_KEY'], os.environ['AWS_DEFAULT_REGION'],\n"
+        "      os.environ['AWS_ENDPOINT_URL'])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["AKIAEXAMPLE", "s3cr3t-value", "eu-west-1", "http://127.0.0.1:9000"]
+    assert "s3cr3t-value" not in done.stderr
