@@ -163,8 +163,11 @@ def test_mlflow_run_holds_step_metrics_and_config(vllm_server, mlflow_server, ti
     tracker.close()
     client = mlflow.MlflowClient(mlflow_server)
     run = client.get_run(tracker.run_id)
+    # The queue is read from four metrics (which side waits): its size, the scoring backlog, the
+    # trainer's wait and the worker's back-pressure; and the forwarded tokens per sample.
     for name in ("reward", "reward_std", "rewards/accuracy_reward/mean", "rewards/format_reward/mean", "loss",
-                 "sample/staleness_mean", "rollout/generated_tok_s", "perf/rollout_wait_s", "weight_version"):
+                 "sample/staleness_mean", "rollout/generated_tok_s", "perf/rollout_wait_s", "weight_version",
+                 "rollout/queue_size", "rollout/score_queue_size", "rollout/backpressure_s", "sample/forwarded_tokens_mean"):
         steps = [m.step for m in client.get_metric_history(tracker.run_id, name)]
         assert steps == [1, 2, 3], f"{name}: logged at steps {steps}"
     assert float(run.data.params["learning_rate"]) == config.learning_rate

@@ -238,6 +238,7 @@ def test_embedded_default_run_completes_with_metrics_in_mlflow(
                                                 text=True).stdout.strip()
 
     # A search written for a TRL run finds it: the trainer's settings are top-level params.
+    mlflow.set_tracking_uri(mlflow_server)
     found = mlflow.search_runs(experiment_names=[experiment], filter_string="params.learning_rate = '0.00017'",
                                output_format="list")
     assert [r.info.run_id for r in found] == [mlflow_run.info.run_id]
@@ -255,7 +256,6 @@ def test_embedded_default_run_completes_with_metrics_in_mlflow(
     reference = json.loads((Path(refs) / "checkpoint-step-000003.json").read_text())
     assert Path(reference["uri"]) == tmp_path / "run" / "checkpoint-3" and reference["step"] == 3
     # ...and the final model is an MLflow transformers model, registered, that loads back.
-    mlflow.set_tracking_uri(mlflow_server)
     versions = client.search_model_versions(f"name = '{registered}'")
     assert len(versions) == 1 and versions[0].run_id == run_id
     components = mlflow.transformers.load_model(f"models:/{registered}/{versions[0].version}", return_type="components")

@@ -2,8 +2,8 @@
 named error for every bad input, before anything is spawned where the check can be made there.
 
 The quick start runs as a script with everything at module level (no ``if __name__ == "__main__"``),
-with a reward function and a lambda defined in the script itself, as ``python script.py`` and under
-``torchrun``. A second CPU server is started exactly with the seed's flags (plus what the CPU build
+with a reward function and a lambda defined in the script itself, as ``python script.py``, under
+``torchrun`` and under ``accelerate launch``. A second CPU server is started exactly with the seed's flags (plus what the CPU build
 needs: the gloo backend and fp32): no ``--enable-scale-out``, so generation goes through
 ``/v1/completions``.
 """
@@ -72,12 +72,20 @@ def run_script(script: Path, launcher: list[str], timeout_s: float = 600) -> sub
     return subprocess.run([*launcher, str(script)], capture_output=True, text=True, timeout=timeout_s, env=env, cwd=script.parent)
 
 
-@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+LAUNCHERS = {
+    "python": [sys.executable],
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"],
+    "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+                   "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu"],
+}
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 def test_the_quick_start_as_printed_trains(vllm_server, tiny_model_path, data_file, tmp_path, launcher):
     out = tmp_path / "run"
     script = tmp_path / "train_async_grpo.py"
     script.write_text(QUICK_START.format(data=data_file, model=tiny_model_path, out=str(out), url=vllm_server.base_url))
-    command = [sys.executable] if launcher == "python" else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"]
+    command = LAUNCHERS[launcher]
     done = run_script(script, command)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert "TRAINED 3" in done.stdout
