@@ -7,8 +7,9 @@ A training process that dies (preemption, SIGKILL) is started again from the new
 checkpoint, after restarting the server if it died too, up to ``job.max_resumes`` times: the first
 attempt follows ``job.trainer.resume_from_checkpoint``, every later one runs with it set to True
 (the newest good checkpoint of this run under ``output_dir``; none yet means step 0). The summary
-(also written to ``summary.json`` in the local run folder) says how often it resumed and how many
-prompts were trained twice (those past the last checkpoint before each crash).
+(also written to ``summary.json`` in the local run folder) says how often it resumed, how many
+prompts were trained twice (those past the last checkpoint before each crash), and how often the
+server restarted under the trainer (an external one: the trainer pushed its weights to it again).
 
 A remote ``output_dir`` (``s3://...``) holds checkpoints and the ledger only; the job file, logs,
 pid file and default MLflow store go to a local run folder (``local_run_dir``). Storage credentials
@@ -210,7 +211,7 @@ def report_resumes(job: JobConfig, tracking_uri: str, run_id: str, resumes: int)
 
     counts = {**ledger_summary(job.trainer.output_dir), "resumes": resumes}
     client = mlflow.MlflowClient(tracking_uri)
-    for key in ("resumes", "prompts_trained_twice", "prompts_consumed"):
+    for key in ("resumes", "prompts_trained_twice", "prompts_consumed", "server_restarts"):
         client.log_metric(run_id, f"job/{key}", float(counts[key]), step=job.trainer.max_steps)
     client.set_tag(run_id, "resumes", str(resumes))
     return counts
@@ -297,6 +298,8 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
         "resumes": resumes,
         "prompts_trained_twice": resume_counts["prompts_trained_twice"],
         "prompts_consumed": resume_counts["prompts_consumed"],
+        # Restarts of the vLLM server the trainer met and pushed its weights to again (an external one).
+        "server_restarts": resume_counts["server_restarts"],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     summary_artifact(job, summary)

@@ -23,6 +23,11 @@ from grpo_core.rollout.types import GroupReport, RolloutSample
 
 log = logging.getLogger(__name__)
 
+COLLECTION_INTERRUPTED = "collection-interrupted"
+"""What a source hands the collector, and ``collect`` returns, when the step must wait for something else
+first (the server restarted and needs the trainer's weights again, ``grpo_core.server_watch``); the
+samples gathered so far stay for the next ``collect``."""
+
 
 class WeightVersions:
     """The weight versions pushed to the server, oldest first (a version is the step it was pushed at)."""
@@ -37,6 +42,12 @@ class WeightVersions:
     @property
     def current(self) -> int:
         return self.pushed[-1] if self.pushed else 0
+
+    def was_pushed(self, version: int) -> bool:
+        """Whether this trainer pushed ``version``: a sample of any other (a restarted server's start-up
+        ``"default"``, see ``rollout.stages.UNKNOWN_VERSION``) comes from weights it never trained."""
+        index = bisect.bisect_left(self.pushed, version)
+        return index < len(self.pushed) and self.pushed[index] == version
 
     def staleness(self, sample_version: int) -> int:
         """Weight updates pushed after ``sample_version``: how far the sampling policy lags the served one."""
@@ -96,6 +107,7 @@ class StepBatch:
     wait_s: float
     end_of_data: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    foreign_dropped: int = 0  # samples of weight versions this trainer never pushed (a restarted server's)
 
 
 class StepCollector:
@@ -125,17 +137,20 @@ class StepCollector:
         self.frontier = frontier
         self.timeout_s = timeout_s
         self._carried: RolloutSample | None = None
+        self._interrupted: tuple[Any, ...] | None = None  # what an interrupted collect had gathered
         self.stale_dropped_total = 0
+        self.foreign_dropped_total = 0
         self.end_of_data = False
 
-    def collect(self, versions: WeightVersions) -> StepBatch | None:
+    def collect(self, versions: WeightVersions) -> StepBatch | str | None:
         """Samples for the next step, trained on the weights after ``versions.current``; None once the
-        data has ended and nothing is left."""
-        samples: list[RolloutSample] = []
-        reports: list[GroupReport] = []
-        staleness: list[int] = []
-        stale = 0
-        wait_s = 0.0
+        data has ended and nothing is left; ``COLLECTION_INTERRUPTED`` when the source says so (the
+        next call carries on with what this one gathered)."""
+        samples: list[RolloutSample]
+        reports: list[GroupReport]
+        staleness: list[int]
+        samples, reports, staleness, stale, foreign, wait_s = self._interrupted or ([], [], [], 0, 0, 0.0)
+        self._interrupted = None
         while not self.planner.full() and len(samples) < self.max_samples_per_step:
             if self._carried is not None:
                 item, self._carried = self._carried, None
@@ -148,9 +163,16 @@ class StepCollector:
             if isinstance(item, str) and item == END_OF_DATA:
                 self.end_of_data = True
                 continue
+            if isinstance(item, str) and item == COLLECTION_INTERRUPTED:
+                self._interrupted = (samples, reports, staleness, stale, foreign, wait_s)
+                return COLLECTION_INTERRUPTED
             if isinstance(item, GroupReport):
                 self.frontier.on_report(item)
                 reports.append(item)
+                continue
+            if not versions.was_pushed(item.policy_version):
+                foreign += 1  # sampled from weights this trainer never pushed: never trained
+                self.frontier.on_consumed(item)
                 continue
             lag = versions.staleness(item.policy_version)
             if lag > self.max_staleness:
@@ -171,6 +193,7 @@ class StepCollector:
         if not samples and self.end_of_data:
             return None
         self.stale_dropped_total += stale
+        self.foreign_dropped_total += foreign
         return StepBatch(
             plan=plan,
             samples=samples,
@@ -179,6 +202,7 @@ class StepCollector:
             staleness=staleness,
             wait_s=wait_s,
             end_of_data=self.end_of_data,
+            foreign_dropped=foreign,
         )
 
     def mark_trained(self, batch: StepBatch) -> None:

@@ -189,6 +189,11 @@ class AsyncGRPOConfig:
     """Seconds ``train()`` waits for the server to answer (it may still be starting) before it fails."""
     request_timeout: Annotated[float, Field(gt=0)] = 600.0
     """Timeout of one HTTP request to the server."""
+    server_unavailable_timeout_s: Annotated[float, Field(gt=0)] = 900.0
+    """How long the rollout worker resends requests to, and the trainer waits for, a server that stopped
+    answering (an external server being restarted) before the run fails. A server that comes back under a
+    weight version the trainer did not push (restarted on its disk weights) gets the trainer's weights
+    again; what it generated before that is never trained."""
     weight_transfer_backend: Literal["gloo", "nccl"] | None = None
     """``nccl`` (GPU servers) or ``gloo`` (CPU servers, this package's vLLM plugin); must match the server's weight-transfer
     configuration (checked at start-up). None: ``nccl`` when the trainer runs on CUDA, else ``gloo``."""

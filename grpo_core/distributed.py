@@ -169,17 +169,19 @@ class StepFeed:
     def stale_dropped_total(self) -> int:
         return self.collector.stale_dropped_total if self.rank == 0 else self._stale_dropped_total
 
-    def collect(self, versions: WeightVersions) -> StepBatch | None:
+    def collect(self, versions: WeightVersions) -> StepBatch | str | None:
         if self.world_size == 1:
             return self.collector.collect(versions)
         if self.rank == 0:
             batch = self.collector.collect(versions)
-            msg = None if batch is None else step_message(batch, self.collector.stale_dropped_total)
-            broadcast_object(msg)  # None: the data has ended, every rank stops
+            # None: the data has ended, every rank stops; a str (COLLECTION_INTERRUPTED): every rank
+            # goes back to the top of its loop.
+            msg = batch if batch is None or isinstance(batch, str) else step_message(batch, self.collector.stale_dropped_total)
+            broadcast_object(msg)
             return batch
         msg = broadcast_object(None)
-        if msg is None:
-            return None
+        if msg is None or isinstance(msg, str):
+            return msg
         self._stale_dropped_total = msg.stale_dropped_total
         return rebuild_batch(msg, self.collector.planner)
 

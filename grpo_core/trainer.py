@@ -23,11 +23,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import numpy as np
 import torch
 
 from grpo_core.checkpoint import CheckpointParts, Checkpointer
-from grpo_core.collector import StepBatch, StepCollector, TrainingFrontier, WeightVersions
+from grpo_core.collector import COLLECTION_INTERRUPTED, StepBatch, StepCollector, TrainingFrontier, WeightVersions
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.distributed import DistInfo, StepFeed, broadcast_object, gather_step_results, init_distributed, shutdown_distributed
 from grpo_core.inputs import check_crossing, check_model_reference, check_train_dataset, model_load_error
@@ -37,14 +38,23 @@ from grpo_core.models.loading import load_policy, load_tokenizer
 from grpo_core.models.tree_attention import enable_tree_attention
 from grpo_core.packing.collator import PackedRow, pack_row
 from grpo_core.perf import PerfMeter, synchronize
+from grpo_core.rollout.client import VLLMRequestError
 from grpo_core.rollout.stages import AsyncRolloutLoop
 from grpo_core.rollout.prompts import is_streaming
 from grpo_core.rollout.tool_calls import ToolRegistry
 from grpo_core.rollout.worker import RolloutWorker, WorkerSpec
 from grpo_core.group_metrics import group_metrics
+from grpo_core.server_watch import ServerWatch, WatchedSource
 from grpo_core.tracking import Tracker, make_tracker
 
 log = logging.getLogger(__name__)
+
+# What a push to a server that went away raises: its HTTP calls, the server's reply, the gloo transfer.
+PUSH_FAILURES = (httpx.TransportError, VLLMRequestError, RuntimeError)
+
+
+class ServerRestartError(RuntimeError):
+    """The server restarted and this trainer cannot bring it back to its weights by itself."""
 
 
 @dataclass
@@ -130,6 +140,8 @@ class AsyncGRPOTrainer:
         self.control: Any = None
         self.server: Any = None  # ServerCapabilities, once checked
         self.feed: StepFeed | None = None
+        self.watch: ServerWatch | None = None  # notices a restarted server (rank 0 asks it)
+        self.server_restarts = 0
 
     # TRL's names for what this trainer holds under its own.
     @property
@@ -153,13 +165,16 @@ class AsyncGRPOTrainer:
         try:
             while self.args.max_steps <= 0 or self.global_step < self.args.max_steps:
                 step_start = time.perf_counter()
+                self._push_again_if_server_restarted()
                 batch = self.feed.collect(self.versions)
                 if batch is None:
                     break
+                if batch == COLLECTION_INTERRUPTED:
+                    continue  # the server restarted while this step's samples were collected
                 metrics = self._optimizer_step(batch)
                 self.state.global_step += 1
                 self.feed.mark_trained(batch)
-                metrics.update(self.checkpointer.record_step(batch))  # the prompts it consumed
+                metrics.update(self.checkpointer.record_step(batch, self.server_restarts))  # the prompts it consumed
                 if self._is_sync_step():
                     metrics.update(self._sync_weights())
                 if self._is_eval_step():
@@ -254,6 +269,7 @@ class AsyncGRPOTrainer:
         if self.dist.is_main:
             self.control = VLLMControlClient(args.vllm_server_base_url, timeout=args.request_timeout)
             wait_for_server(self.control, args, model_name, cuda)
+        self.watch = ServerWatch(self.control, args.server_unavailable_timeout_s)
         if broadcast_object(self.dist.is_main and _left_paused(self.control)):
             # A trainer killed during a weight sync (preemption) left the server paused with half-loaded
             # weights, on which the next request would crash it: complete a push (it resumes) first.
@@ -271,7 +287,7 @@ class AsyncGRPOTrainer:
         self._sync_weights()
         self.worker = self._start_worker() if self.dist.is_main else None  # rank 0 owns the rollout worker
         collector = StepCollector(
-            source=self.worker,
+            source=WatchedSource(self.worker, self.watch) if self.worker is not None else None,
             world_size=self.dist.world_size,
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             token_budget=args.token_budget,
@@ -396,14 +412,20 @@ class AsyncGRPOTrainer:
         return candidate_mask_from_ids(ids, vocab_size, device=row.target_ids.device)
 
     # ------------------------------------------------------------------------------------------ sync
-    def _sync_weights(self) -> dict[str, float]:
+    def _sync_weights(self, force: bool = False) -> dict[str, float]:
+        """Push this step's weights (``force``: even if they were pushed already, to a restarted server)."""
         from grpo_core.sync.factory import SYNC_MODE_CODES
 
-        if self.versions.pushed and self.versions.current == self.global_step:
+        if not force and self.versions.pushed and self.versions.current == self.global_step:
             return {}  # this step's weights are already on the server
         self.model.eval()
-        stats = self.weight_sync.push(self.global_step)
+        try:
+            stats = self.weight_sync.push(self.global_step)
+        except PUSH_FAILURES as err:
+            return self._push_again_after_failed_push(err)
         self.versions.record(self.global_step)
+        if self.dist.is_main:
+            self.watch.after_push(self.versions.pushed)
         if self.worker is not None:
             self.worker.publish_version(self.global_step)
         metrics = {
@@ -415,6 +437,41 @@ class AsyncGRPOTrainer:
         if stats.adapters_registered is not None:
             metrics["sync/adapters_registered"] = float(stats.adapters_registered)
         return metrics
+
+    def _push_again_if_server_restarted(self) -> None:
+        """Before each step's collection: a server that restarted since the last push (rank 0's
+        ``ServerWatch`` says so) gets this step's weights over a new transfer session. What it generated
+        before carries a weight version never pushed, and the collector drops it."""
+        reason = broadcast_object(self.watch.restarted() if self.dist.is_main else None)
+        if reason is not None:
+            self._push_to_restarted_server(reason)
+
+    def _push_to_restarted_server(self, reason: str) -> dict[str, float]:
+        if self.weight_sync.mode == "adapter":
+            raise ServerRestartError(
+                f"the vLLM server restarted ({reason}); adapter-only LoRA sync cannot register its adapters on "
+                "the new server from here: resume the run (the flow does) or use lora_sync_mode='merged'"
+            )
+        log.warning("the vLLM server restarted (%s); pushing the weights of step %d again", reason, self.global_step)
+        try:
+            self.weight_sync.close()  # its session died with the server's workers
+        except Exception as err:  # noqa: BLE001 - whatever the dead session says, a new one follows
+            log.info("closing the weight transfer to the old server: %s", err)
+        self.weight_sync = self._make_weight_sync()
+        metrics = self._sync_weights(force=True)
+        self.server_restarts += 1
+        log.warning("re-pushed weight version %d to the restarted server in %.1f s (server restart %d of this attempt)",
+                    self.global_step, metrics.get("sync/seconds", 0.0), self.server_restarts)
+        return metrics
+
+    def _push_again_after_failed_push(self, err: Exception) -> dict[str, float]:
+        """A push that failed because the server went away (one rank: with several, the others are inside
+        the push's collectives and the attempt fails; the flow resumes it) waits for the server, then
+        pushes to it again when it restarted; any other failure is raised."""
+        reason = self.watch.restarted() if self.dist.world_size == 1 and self.watch is not None else None
+        if reason is None:
+            raise err
+        return self._push_to_restarted_server(f"{reason}; the push failed with {type(err).__name__}: {err}")
 
     # ------------------------------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
@@ -476,6 +533,8 @@ class AsyncGRPOTrainer:
                 "sample/staleness_max": float(staleness.max()) if staleness.size else 0.0,
                 "sample/stale_dropped": float(batch.stale_dropped),
                 "sample/stale_dropped_total": float(self.feed.stale_dropped_total),
+                "sample/foreign_dropped": float(batch.foreign_dropped),
+                "sync/server_restarts": float(self.server_restarts),
                 "sample/forwarded_tokens_mean": float(np.mean(forwarded)) if forwarded else 0.0,
                 "rollout/generated_tok_s": generated / wall if wall > 0 else 0.0,
                 "rollout/queue_size": float(self.worker.queue_size()) if self.worker is not None else 0.0,

@@ -309,4 +309,4 @@ def test_ledger_lineage_and_summary(tmp_path):
     summary = ledger_summary(str(tmp_path))
     # positions 10..13 (steps 6, 7) were trained three times, 14..17 (steps 8, 9) twice
     assert summary == {"attempts": 3, "resumes": 2, "prompts_consumed": 24, "prompts_trained_twice": 8,
-                       "stale_dropped": 0}
+                       "stale_dropped": 0, "foreign_dropped": 0, "server_restarts": 0}

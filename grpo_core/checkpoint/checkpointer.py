@@ -196,9 +196,10 @@ class Checkpointer:
             log.info("attempt %d: steps %d..%d were logged before and are marked train/rerun_step=1",
                      self.attempt, self.resumed.step + 1, self.rerun_until)
 
-    def record_step(self, batch: Any) -> dict[str, float]:
+    def record_step(self, batch: Any, server_restarts: int = 0) -> dict[str, float]:
         """Write this step's consumed prompt positions to the ledger (before the step counts as done);
-        returns the metrics that tell a re-run step (logged before by an earlier attempt) apart."""
+        returns the metrics that tell a re-run step (logged before by an earlier attempt) apart.
+        ``server_restarts``: restarts of the vLLM server this attempt has met so far."""
         step = self.parts.global_step
         if self.dist.is_main:
             self.ledger.record(
@@ -208,6 +209,11 @@ class Checkpointer:
                 dropped_groups=sorted({r.position for r in batch.reports if r.num_samples == 0}),
                 stale_dropped=int(batch.stale_dropped),
                 frontier=self.parts.position,
+                # The weight versions that sampled what this step trained, and the samples dropped for
+                # a version never pushed: an audit that a restarted server's samples were not trained.
+                versions=sorted({int(s.policy_version) for s in batch.samples}),
+                foreign_dropped=int(getattr(batch, "foreign_dropped", 0)),
+                server_restarts=server_restarts,
             )
         return {"train/attempt": float(self.attempt), "train/rerun_step": float(step <= self.rerun_until)}
 

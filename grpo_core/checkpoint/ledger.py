@@ -95,4 +95,14 @@ def ledger_summary(output_dir: str) -> dict[str, int]:
         "prompts_consumed": len(seen),
         "prompts_trained_twice": sum(1 for a in seen.values() if len(a) > 1),
         "stale_dropped": sum(r["stale_dropped"] for r in steps),
+        "foreign_dropped": sum(r.get("foreign_dropped", 0) for r in steps),
+        "server_restarts": server_restarts(steps),
     }
+
+
+def server_restarts(steps: list[dict[str, Any]]) -> int:
+    """vLLM server restarts the run met: each step record holds its attempt's count so far."""
+    per_attempt: dict[int, int] = {}
+    for record in steps:
+        per_attempt[record["attempt"]] = max(per_attempt.get(record["attempt"], 0), record.get("server_restarts", 0))
+    return sum(per_attempt.values())

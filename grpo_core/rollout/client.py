@@ -10,6 +10,9 @@ per-token weight versions and candidate sets), else to ``/v1/completions`` with 
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +22,22 @@ import numpy as np
 
 # Failures of a connection the server had already closed: the request never reached it.
 DROPPED_CONNECTION = (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError)
+# ... and of a server that is not there at all (stopped, or restarting on the same port).
+SERVER_UNREACHABLE = (*DROPPED_CONNECTION, httpx.ConnectError, httpx.ConnectTimeout)
 _GENERATE_ATTEMPTS = 3
+_BACKOFF_FIRST_S = 0.5
+_BACKOFF_MAX_S = 10.0
+# Generation retries more often than the trainer polls a down server: connection refusals cost the
+# server nothing, and samples resume within seconds of it coming back.
+_GENERATE_BACKOFF_MAX_S = 2.0
+
+
+def backoff_delays(first_s: float = _BACKOFF_FIRST_S, max_s: float = _BACKOFF_MAX_S) -> Iterator[float]:
+    """Waits between attempts at an unreachable server: doubling from ``first_s``, at most ``max_s``."""
+    delay = first_s
+    while True:
+        yield delay
+        delay = min(max_s, 2 * delay)
 
 
 class VLLMRequestError(RuntimeError):
@@ -234,10 +252,14 @@ class VLLMGenerateClient:
     """Asynchronous generation from token ids: ``/inference/v1/generate`` when ``tokens_endpoint``, else
     ``/v1/completions`` (no per-token weight versions or candidate sets there)."""
 
-    def __init__(self, base_url: str, timeout: float = 600.0, max_connections: int = 1024, tokens_endpoint: bool = True):
+    def __init__(self, base_url: str, timeout: float = 600.0, max_connections: int = 1024, tokens_endpoint: bool = True,
+                 unavailable_timeout_s: float = 0.0):
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout, limits=limits)
         self.tokens_endpoint = tokens_endpoint
+        # How long a request keeps being resent, with backoff, to a server that does not answer (a
+        # restart takes minutes); 0 keeps only the resends for the keep-alive race below.
+        self.unavailable_timeout_s = unavailable_timeout_s
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -260,18 +282,34 @@ class VLLMGenerateClient:
             body = {"prompt": token_ids, "return_token_ids": True, "return_tokens_as_token_ids": True, **params}
         if model is not None:
             body["model"] = model
-        # The server closes idle keep-alive connections after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE) while
-        # httpx may still hold them, so a request sent on one as it closes fails without reaching the
-        # server: send it again on a new connection. A sample is a fresh draw, so a retry is harmless.
-        for attempt in range(_GENERATE_ATTEMPTS):
-            try:
-                response = await self._http.post(route, json=body)
-                break
-            except DROPPED_CONNECTION:
-                if attempt == _GENERATE_ATTEMPTS - 1:
-                    raise
+        response = await self._post_resending(route, body)
         _raise_for(route, response)
         return [parse(c, num_top) for c in response.json()["choices"]]
+
+    async def _post_resending(self, route: str, body: dict[str, Any]) -> httpx.Response:
+        """POST, sent again when the connection fails before a reply.
+
+        The server closes idle keep-alive connections after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE) while
+        httpx may still hold them, so a request sent on one as it closes fails without reaching the
+        server: the first resends go out at once on a new connection. A server that is down (killed,
+        restarting) is tried again with backoff for ``unavailable_timeout_s`` after the first failure.
+        A sample is a fresh draw, so a resend is harmless; one that lands on a restarted server carries
+        its weight version, which the trainer never pushed, and is dropped there.
+        """
+        first_failure: float | None = None
+        delays = backoff_delays(max_s=_GENERATE_BACKOFF_MAX_S)
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                return await self._http.post(route, json=body)
+            except SERVER_UNREACHABLE:
+                first_failure = first_failure if first_failure is not None else time.monotonic()
+                if attempts < _GENERATE_ATTEMPTS:
+                    continue
+                if time.monotonic() - first_failure >= self.unavailable_timeout_s:
+                    raise
+                await asyncio.sleep(next(delays))
 
     async def max_model_len(self) -> int:
         response = await self._http.get("/v1/models")

@@ -49,12 +49,17 @@ def reward_func_name(func: Callable[..., Any]) -> str:
     return str(name)
 
 
+UNKNOWN_VERSION = -1
+"""A weight version the trainer never sets: the server's start-up ``"default"`` (a restarted server
+serving the weights it loaded from disk) or any label someone else gave it; never trained."""
+
+
 def version_number(version: str) -> int:
-    """Weight versions are the trainer's step numbers as strings; the server starts at 'default' (0)."""
+    """Weight versions are the trainer's step numbers as strings; anything else is ``UNKNOWN_VERSION``."""
     try:
         return int(version)
     except ValueError:
-        return 0
+        return UNKNOWN_VERSION
 
 
 def oldest_version(choice: GeneratedChoice, fallback: int) -> int:
@@ -126,7 +131,8 @@ class AsyncRolloutLoop:
 
     async def connect(self) -> None:
         """Open the generation client and read the server's context length (the scheduler calls this)."""
-        self.client = VLLMGenerateClient(self.base_url, timeout=self.config.request_timeout, tokens_endpoint=self.tokens_endpoint)
+        self.client = VLLMGenerateClient(self.base_url, timeout=self.config.request_timeout, tokens_endpoint=self.tokens_endpoint,
+                                         unavailable_timeout_s=self.config.server_unavailable_timeout_s)
         self.max_model_len = await self.client.max_model_len()
 
     async def close(self) -> None:
