@@ -117,6 +117,8 @@ def create_mlflow_run(job: JobConfig, tracking_uri: str, tags: dict[str, str]) -
     # The trainer's settings under their own (TRL) names; the rest of the job under job.*.
     tracker.log_params({**trainer_params(job.trainer), "job": {k: v for k, v in job_dict.items() if k != "trainer"}})
     tracker.set_tags({**identity, **tags})
+    if tracker.flush():  # tags are queued like every write during training; these must land now
+        raise RuntimeError(f"MLflow at {tracking_uri} did not take the tags of run {tracker.run_id}")
     return tracker.run_id  # type: ignore[return-value]
 
 

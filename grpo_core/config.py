@@ -58,6 +58,10 @@ class AsyncGRPOConfig:
     """Name of the tracking run; default: ``<model>-<task>-<config hash>`` from the flow, else the output folder's name."""
     report_to: Literal["mlflow", "none"] = "mlflow"
     """Where metrics go: ``mlflow`` (the server in ``MLFLOW_TRACKING_URI``, else MLflow's default store) or ``none``."""
+    tracking_flush_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    """Metrics, tags and checkpoint references reach MLflow from a queue that keeps retrying while the server is
+    unreachable (training goes on; nothing is lost or logged twice); when training ends (or fails) the trainer waits up
+    to this long for the queue to drain, then names what it could not deliver."""
     log_completions: bool = False
     """Log a table of prompts, completions and rewards to the tracker every ``logging_steps``."""
     num_completions_to_print: Annotated[int, Field(ge=0)] = 3
@@ -214,6 +218,11 @@ class AsyncGRPOConfig:
     """``steps`` (every ``save_steps``, and after the last step) or ``no``."""
     save_steps: Annotated[int, Field(ge=1)] = 50
     """Write a checkpoint every N optimizer steps."""
+    storage_retry_timeout_s: Annotated[float, Field(ge=0)] = 600.0
+    """How long a read or write of ``output_dir`` that fails transiently (throttling, HTTP 5xx, a timeout, an
+    endpoint that is restarting) is retried with backoff; then, or at once for other failures (no permission, a full
+    disk), the error names the operation and the path. A checkpoint that cannot be written is skipped (training goes on
+    and the last good checkpoint stays the resume point), except the one after the last step."""
     save_total_limit: Annotated[int, Field(ge=1)] | None = 3
     """Keep the newest N checkpoints of this run (None keeps all)."""
     resume_from_checkpoint: bool | str | None = None

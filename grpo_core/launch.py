@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
 
             # Resumed by hand (not by the flow): keep logging into the run the checkpoint belongs to.
             run_id = saved_run_id(config.output_dir, config.resume_from_checkpoint)
-        tracker = MLflowTracker(args.tracking_uri, job.tracking.experiment, config.run_name, run_id=run_id)
+        tracker = MLflowTracker(args.tracking_uri, job.tracking.experiment, config.run_name, run_id=run_id,
+                                flush_timeout_s=config.tracking_flush_timeout_s)
     trainer_cls = AsyncGRPOTrainer
     if job.loop_cls:
         # The job's rollout stages, as a script would set them on a trainer subclass.
@@ -81,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         # A failed process leaves the run RUNNING: the flow decides whether it resumes or fails.
         if status == "FINISHED":
             tracker.close("FINISHED")
+        else:
+            tracker.flush()  # what the failed attempt logged still reaches the run
     return 0
 
 

@@ -5,6 +5,11 @@
 when used, so the library works without it. Secrets never reach a tracker: ``redact`` drops
 values whose key looks like a credential before params are logged.
 
+Writes during training (metrics, tags, checkpoint references, tables) go through an ``Outbox``: a
+background thread delivers them in order and retries while the server is unreachable, so a tracking
+server that is down for a while neither stops training nor loses or doubles a metric (each carries
+the timestamp it was given when logged; MLflow stores a repeated identical metric once).
+
 Run identity (``run_identity``): a name ``<model>-<task>-<config hash>`` and tags ``model``, ``task``,
 ``git_commit`` and ``config_hash``, so runs of one recipe group together in the MLflow UI. Large
 files are referenced, not copied: ``log_artifact_uri`` records a checkpoint's URI as a small JSON
@@ -14,6 +19,7 @@ that registers and loads back), so that it can be served from the run.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -54,6 +60,7 @@ class Tracker(Protocol):
     def log_artifact_uri(self, name: str, uri: str, step: int | None = None) -> None: ...
     def log_table(self, name: str, columns: dict[str, list[Any]], step: int) -> None: ...
     def last_logged_step(self, key: str) -> int | None: ...
+    def flush(self) -> list[str]: ...
     def close(self, status: str = "FINISHED") -> None: ...
 
 
@@ -79,12 +86,20 @@ class NullTracker:
     def last_logged_step(self, key: str) -> int | None:
         return None
 
+    def flush(self) -> list[str]:
+        return []
+
     def close(self, status: str = "FINISHED") -> None:
         pass
 
 
 class MLflowTracker:
-    """One MLflow run; reopened by id on resume so a job keeps a single run."""
+    """One MLflow run; reopened by id on resume so a job keeps a single run.
+
+    Creating or reopening the run and logging params talk to the server directly (a run that cannot
+    start should fail); writes during training go through the outbox (see the module docstring) and
+    ``close`` waits up to ``flush_timeout_s`` for them.
+    """
 
     def __init__(
         self,
@@ -93,10 +108,14 @@ class MLflowTracker:
         run_name: str | None,
         run_id: str | None = None,
         system_metrics: bool = False,
+        flush_timeout_s: float = 600.0,
     ):
         import mlflow
 
+        from grpo_core.outbox import Outbox
+
         self._mlflow = mlflow
+        self.flush_timeout_s = flush_timeout_s
         if tracking_uri:
             mlflow.set_tracking_uri(tracking_uri)
         self.tracking_uri = mlflow.get_tracking_uri()
@@ -113,6 +132,7 @@ class MLflowTracker:
         else:
             self._client.update_run(run_id, status="RUNNING")
         self.run_id = run_id
+        self._outbox = Outbox(f"MLflow at {self.tracking_uri}")
         self._system_monitor = None
         if system_metrics:
             self._system_monitor = _start_system_metrics(run_id)
@@ -136,14 +156,17 @@ class MLflowTracker:
 
         from mlflow.entities import Metric
 
+        # The timestamp is fixed here, once: a batch sent again after a lost reply is the same rows.
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
         for i in range(0, len(batch), 500):
-            self._client.log_batch(self.run_id, metrics=batch[i : i + 500])
+            chunk = batch[i : i + 500]
+            self._outbox.put(f"{len(chunk)} metrics of step {step}",
+                             functools.partial(self._client.log_batch, self.run_id, metrics=chunk))
 
     def set_tags(self, tags: dict[str, str]) -> None:
         for key, value in tags.items():
-            self._client.set_tag(self.run_id, key, str(value))
+            self._outbox.put(f"tag {key}", functools.partial(self._client.set_tag, self.run_id, key, str(value)))
 
     def log_artifact_uri(self, name: str, uri: str, step: int | None = None) -> None:
         """Reference a large artifact (a checkpoint) by URI instead of copying it into the store.
@@ -151,19 +174,31 @@ class MLflowTracker:
         The URI goes into a tag (visible in the run list) and into ``checkpoints/<name>.json``, a few
         bytes in the run's artifacts that point at the real files wherever they live (S3, a volume).
         """
-        self._client.set_tag(self.run_id, f"artifact.{name}", uri)  # the newest one, for the run list
         reference = {"name": name, "uri": uri, "step": step}
         file_name = f"{name}.json" if step is None else f"{name}-step-{step:06d}.json"
-        self._client.log_text(self.run_id, json.dumps(reference, indent=2), f"checkpoints/{file_name}")
+        self._outbox.put(f"checkpoint reference {file_name}", functools.partial(
+            self._client.log_text, self.run_id, json.dumps(reference, indent=2), f"checkpoints/{file_name}"))
+        # After the file: the tag names the newest checkpoint, for the run list (and log_final_model).
+        self._outbox.put(f"tag artifact.{name}", functools.partial(self._client.set_tag, self.run_id, f"artifact.{name}", uri))
 
     def log_table(self, name: str, columns: dict[str, list[Any]], step: int) -> None:
         """Append rows to the run's table ``<name>.json`` (MLflow's table artifact, shown in its UI's
         evaluation view); ``columns`` maps column names to equally long lists."""
-        self._client.log_table(self.run_id, data=columns, artifact_file=f"{name}.json")
+        self._outbox.put(f"table {name} at step {step}", functools.partial(
+            self._client.log_table, self.run_id, data=columns, artifact_file=f"{name}.json"))
 
     def last_logged_step(self, key: str) -> int | None:
         """Highest step at which ``key`` was logged in this run (a resumed trainer marks re-runs up to it)."""
         return max((m.step for m in self._client.get_metric_history(self.run_id, key)), default=None)
+
+    def flush(self) -> list[str]:
+        """Wait up to ``flush_timeout_s`` for queued writes; returns those not delivered (named)."""
+        left = self._outbox.flush(self.flush_timeout_s)
+        if left:
+            log.error("MLflow at %s took none of the last %d writes to run %s within %.0f s (first: %s, last: %s); "
+                      "they are not in the run", self.tracking_uri, len(left), self.run_id, self.flush_timeout_s,
+                      left[0], left[-1])
+        return left
 
     def close(self, status: str = "FINISHED") -> None:
         if self._system_monitor is not None:
@@ -171,7 +206,12 @@ class MLflowTracker:
                 self._system_monitor.finish()
             except Exception:  # noqa: BLE001 - monitoring must never fail a run
                 log.debug("system metrics monitor did not stop cleanly", exc_info=True)
-        self._client.set_terminated(self.run_id, status=status)
+        self.flush()
+        self._outbox.close(0.0)
+        try:
+            self._client.set_terminated(self.run_id, status=status)
+        except Exception as err:  # noqa: BLE001 - a finished training must not fail on its last tag
+            log.error("could not mark MLflow run %s %s at %s: %s", self.run_id, status, self.tracking_uri, err)
 
 
 def make_tracker(config: Any, is_main: bool = True, experiment: str = "grpo") -> Tracker:
@@ -181,7 +221,8 @@ def make_tracker(config: Any, is_main: bool = True, experiment: str = "grpo") ->
     if config.report_to == "none" or not is_main:
         return NullTracker()
     name = config.run_name or Path(str(config.output_dir).rstrip("/")).name or None
-    tracker = MLflowTracker(os.environ.get("MLFLOW_TRACKING_URI"), experiment, name)
+    tracker = MLflowTracker(os.environ.get("MLFLOW_TRACKING_URI"), experiment, name,
+                            flush_timeout_s=config.tracking_flush_timeout_s)
     tracker.log_params(trainer_params(config))
     return tracker
 

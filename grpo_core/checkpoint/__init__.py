@@ -40,6 +40,7 @@ Modules: ``storage`` (fsspec paths, manifests), ``state`` (tensors in and out), 
 from grpo_core.checkpoint.checkpointer import CheckpointParts, Checkpointer, ResumeInfo, saved_run_id
 from grpo_core.checkpoint.ledger import RunLedger, ledger_summary, read_ledger, surviving_steps
 from grpo_core.checkpoint.storage import MANIFEST, CheckpointError, Storage, build_manifest, read_manifest, verify_local
+from grpo_core.checkpoint.retry import StorageError
 
 __all__ = [
     "MANIFEST",
@@ -49,6 +50,7 @@ __all__ = [
     "ResumeInfo",
     "RunLedger",
     "Storage",
+    "StorageError",
     "build_manifest",
     "ledger_summary",
     "read_ledger",

@@ -102,7 +102,7 @@ class Checkpointer:
         self.parts = parts
         self.tracker = tracker
         self.wanted: bool | str | None = args.resume_from_checkpoint  # what this attempt resumes from
-        self.storage = Storage(args.output_dir)
+        self.storage = Storage(args.output_dir, args.storage_retry_timeout_s)
         self.ledger = RunLedger(self.storage)
         self.resumed = ResumeInfo(None, 0, 0)
         self.lineage: str | None = None
@@ -229,12 +229,35 @@ class Checkpointer:
         model_state, optim_state = full_state(self.parts.model, self.parts.optimizer)
         rng = gather_objects(rng_state())
         nbytes = 0
+        failed = False
         if self.dist.is_main:
-            url, nbytes = self._write(step, model_state, optim_state, rng)
-            self._rotate(keep=self.storage.path(f"checkpoint-{step}"))
-            self.tracker.log_artifact_uri("checkpoint", url, step=step)
+            try:
+                url, nbytes = self._write(step, model_state, optim_state, rng)
+            except Exception as err:  # noqa: BLE001 - storage, a full disk, or a serializer's report of either
+                self._write_failed(step, err)
+                failed = True
+            else:
+                self._rotate(keep=self.storage.path(f"checkpoint-{step}"))
+                self.tracker.log_artifact_uri("checkpoint", url, step=step)
         barrier()
-        return {"checkpoint/seconds": time.perf_counter() - start, "checkpoint/bytes": float(nbytes)}
+        metrics = {"checkpoint/seconds": time.perf_counter() - start, "checkpoint/bytes": float(nbytes)}
+        return metrics | ({"checkpoint/failed": 1.0} if failed else {})
+
+    def _write_failed(self, step: int, err: Exception) -> None:
+        """A checkpoint that could not be written (after the storage retries) is removed and skipped: the
+        newest good one stays the resume point and training goes on, unless it was the last step's."""
+        final = self.storage.path(f"checkpoint-{step}")
+        where = self.storage.url(final)
+        message = f"checkpoint-{step} could not be written to {where}: {type(err).__name__}: {err}{_disk_note(final, self.storage)}"
+        try:
+            # Without a manifest it would be skipped anyway; removing it frees what it took. Not retried:
+            # the store may be the thing that failed.
+            self.storage.fs.rm(final, recursive=True)
+        except Exception as cleanup:  # noqa: BLE001 - best effort
+            log.info("could not remove the unfinished %s: %s", where, cleanup)
+        if self.args.max_steps > 0 and step >= self.args.max_steps:
+            raise CheckpointError(f"{message}; it was the checkpoint of the last step") from err
+        log.error("%s; training goes on, and the newest good checkpoint stays the resume point", message)
 
     # ---- writing ------------------------------------------------------------------------------------
     def _write(self, step: int, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any], rng: list[Any]) -> tuple[str, int]:
@@ -248,7 +271,7 @@ class Checkpointer:
             manifest = build_manifest(staging, step, self.lineage or "")
             if not self.storage.is_local:
                 for name in manifest["files"]:
-                    self.storage.fs.put_file(str(staging / name), self.storage.path_in(final, name))
+                    self.storage.put_file(str(staging / name), self.storage.path_in(final, name))
             self.storage.write_json(self.storage.path_in(final, MANIFEST), manifest)
         finally:
             if not self.storage.is_local:
@@ -305,7 +328,12 @@ class Checkpointer:
         newest good one. Checkpoints an earlier run left here are not this run's to delete."""
         limit = self.args.save_total_limit
         good_seen = 0
-        for _step, path in self.storage.checkpoints():
+        try:
+            checkpoints = self.storage.checkpoints()
+        except OSError as err:  # the new checkpoint is written; old ones can go next time
+            log.warning("not rotating checkpoints: %s", err)
+            return
+        for _step, path in checkpoints:
             if path == keep:
                 good_seen += 1
                 continue
@@ -316,13 +344,16 @@ class Checkpointer:
                 good_seen += 1
             if (manifest is not None and limit is not None and good_seen > limit) or (manifest is None and good_seen > 0):
                 log.info("removing %s checkpoint %s", "old" if manifest else "torn", self.storage.url(path))
-                self.storage.remove_checkpoint(path)
+                try:
+                    self.storage.remove_checkpoint(path)
+                except OSError as err:
+                    log.warning("could not remove %s (next save tries again): %s", self.storage.url(path), err)
 
     # ---- reading ------------------------------------------------------------------------------------
     def _check(self, url: str) -> tuple[dict[str, Any] | None, str | None]:
         """``(manifest, None)`` for a good checkpoint (kept downloaded for ``restore`` when remote),
         else ``(None, why not)``. Sizes come from the listing; hashes need the bytes."""
-        storage = Storage(url)
+        storage = Storage(url, self.args.storage_retry_timeout_s)
         manifest, reason = read_manifest(storage, storage.root)
         if reason is not None:
             return None, reason
@@ -335,13 +366,13 @@ class Checkpointer:
     def _local_copy(self, url: str) -> Path:
         if url in self._local_copies:
             return self._local_copies[url]
-        storage = Storage(url)
+        storage = Storage(url, self.args.storage_retry_timeout_s)
         if storage.is_local:
             folder = Path(storage.root)
         else:
             folder = Path(tempfile.mkdtemp(prefix="grpo-resume-"))
             names = [e["name"] for e in storage.ls(storage.root) if e["type"] == "file"]
-            storage.fs.get(names, [str(folder / n.rsplit("/", 1)[-1]) for n in names])
+            storage.get(names, [str(folder / n.rsplit("/", 1)[-1]) for n in names])
         self._local_copies[url] = folder
         return folder
 
@@ -349,6 +380,17 @@ class Checkpointer:
         folder = self._local_copies.pop(url, None)
         if folder is not None and not Storage(url).is_local:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _disk_note(final: str, storage: Storage) -> str:
+    """Free space where the write went (the folder itself, or the local staging area of a remote store),
+    so that a full disk reads as one whatever the serializer said."""
+    folder = Path(final).parent if storage.is_local else Path(tempfile.gettempdir())
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return ""
+    return f" (the file system holding {folder} has {free / 2**20:.1f} MiB free)"
 
 
 def saved_run_id(output_dir: str, resume: bool | str = True) -> str | None:

@@ -23,8 +23,8 @@ class RunLedger:
         self.root = storage.path("ledger")
 
     def clear(self) -> None:
-        if self.storage.fs.exists(self.root):
-            self.storage.fs.rm(self.root, recursive=True)
+        if self.storage.exists(self.root):
+            self.storage.rm(self.root, recursive=True)
 
     def lineage(self) -> str | None:
         try:
@@ -59,7 +59,7 @@ def read_ledger(output_dir: str) -> tuple[list[dict[str, Any]], list[dict[str, A
 
     def load(sub: str) -> list[dict[str, Any]]:
         paths = sorted(e["name"] for e in storage.ls(storage.path_in(root, sub)) if e["name"].endswith(".json"))
-        blobs = storage.fs.cat(paths) if paths else {}
+        blobs = storage.cat(paths) if paths else {}
         return [json.loads(blobs[p]) for p in paths]
 
     return load("attempts"), load("steps")

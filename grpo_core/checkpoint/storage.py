@@ -2,7 +2,9 @@
 
 A checkpoint counts only once ``manifest.json`` (name, size and sha256 of every other file) exists;
 it is written last. ``read_manifest`` judges a folder by its listing alone (no download);
-``verify_local`` checks the hashes of a local copy.
+``verify_local`` checks the hashes of a local copy. Every call to the store goes through
+``retry.retrying``: a transient failure (throttling, 5xx, a timeout, an endpoint that restarts) is
+retried with backoff for ``retry_timeout_s``, anything else raises ``StorageError`` naming it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import os
 import re
 from pathlib import Path
 from typing import Any
+
+from grpo_core.checkpoint.retry import DEFAULT_TIMEOUT_S, retrying
 
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
@@ -32,14 +36,21 @@ class CheckpointError(RuntimeError):
 
 
 class Storage:
-    """``output_dir`` through fsspec: joins, JSON, listing and deletes that keep checkpoints consistent."""
+    """``output_dir`` through fsspec: joins, JSON, listing and deletes that keep checkpoints consistent.
 
-    def __init__(self, url: str):
+    Use its methods, not ``fs`` directly: they retry transient failures (see the module docstring).
+    """
+
+    def __init__(self, url: str, retry_timeout_s: float = DEFAULT_TIMEOUT_S):
         from fsspec.core import url_to_fs
         from fsspec.implementations.local import LocalFileSystem
 
         self.fs, self.root = url_to_fs(url)
         self.is_local = isinstance(self.fs, LocalFileSystem)
+        self.retry_timeout_s = retry_timeout_s
+
+    def _retry(self, what: str, path: str, call: Any) -> Any:
+        return retrying(what, self.url(path), call, local=self.is_local, timeout_s=self.retry_timeout_s)
 
     def path(self, *parts: str) -> str:
         return "/".join([self.root.rstrip("/"), *parts])
@@ -48,17 +59,44 @@ class Storage:
         return path if self.is_local else self.fs.unstrip_protocol(path)
 
     def ls(self, path: str) -> list[dict[str, Any]]:
-        self.fs.invalidate_cache(path)  # s3fs caches listings; another process may have written since
-        try:
+        def listing() -> list[dict[str, Any]]:
+            self.fs.invalidate_cache(path)  # s3fs caches listings; another process may have written since
             return self.fs.ls(path, detail=True)
+
+        try:
+            return self._retry("listing", path, listing)
         except FileNotFoundError:
             return []
 
     def read_json(self, path: str) -> Any:
-        return json.loads(self.fs.cat_file(path))
+        return json.loads(self._retry("reading", path, lambda: self.fs.cat_file(path)))
+
+    def exists(self, path: str) -> bool:
+        return bool(self._retry("checking", path, lambda: self.fs.exists(path)))
+
+    def rm(self, path: str, recursive: bool = False) -> None:
+        def remove() -> None:
+            try:
+                self.fs.rm(path, recursive=recursive)
+            except FileNotFoundError:
+                pass  # gone already: a repeat of a delete whose reply was lost
+
+        self._retry("deleting", path, remove)
+
+    def put_file(self, local: str, path: str) -> None:
+        self._retry("uploading to", path, lambda: self.fs.put_file(local, path))
+
+    def get(self, paths: list[str], local: list[str]) -> None:
+        self._retry("downloading", paths[0] if paths else self.root, lambda: self.fs.get(paths, local))
+
+    def cat(self, paths: list[str]) -> dict[str, bytes]:
+        return self._retry("reading", paths[0] if paths else self.root, lambda: self.fs.cat(paths))
 
     def write_json(self, path: str, value: Any) -> None:
         """One object written whole: a single PUT on object stores, a rename on a local disk."""
+        self._retry("writing", path, lambda: self._write_json_once(path, value))
+
+    def _write_json_once(self, path: str, value: Any) -> None:
         data = json.dumps(value, indent=1).encode()
         if self.is_local:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -73,10 +111,10 @@ class Storage:
 
     def remove_checkpoint(self, path: str) -> None:
         """Manifest first: a delete cut short leaves a torn folder, never a "good" one missing files."""
-        if self.fs.exists(self.path_in(path, MANIFEST)):
-            self.fs.rm(self.path_in(path, MANIFEST))
-        if self.fs.exists(path):
-            self.fs.rm(path, recursive=True)
+        if self.exists(self.path_in(path, MANIFEST)):
+            self.rm(self.path_in(path, MANIFEST))
+        if self.exists(path):
+            self.rm(path, recursive=True)
 
     @staticmethod
     def path_in(folder: str, name: str) -> str:
