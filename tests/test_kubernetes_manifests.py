@@ -177,7 +177,40 @@ def test_shipped_manifests_validate(where, manifest):
 
 def test_shipped_manifests_are_found():
     names = {where.split("#")[0] for where, _ in _shipped_manifests()}
-    assert {"infra/storage/storage.yaml", "infra/mlflow/mlflow-server.yaml", "infra/kubernetes/rbac.yaml"} <= names
+    assert {"infra/storage/storage.yaml", "infra/mlflow/mlflow-server.yaml", "infra/kubernetes/rbac.yaml",
+            "infra/kubernetes/network-policy.yaml"} <= names
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+
+def test_network_policy_admits_only_our_pods_to_the_server_and_trainers():
+    """The policies select the pods the flow renders, by the labels it gives them: the vLLM server (its
+    dev-mode routes pause it and replace its weights) takes the trainers on any port and the flow-run
+    pod on the HTTP port only; the trainers take each other and the server; nothing else is let in."""
+    policies = {d["metadata"]["name"]: d for d in yaml.safe_load_all((INFRA / "kubernetes" / "network-policy.yaml").read_text())}
+    server_pod = by_kind(server_manifests(SETTINGS, VLLMServerSpec(model="m"), "grpo-t-server-0"))["Job"]["spec"]["template"]
+    trainer_pod = by_kind(training_manifests(SETTINGS, launch(2, 2), "grpo-t-train-1"))["Job"]["spec"]["template"]
+    pool = json.loads((INFRA / "work-pools" / "kubernetes.json").read_text())
+    flow_pod = pool["job_configuration"]["job_manifest"]["spec"]["template"]
+    pods = {"server": server_pod["metadata"]["labels"], "trainer": trainer_pod["metadata"]["labels"],
+            "flow": flow_pod["metadata"]["labels"], "other": {"app.kubernetes.io/name": "something-else"}}
+
+    def admitted(policy: dict, source: str) -> list[object]:
+        """The ports ``source`` may reach (["any"] for all), [] when it is not let in."""
+        ports: list[object] = []
+        for rule in policy["spec"]["ingress"]:
+            if any(_selects(peer["podSelector"], pods[source]) for peer in rule["from"]):
+                ports += [p["port"] for p in rule.get("ports", [])] or ["any"]
+        return ports
+
+    server, trainer = policies["grpo-vllm-server"], policies["grpo-trainer"]
+    assert _selects(server["spec"]["podSelector"], pods["server"]) and not _selects(server["spec"]["podSelector"], pods["trainer"])
+    assert _selects(trainer["spec"]["podSelector"], pods["trainer"])
+    assert {p: admitted(server, p) for p in pods} == {"server": [], "trainer": ["any"], "flow": [8000], "other": []}
+    assert {p: admitted(trainer, p) for p in pods} == {"server": ["any"], "trainer": ["any"], "flow": [], "other": []}
+    assert all(p["spec"]["policyTypes"] == ["Ingress"] for p in policies.values())
 
 
 # ------------------------------------------------------------------------------------------ provisioner

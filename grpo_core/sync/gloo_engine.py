@@ -18,14 +18,12 @@ it back. The sender's extra memory is one bucket plus the gather scratch.
 from __future__ import annotations
 
 import logging
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, ClassVar, Self
 
 import torch
-from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 from vllm.distributed.weight_transfer.base import (
     TrainerInitInfo,
     TrainerWeightTransferEngine,
@@ -52,6 +50,7 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     master_port: int
     rank_offset: int
     world_size: int
+    secret: str = ""  # presented at the trainer's gate (``gated_store``); fresh per rendezvous
 
 
 @dataclass
@@ -114,19 +113,22 @@ class GlooWeightTransferEngine(
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module):
         super().__init__(config, vllm_config, device, model)
         self.group: Any = None
+        self.dialer: Any = None
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         # Same rank formula as vLLM's NCCL backend, so multi-worker servers line up.
+        from grpo_core.sync.address import local_address_towards
+        from grpo_core.sync.gated_store import StoreDialer, gloo_group, member_store
+
         pc = self.parallel_config
         worker_rank = pc.data_parallel_index * pc.world_size + pc.rank
-        self.group = stateless_init_torch_distributed_process_group(
-            init_info.master_address,
-            init_info.master_port,
-            worker_rank + init_info.rank_offset,
-            init_info.world_size,
-            backend="gloo",
-            timeout=_RENDEZVOUS_TIMEOUT,
-        )
+        if not init_info.secret:
+            raise ValueError("init_info carries no rendezvous secret; this plugin joins only a gated rendezvous")
+        # The trainer's store admits only connections that present the run's secret.
+        self.dialer = StoreDialer(init_info.master_address, init_info.master_port, init_info.secret)
+        store = member_store(self.dialer, init_info.world_size, _RENDEZVOUS_TIMEOUT)
+        self.group = gloo_group(store, worker_rank + init_info.rank_offset, init_info.world_size, _RENDEZVOUS_TIMEOUT,
+                                bind_address=local_address_towards(init_info.master_address))
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -167,6 +169,9 @@ class GlooWeightTransferEngine(
         if self.group is not None:
             self.group.shutdown()
             self.group = None
+        if self.dialer is not None:
+            self.dialer.close()
+            self.dialer = None
 
 
 @dataclass
@@ -197,6 +202,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     ):
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.group: Any = None
+        self.gate: Any = None  # the rendezvous listener that checks the secret (rank 0)
         self.next_weight_version: str | None = None
         self.bucket_bytes = bucket_bytes
         self.bytes_sent = 0
@@ -215,28 +221,27 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, bucket_bytes=init_info.bucket_bytes)
         if not engine.is_sender:
             return engine
+        from grpo_core.sync.gated_store import StoreGate, gloo_group, new_secret, trainer_store
+
+        secret = new_secret()
         worker_info = GlooWeightTransferInitInfo(
             master_address=init_info.master_address,
             master_port=init_info.master_port,
             rank_offset=1,
             world_size=init_info.world_size,
+            secret=secret,
         )
-        # This process hosts the store on a socket it binds itself: a tcp:// rendezvous inside a
-        # torchrun rank would only connect as a client (torchrun's agent-store mode) and wait forever.
-        listen = socket.create_server((init_info.master_address, init_info.master_port))
+        # This process hosts the store on sockets it binds itself (a tcp:// rendezvous inside a
+        # torchrun rank would only connect as a client and wait forever): the store on loopback, and
+        # on the chosen interface a gate that admits only connections presenting the secret.
+        engine.gate = StoreGate(init_info.master_address, init_info.master_port, secret)
         # The workers block in init until the rendezvous completes, so the HTTP call runs on a
         # thread while this process hosts the store as rank 0.
         with ThreadPoolExecutor(max_workers=1) as pool:
             pending = pool.submit(client.init_weight_transfer_engine, asdict(worker_info))
-            engine.group = stateless_init_torch_distributed_process_group(
-                init_info.master_address,
-                init_info.master_port,
-                0,
-                init_info.world_size,
-                backend="gloo",
-                listen_socket=listen,
-                timeout=_RENDEZVOUS_TIMEOUT,
-            )
+            store = trainer_store(engine.gate, init_info.world_size, _RENDEZVOUS_TIMEOUT)
+            engine.group = gloo_group(store, 0, init_info.world_size, _RENDEZVOUS_TIMEOUT,
+                                      bind_address=init_info.master_address)
             pending.result()
         return engine
 
@@ -270,3 +275,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if self.group is not None:
             self.group.shutdown()
             self.group = None
+        if self.gate is not None:
+            self.gate.close()
+            self.gate = None
