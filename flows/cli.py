@@ -1,6 +1,7 @@
 """The ``grpo`` command.
 
     grpo demo --output-dir DIR       the embedded default: tiny model, CPU vLLM server, MLflow under DIR
+    grpo demo --model tiny:arithmetic-hybrid   the same with a Qwen3.5 hybrid (or tiny:arithmetic-vlm)
     grpo train JOB.yaml              the same flow from a job file (see examples/)
     grpo deploy [--file prefect.yaml]   register the deployments with a Prefect server
 """
@@ -60,7 +61,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     trainer = {**DEMO_TRAINER, "output_dir": out}
     if args.max_steps:
         trainer["max_steps"] = args.max_steps
-    job = JobConfig.model_validate({"trainer": trainer})
+    # The model decides its server's settings (bf16 for Gated DeltaNet layers on CPU, no vision tower).
+    job = JobConfig.model_validate({"trainer": trainer, **({"model": args.model} if args.model else {})})
     summary = _run(job)
     print(json.dumps(summary, indent=2))
     print(f"\nMLflow run {summary['mlflow_run_id']} in {summary['mlflow_tracking_uri']}")
@@ -88,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="run the embedded default end to end on this machine")
     demo.add_argument("--output-dir", default="outputs/demo")
     demo.add_argument("--max-steps", type=int, default=None, help="override the demo's step count")
+    demo.add_argument("--model", default=None,
+                      help="another model, e.g. tiny:arithmetic-hybrid (Gated DeltaNet) or tiny:arithmetic-vlm (vision-language)")
     demo.set_defaults(func=cmd_demo)
     train = sub.add_parser("train", help="run a job from a YAML file")
     train.add_argument("config")

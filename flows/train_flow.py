@@ -42,6 +42,7 @@ from prefect.cache_policies import NO_CACHE
 from flows.progress import TrainingProgress, stage
 from flows.provision import LocalProvisioner, Provisioner, TrainingLaunch
 from grpo_core.job import JobConfig, import_string, resolve_dataset, resolve_model
+from grpo_core.models.serving import model_server_options
 from grpo_core.server import VLLMServerSpec
 from grpo_core.tracking import system_metrics
 
@@ -69,8 +70,11 @@ def prepare_model(model: str) -> str:
 
 
 def server_spec(job: JobConfig, model_path: str, provisioner: Provisioner) -> VLLMServerSpec:
-    """The managed server the job's trainer needs (its backend matches where the trainer will run)."""
-    return VLLMServerSpec.for_run(model_path, job.trainer, job.server.options(), cuda=provisioner.trains_on_gpu())
+    """The managed server the job's trainer needs (its backend matches where the trainer will run), with
+    what the model needs of it (bf16 for Gated DeltaNet layers on CPU, no vision tower: ``models.serving``)."""
+    cuda = provisioner.trains_on_gpu()
+    options = model_server_options(model_path, job.server.options(), cuda)
+    return VLLMServerSpec.for_run(model_path, job.trainer, options, cuda=cuda)
 
 
 @task(name="start-vllm-server", retries=1, retry_delay_seconds=5)

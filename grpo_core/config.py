@@ -206,6 +206,9 @@ class AsyncGRPOConfig:
     interface that routes to the server's host (loopback for a local server)."""
     weight_transfer_port_range: Annotated[str, Field(pattern=r"^\d{1,5}-\d{1,5}$")] | None = None
     """Ports the rendezvous may listen on, as ``LOW-HIGH`` (for firewalled clusters); None: any free port."""
+    weight_sync_bucket_mb: Annotated[int, Field(ge=1)] = 256
+    """Weights travel in buckets of about this many MiB (one gather and one send each; a bucket closes after the
+    tensor that passes it); the sender holds at most two buckets of extra device memory."""
     lora_sync_mode: Literal["auto", "merged", "adapter"] = "auto"
     """With ``peft_config`` only. ``merged``: every sync merges the adapter into the base weights and pushes
     them all over ``weight_transfer_backend``. ``adapter``: only the adapter is written under

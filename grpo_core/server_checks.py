@@ -189,7 +189,9 @@ class _Prober:
     def check_vocabulary(self, vocab_size: int, model: str) -> None:
         """A server whose model has a smaller vocabulary refuses the trainer's highest token id (the
         config comparison above cannot see a server's model on another machine)."""
-        saved, self.token_ids = self.token_ids, [vocab_size - 1]
+        # Two tokens: vLLM's CPU build kills its engine on a one-token prefill of a Gated DeltaNet model
+        # (its conv kernel refuses the single-column input: "causal_conv1d_fwd_cpu: expect x to be transposed").
+        saved, self.token_ids = self.token_ids, [vocab_size - 1] * 2
         try:
             reply = self.generate({"max_tokens": 1, "temperature": 1.0})
         finally:

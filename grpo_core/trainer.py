@@ -130,6 +130,7 @@ class AsyncGRPOTrainer:
         self.lr_scheduler = _lr_scheduler(self.args, self.optimizer)
         self.grad_scaler = torch.amp.GradScaler("cuda") if self.args.fp16 else None
         self.loss_config = LossConfig.from_config(self.args)
+        self._owns_tracker = tracker is None  # one this trainer made (report_to) is closed when train() ends
         self.tracker: Tracker = tracker or make_tracker(self.args, is_main=self.dist.is_main)
         self.state = TrainerState()
         self.frontier = TrainingFrontier()
@@ -161,8 +162,9 @@ class AsyncGRPOTrainer:
         """
         self._check_crossing()
         wanted = resume_from_checkpoint if resume_from_checkpoint is not None else self.args.resume_from_checkpoint
-        self._setup(wanted)
+        finished = False
         try:
+            self._setup(wanted)
             while self.args.max_steps <= 0 or self.global_step < self.args.max_steps:
                 step_start = time.perf_counter()
                 self._push_again_if_server_restarted()
@@ -187,8 +189,9 @@ class AsyncGRPOTrainer:
                 # history, so resuming from it leaves no gap in the logged steps.
                 if self.checkpointer.should_save(self.global_step) or self._is_last_step():
                     self._log(self.checkpointer.save(), same_step=True)
+            finished = True
         finally:
-            self._teardown()
+            self._teardown(finished)
         return self.state.log_history
 
     def _is_last_step(self) -> bool:
@@ -328,10 +331,10 @@ class AsyncGRPOTrainer:
             tokens_endpoint=self.server.tokens_endpoint,
         )
         pointer = self.weight_sync.adapter_pointer()
-        if pointer is not None:  # adapter sync: requests name the newest registered adapter version
-            loop_kwargs["adapter"] = pointer
+        # Adapter sync: requests name the newest registered adapter version, read from shared memory.
+        shared = {"adapter": pointer} if pointer is not None else {}
         worker = RolloutWorker(
-            WorkerSpec(loop_cls=self.loop_cls, loop_kwargs=loop_kwargs),
+            WorkerSpec(loop_cls=self.loop_cls, loop_kwargs=loop_kwargs, shared_kwargs=shared),
             queue_maxsize=self.args.queue_maxsize,
             heartbeat_timeout_s=self.args.worker_heartbeat_timeout_s,
             initial_version=self.versions.current,
@@ -585,7 +588,7 @@ class AsyncGRPOTrainer:
             log.info("step %d completion (reward %s)\n  prompt: %s\n  completion: %s", self.global_step, reward, prompt, completion)
 
     # ------------------------------------------------------------------------------------------ teardown
-    def _teardown(self) -> None:
+    def _teardown(self, finished: bool) -> None:
         if self.worker is not None:
             self.worker.stop()
             self.worker = None
@@ -598,6 +601,8 @@ class AsyncGRPOTrainer:
         if self._owns_process_group:
             shutdown_distributed()
             self._owns_process_group = False
+        if self._owns_tracker:
+            self.tracker.close("FINISHED" if finished else "FAILED")
 
 
 def _model_name(model: Any) -> str:

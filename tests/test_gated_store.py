@@ -34,7 +34,7 @@ def _plain_client(port: int, out: str) -> None:
     from torch.distributed import TCPStore
 
     try:
-        store = TCPStore("127.0.0.1", port, world_size=2, is_master=False, timeout=timedelta(seconds=15))
+        store = TCPStore("127.0.0.1", port, world_size=2, is_master=False, timeout=timedelta(seconds=5))
         store.set("rank_1", "rogue")
         result = {"joined": True}
     except Exception as exc:  # noqa: BLE001 - what happened is the result
@@ -46,7 +46,7 @@ def _member(port: int, secret: str, out: str) -> None:
     """Dial through ``StoreDialer`` with ``secret``; with the right one, join as rank 1 and receive."""
     try:
         dialer = StoreDialer("127.0.0.1", port, secret)
-        store = member_store(dialer, 2, timedelta(seconds=15) if secret.startswith("00") else TIMEOUT)
+        store = member_store(dialer, 2, timedelta(seconds=5) if secret.startswith("00") else TIMEOUT)
         group = gloo_group(store, 1, 2, TIMEOUT, bind_address="127.0.0.1")
         buffer = torch.zeros(4)
         group.broadcast(buffer, 0).wait()

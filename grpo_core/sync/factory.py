@@ -65,6 +65,7 @@ def make_weight_sync(setup: SyncSetup, control: Any) -> WeightSync:
         rank=setup.rank,
         master_address=config.weight_transfer_address,
         port_range=parse_port_range(ports) if ports else None,
+        bucket_bytes=config.weight_sync_bucket_mb << 20,
     )
     if setup.peft_config is None:
         return ProtocolWeightSync(control, ModelWeightSource(model, wire_dtype=setup.wire_dtype), **transport)

@@ -90,8 +90,11 @@ def _retie_word_embeddings(model: torch.nn.Module, model_config: Any) -> None:
     text_config = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
     if not getattr(text_config, "tie_word_embeddings", False):
         return
-    lm_head = getattr(model, "lm_head", None)
-    embed = next((m for n, m in model.named_modules() if n.endswith("embed_tokens")), None)
+    # A vision-language model keeps both inside its language model (``language_model.lm_head``),
+    # not at the top: look them up by name wherever they are.
+    modules = dict(model.named_modules())
+    lm_head = next((m for n, m in modules.items() if n == "lm_head" or n.endswith(".lm_head")), None)
+    embed = next((m for n, m in modules.items() if n.endswith("embed_tokens")), None)
     if lm_head is None or embed is None:
         return
     if lm_head.weight is not embed.weight:

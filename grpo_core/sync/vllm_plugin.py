@@ -43,8 +43,8 @@ def register() -> None:
 
 # vLLM's qwen3_vl module (imported by qwen3_5 too) imports ``smart_resize`` from transformers'
 # torchvision-backed Qwen2-VL image processor; transformers ships the same function in a PIL-backed
-# module. Only image preprocessing differs between the two, and a server started with
-# --language-model-only never preprocesses an image.
+# module. Only image preprocessing differs between the two, and a server started language-model-only
+# (``ServerOptions.language_model_only``) never preprocesses an image.
 _TORCHVISION_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 _PIL_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
 

@@ -1,4 +1,4 @@
-"""Build the tiny model folder once and cache it: tokenizer, seeded Qwen3 model, warm-up, HF save.
+"""Build the tiny model folder once and cache it: tokenizer, seeded model, warm-up, HF save.
 
 The folder is named ``<variant>-<digest>`` where the digest hashes the whole ``TinySpec`` and
 ``CODE_VERSION``; it is written to a temporary sibling and renamed into place, and counts as built
@@ -6,6 +6,10 @@ only once it holds the ``.complete`` marker. A file lock makes concurrent builde
 training ranks) wait for the first one instead of all burning CPU on the same build.
 
     .venv/bin/python -m grpo_core.tiny.build --variant arithmetic    # prints the folder
+
+Variants: ``arithmetic`` (Qwen3), ``tools`` (fine-tuned from it to call a calculator),
+``arithmetic-hybrid`` (a Qwen3.5 Gated DeltaNet hybrid warmed up the same way) and
+``arithmetic-vlm`` (that hybrid's language model inside a Qwen3.5 vision-language model).
 """
 
 from __future__ import annotations
@@ -87,34 +91,41 @@ def _build_into(spec: TinySpec, out: Path, cache_dir: str | Path | None, *, verb
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from grpo_core.tiny.tokenizer import train_tokenizer
-    from grpo_core.tiny.warmup import encode_pool, init_model, torch_threads, warmup_train
+    from grpo_core.tiny.warmup import add_vision_tower, encode_pool, init_model, torch_threads, warmup_train
 
     start = time.perf_counter()
     info: dict[str, Any] = {"spec": json.loads(spec.to_json())}
     train, held = tasks.split_problems(spec.task.max_operand, spec.task.ops, spec.task.eval_fraction, spec.task.split_seed)
     log_every = 50 if verbose else 0
-    if spec.tools_warmup is not None:
-        # The tools variant continues from the (cached) arithmetic model, with the same tokenizer.
-        base = build_from_spec(spec.base(), cache_dir, verbose=verbose)
+    base_spec = spec.base()
+    if base_spec is not None:
+        # Variants that continue from another one reuse its (cached) build and its tokenizer.
+        base = build_from_spec(base_spec, cache_dir, verbose=verbose)
         info["base"] = base.name
         start = time.perf_counter()
     with torch_threads(spec.num_threads):
-        if spec.tools_warmup is None:
+        if base_spec is None:
             tokenizer = train_tokenizer(spec.task, spec.tokenizer, spec.seed)
             info["tokenizer_seconds"] = time.perf_counter() - start
             model = init_model(spec.model, tokenizer, spec.seed)
             stage, with_tools = spec.warmup, False
-        else:
+        elif spec.tools_warmup is not None:
             tokenizer = AutoTokenizer.from_pretrained(base)
             model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
             stage, with_tools = spec.tools_warmup, True
+        else:  # the VLM: the base's warmed-up language model, a random tower, no further training
+            tokenizer = AutoTokenizer.from_pretrained(base)
+            model = add_vision_tower(spec.model, tokenizer, AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                     spec.seed)
+            stage, with_tools = None, False
         tokenizer.save_pretrained(out)
         _portable_tokenizer_class(out)
-        pool = encode_pool(stage, tokenizer, train, with_tools=with_tools, seed=spec.seed)
-        t0 = time.perf_counter()
-        losses = warmup_train(model, pool, stage, pad_id=tokenizer.pad_token_id, seed=spec.seed, log_every=log_every)
-        info["warmup_seconds"] = time.perf_counter() - t0
-        info["final_loss"] = sum(losses[-20:]) / max(1, len(losses[-20:]))
+        if stage is not None:
+            pool = encode_pool(stage, tokenizer, train, with_tools=with_tools, seed=spec.seed)
+            t0 = time.perf_counter()
+            losses = warmup_train(model, pool, stage, pad_id=tokenizer.pad_token_id, seed=spec.seed, log_every=log_every)
+            info["warmup_seconds"] = time.perf_counter() - t0
+            info["final_loss"] = sum(losses[-20:]) / max(1, len(losses[-20:]))
 
         model.generation_config = GenerationConfig(
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,

@@ -1,4 +1,8 @@
-"""The tiny Qwen3 model: config, seeded initialisation and the supervised warm-up.
+"""The tiny models: config, seeded initialisation and the supervised warm-up.
+
+The architecture follows ``ModelSpec``: a Qwen3 (attention only), a Qwen3.5 Gated DeltaNet hybrid
+(``linear_attention``), or a Qwen3.5 vision-language model (``vision``: the same hybrid as its
+language model, with a tiny random vision tower that no step ever trains).
 
 The warm-up is plain next-token cross-entropy on assistant tokens only (the template's generation
 mask), over a pool of chat examples from the train problems. Its answers are deliberately noisy
@@ -17,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config
 
 from grpo_core.tiny import tasks
 from grpo_core.tiny.spec import ModelSpec, WarmupSpec
@@ -35,8 +39,9 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def make_config(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast) -> Qwen3Config:
-    return Qwen3Config(
+def make_config(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
+    """The transformers config ``spec`` describes, with ``architectures`` naming the class to build."""
+    text = dict(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -52,14 +57,64 @@ def make_config(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast) -> Qwen3Con
         pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
         dtype="float32",
     )
+    if spec.linear_attention is None:
+        return Qwen3Config(**text, architectures=["Qwen3ForCausalLM"])
+    from transformers import Qwen3_5Config, Qwen3_5TextConfig
+
+    linear = spec.linear_attention
+    text.update(
+        layer_types=list(linear.layer_types),
+        linear_num_key_heads=linear.num_key_heads,
+        linear_num_value_heads=linear.num_value_heads,
+        linear_key_head_dim=linear.key_head_dim,
+        linear_value_head_dim=linear.value_head_dim,
+        linear_conv_kernel_dim=linear.conv_kernel_dim,
+    )
+    if spec.vision is None:
+        return Qwen3_5TextConfig(**text, architectures=["Qwen3_5ForCausalLM"])
+    # Qwen3.5 checkpoints rotate a quarter of each head with M-RoPE over (time, height, width); the
+    # sections split those rotary frequencies as Qwen3.5's own 11/11/10 of 32 do.
+    rotary = spec.head_dim // 4 // 2
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": spec.rope_theta, "partial_rotary_factor": 0.25,
+                               "mrope_interleaved": True, "mrope_section": _sections(rotary)}
+    v = spec.vision
+    vision = dict(depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
+                  num_heads=v.num_heads, out_hidden_size=spec.hidden_size, patch_size=v.patch_size,
+                  temporal_patch_size=v.temporal_patch_size, spatial_merge_size=v.spatial_merge_size,
+                  num_position_embeddings=v.num_position_embeddings)
+    return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=spec.tie_word_embeddings,
+                         architectures=["Qwen3_5ForConditionalGeneration"])
 
 
-def init_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen3ForCausalLM:
+def _sections(n: int) -> list[int]:
+    """``n`` rotary frequencies split over three axes, the first ones taking the remainder."""
+    return [n // 3 + (1 if i < n % 3 else 0) for i in range(3)]
+
+
+def init_model(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast, seed: int) -> PreTrainedModel:
+    import transformers
+
+    config = make_config(spec, tokenizer)
+    cls = getattr(transformers, config.architectures[0])
     # The global RNG is the only seed HF's init reads; fork it so the caller's stream is untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(make_config(spec, tokenizer))
+        model = cls(config)
     return model.float()
+
+
+def add_vision_tower(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast, language_model: PreTrainedModel,
+                     seed: int) -> PreTrainedModel:
+    """The vision-language model of ``spec`` around a built text model: its weights, a seeded random tower.
+
+    ``language_model`` is the matching text-only hybrid (``Qwen3_5ForCausalLM``); on text the result
+    computes what it computes (M-RoPE with one position on all three axes is its plain RoPE).
+    """
+    model = init_model(spec, tokenizer, seed)
+    model.model.language_model.load_state_dict(language_model.model.state_dict())
+    if not spec.tie_word_embeddings:
+        model.lm_head.load_state_dict(language_model.lm_head.state_dict())
+    return model
 
 
 def warmup_conversations(
@@ -130,7 +185,7 @@ def _lr_at(step: int, w: WarmupSpec) -> float:
 
 
 def warmup_train(
-    model: Qwen3ForCausalLM, pool: Sequence[Example], w: WarmupSpec, *, pad_id: int, seed: int, log_every: int = 0
+    model: PreTrainedModel, pool: Sequence[Example], w: WarmupSpec, *, pad_id: int, seed: int, log_every: int = 0
 ) -> list[float]:
     """Run the warm-up in place and return the per-step losses."""
     rng = random.Random(f"batches-{seed}")
