@@ -140,6 +140,7 @@ class StepCollector:
         self._interrupted: tuple[Any, ...] | None = None  # what an interrupted collect had gathered
         self.stale_dropped_total = 0
         self.foreign_dropped_total = 0
+        self.consumed_total = 0  # samples trained or dropped (the rollout scheduler's staleness budget reads it)
         self.end_of_data = False
 
     def collect(self, versions: WeightVersions) -> StepBatch | str | None:
@@ -186,6 +187,7 @@ class StepCollector:
             if len(self.planner) == placed_before:
                 # Longer than token_budget: the planner dropped it with a warning and counted it.
                 self.frontier.on_consumed(item)
+                self.consumed_total += 1
                 continue
             samples.append(item)
             staleness.append(lag)
@@ -194,6 +196,7 @@ class StepCollector:
             return None
         self.stale_dropped_total += stale
         self.foreign_dropped_total += foreign
+        self.consumed_total += len(samples) + stale + foreign
         return StepBatch(
             plan=plan,
             samples=samples,

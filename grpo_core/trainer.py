@@ -430,7 +430,8 @@ class AsyncGRPOTrainer:
         if self.dist.is_main:
             self.watch.after_push(self.versions.pushed)
         if self.worker is not None:
-            self.worker.publish_version(self.global_step)
+            # With what the trainer consumed so far: the worker keeps its lead within max_staleness.
+            self.worker.publish_version(self.global_step, consumed=self.feed.collector.consumed_total if self.feed else 0)
         metrics = {
             "sync/bytes": float(stats.bytes),
             "sync/seconds": stats.seconds,

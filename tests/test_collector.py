@@ -55,15 +55,16 @@ def test_stale_samples_are_dropped_and_counted():
     assert batch.stale_dropped == 2
     assert batch.staleness == [1, 0]
     assert c.stale_dropped_total == 2
+    assert c.consumed_total == 4  # trained and dropped alike: what the rollout worker's budget counts
 
 
 def test_step_stops_at_max_samples_and_carries_nothing_lost():
     items = [report(0, 2), sample(0, 0), sample(0, 0), report(1, 2), sample(1, 0), sample(1, 0), END_OF_DATA]
     c = collector(items, max_samples=3)
     first = c.collect(WeightVersions([0]))
-    assert len(first.samples) == 3
+    assert len(first.samples) == 3 and c.consumed_total == 3  # the carried fourth is not consumed yet
     second = c.collect(WeightVersions([0]))
-    assert len(second.samples) == 1
+    assert len(second.samples) == 1 and c.consumed_total == 4
     assert c.collect(WeightVersions([0])) is None
 
 
@@ -115,6 +116,7 @@ def test_too_long_sample_is_dropped_and_counted_as_done():
     batch = c.collect(WeightVersions([0]))
     assert [s.position for s in batch.samples] == [1]
     assert batch.plan.dropped_too_long == 1
+    assert c.consumed_total == 2
     c.mark_trained(batch)
     assert c.frontier.position == 2
 

@@ -229,3 +229,48 @@ def test_a_full_queue_stops_new_groups_until_it_drains(tokenizer) -> None:  # no
     assert max(started_while_full) <= 2 * 4, started_while_full
     assert loop.started == 40  # and everything runs once the queue drains
     assert sorted(r.position for r in reports(items)) == list(range(20))
+
+
+def one_of_two_right(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
+    """Rewards that differ within every group, so that every group is kept and queues its samples."""
+    return [float(i % 2) for i in range(len(completions))]
+
+
+def test_new_groups_wait_until_the_trainer_consumed_enough_to_keep_them_fresh(tokenizer) -> None:  # noqa: ANN001
+    # max_staleness=0, 4 samples per step: at most 4 samples (two groups of 2) may be ahead of the trainer.
+    # The trainer's consumed count (published with each weight version) lets the next step's groups start.
+    config = AsyncGRPOConfig(num_generations=2, max_completion_length=64, num_sampler_logprobs=0, per_device_train_batch_size=4,
+                             max_staleness=0, max_concurrent_rollouts=8, max_steps=0, num_train_epochs=1, report_to="none")
+    items: list[Any] = []
+    consumed = [0]
+    started_at: list[int] = []
+
+    async def emit(item: Any) -> float:
+        items.append(item)
+        return 0.0
+
+    async def trainer() -> None:
+        for step in (1, 2):
+            await asyncio.sleep(0.4)
+            started_at.append(loop.started)
+            consumed[0] = 4 * step  # a step trained and its weights pushed
+        await asyncio.sleep(0.4)
+        started_at.append(loop.started)
+        consumed[0] = 1 << 30  # every later step at once
+
+    async def main() -> None:
+        task = asyncio.create_task(trainer())
+        await RolloutScheduler(loop, threading.Event()).run()
+        await task
+
+    loop = CountingLoop(config, tokenizer, dataset(10), [one_of_two_right], "http://unused", emit)
+    loop.consumed_samples = lambda: consumed[0]
+    asyncio.run(main())
+    assert started_at == [4, 8, 12], started_at  # one step's worth of rollouts per consumed step
+    assert loop.started == 20 and sorted(r.position for r in reports(items)) == list(range(10))
+    assert max(r.metrics["rollout/samples_ahead"] for r in reports(items)) <= 4 + 4  # a finishing group's own samples
+
+
+def test_without_a_trainer_behind_the_loop_there_is_no_staleness_budget(tokenizer) -> None:  # noqa: ANN001
+    loop, items = drive(ScriptedLoop, tokenizer, dataset(6), max_staleness=0, per_device_train_batch_size=2, num_train_epochs=1)
+    assert len(reports(items)) == 6 and all(r.metrics["rollout/samples_ahead"] == -1 for r in reports(items))

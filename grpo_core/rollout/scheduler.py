@@ -11,6 +11,15 @@ per-rollout counters (tools, environment, CLEAN/REALIGN/FORK) for ``group_metric
 Back-pressure: while a finished group waits for room on the trainer's full queue, no new group is
 created. Rollouts already admitted run on, so generation stops at most one cap's worth of rollouts
 past a full queue instead of running ahead of the trainer with samples that would only go stale.
+
+Staleness budget: a new group is created only while the samples ahead of the trainer (queued, being
+scored, and the groups still generating, counted at ``num_generations`` each) stay within what the
+trainer consumes before they would be too stale: ``(max_staleness + 1) x weight_sync_steps x`` samples
+per step. The trainer publishes what it consumed with each weight version, so with ``max_staleness=0``
+the next step's rollouts start only once the weights of the step before are served (a synchronous
+run), and with ``max_staleness=S`` generation runs at most S updates ahead. Without the budget the
+worker ran ahead by the whole queue (``queue_maxsize``), generating samples the trainer then dropped
+as stale while they took the CPU cores from training (benchmarks/peer_trl.py).
 """
 
 from __future__ import annotations
@@ -33,6 +42,16 @@ END_OF_DATA = "end-of-data"
 """Queued after the last group when the run is bounded by epochs (``max_steps`` <= 0)."""
 
 _METRICS_POLL_S = 2.0
+_CONSUMED_POLL_S = 0.05  # the trainer's consumed count is a shared integer: cheap to read often
+
+
+def samples_per_step(config: Any, num_processes: int) -> int:
+    return config.per_device_train_batch_size * config.gradient_accumulation_steps * num_processes
+
+
+def sample_budget(config: Any, num_processes: int) -> int:
+    """Samples that may be ahead of the trainer (queued or being generated) without going stale."""
+    return (config.max_staleness + 1) * config.weight_sync_steps * samples_per_step(config, num_processes)
 
 
 class RolloutScheduler:
@@ -48,6 +67,11 @@ class RolloutScheduler:
         self.unadmitted = 0  # rollouts of created groups still waiting for a slot
         self.blocked_groups = 0  # finished groups waiting for room on the full queue
         self.scoring_groups = 0  # groups whose rollouts all finished, being scored (rollout/score_queue_size)
+        self.pending_samples = 0  # num_generations per created group that has not emitted its samples yet
+        self.emitted_samples = 0  # samples handed to the queue
+        processes = getattr(loop, "num_processes", 1)
+        self.sample_budget = sample_budget(loop.config, processes)
+        self.per_step = samples_per_step(loop.config, processes)
 
     def _on_group_done(self, task: asyncio.Task[None], tasks: set[asyncio.Task[None]]) -> None:
         tasks.discard(task)
@@ -65,6 +89,7 @@ class RolloutScheduler:
         self.controller = await self._make_controller()
         await loop.setup()
         poller = asyncio.create_task(self._poll_metrics())
+        watcher = asyncio.create_task(self._watch_consumed())
         tasks: set[asyncio.Task[None]] = set()
         try:
             await self._schedule(tasks)
@@ -74,6 +99,7 @@ class RolloutScheduler:
                 await loop.emit(END_OF_DATA)
         finally:
             poller.cancel()
+            watcher.cancel()
             for task in tasks:
                 task.cancel()
             # Let cancelled rollouts run their cleanup (environment close) before the pool goes.
@@ -98,6 +124,7 @@ class RolloutScheduler:
             await self._wait_for_room()
             self._raise_failure()
             self.unadmitted += config.num_generations
+            self.pending_samples += config.num_generations
             task = asyncio.create_task(self._run_group(prompt.position, prompt.row_index, prompt.row, prompt.epoch))
             tasks.add(task)
             task.add_done_callback(lambda t: self._on_group_done(t, tasks))
@@ -122,15 +149,39 @@ class RolloutScheduler:
                 self._room.notify_all()
             await asyncio.sleep(_METRICS_POLL_S)
 
+    async def _watch_consumed(self) -> None:
+        """Wake the scheduler as soon as the trainer publishes a new consumed count (a new weight version)."""
+        last = self.loop.consumed_samples()
+        if last is None:
+            return
+        while True:
+            await asyncio.sleep(_CONSUMED_POLL_S)
+            now = self.loop.consumed_samples()
+            if now != last:
+                last = now
+                async with self._room:
+                    self._room.notify_all()
+
+    def samples_ahead(self) -> int | None:
+        """Samples queued, being scored or being generated that the trainer has not consumed (None: no trainer)."""
+        consumed = self.loop.consumed_samples()
+        return None if consumed is None else self.pending_samples + self.emitted_samples - consumed
+
+    def _within_budget(self) -> bool:
+        ahead = self.samples_ahead()
+        # Below one step's worth the trainer cannot fill its next step from what is ahead (a step filled by
+        # token_budget or a dropped sample leaves a count that is no multiple of the group): never starve it.
+        return ahead is None or ahead < self.per_step or ahead + self.loop.config.num_generations <= self.sample_budget
+
     async def _wait_for_room(self) -> None:
-        """Wait until a free slot is not already promised to a created-but-unadmitted rollout, and
-        the trainer's queue takes what finished groups produce."""
+        """Wait until a free slot is not already promised to a created-but-unadmitted rollout, the
+        trainer's queue takes what finished groups produce, and a new group stays within the staleness budget."""
         assert self.controller is not None
         async with self._room:
             await self._room.wait_for(
                 lambda: self.stop_event.is_set()
                 or self.failure is not None
-                or (self.controller.free_slots() > self.unadmitted and self.blocked_groups == 0)
+                or (self.controller.free_slots() > self.unadmitted and self.blocked_groups == 0 and self._within_budget())
             )
 
     async def _admit(self) -> None:
@@ -170,6 +221,9 @@ class RolloutScheduler:
         # Reconciled for dropped groups too: fork and realign rates describe the rollouts, kept or not.
         reconciled = [loop.reconcile(r) for r in group.rollouts]
         samples = [] if dropped else loop.samples_of(group, advantages, position, reconciled)
+        # Counted before they are emitted: from here on they are ahead of the trainer as queued samples.
+        self.pending_samples -= g
+        self.emitted_samples += len(samples)
         rewards_per_func = {n: group.rewards_per_func[:, j] for j, n in enumerate(group.reward_func_names)}
         own = rollout_rewards(group)
         if not np.isnan(own).all():
@@ -192,6 +246,7 @@ class RolloutScheduler:
                 "rollout/concurrency": float(self.controller.in_flight if self.controller else 0),
                 "rollout/report_interval_s": now - self.last_report_time,
                 "rollout/score_queue_size": float(self.scoring_groups),
+                "rollout/samples_ahead": float(self.samples_ahead() if self.samples_ahead() is not None else -1),
                 **merge_counters([r.metrics for r in group.rollouts]),
                 **reconcile_metrics(reconciled),
             },

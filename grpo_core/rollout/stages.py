@@ -125,6 +125,9 @@ class AsyncRolloutLoop:
         # The weight version the server serves now, as the trainer publishes it (the rollout process
         # replaces this); dates a turn when the server reports no per-token versions.
         self.served_version: Callable[[], int] = lambda: 0
+        # Samples the trainer has consumed by the served version (the rollout process replaces this);
+        # None: no trainer behind this loop, so the scheduler's staleness budget is off.
+        self.consumed_samples: Callable[[], int | None] = lambda: None
         # LoRA adapter sync: the trainer's AdapterPointer to the newest registered adapter (None otherwise).
         self.adapter = adapter
         self.max_model_len = 1 << 30  # read from the server before the first request

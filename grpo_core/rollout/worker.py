@@ -11,7 +11,8 @@ names, before the spawn, anything that cannot cross (an open socket, a lock, a l
 
 Trainer side: ``RolloutWorker.start()``, ``get(timeout)`` for the next item, ``check()`` raises
 ``RolloutWorkerError`` if the process died or its heartbeat stopped, ``stop()``;
-``publish_version(v)`` tells the worker the weight version the server now serves.
+``publish_version(v, consumed)`` tells the worker the weight version the server now serves and how many
+samples the trainer has taken off the queue by then (the scheduler's staleness budget).
 """
 
 from __future__ import annotations
@@ -61,11 +62,12 @@ class RolloutWorker:
         self.errors: Any = ctx.Queue()
         self.heartbeat = ctx.Value("d", time.time())
         self.served_version = ctx.Value("q", initial_version)
+        self.consumed = ctx.Value("q", 0)
         self.stop_event = ctx.Event()
         self.process = ctx.Process(
             target=_worker_main,
             args=(cloudpickle.dumps((spec.loop_cls, spec.loop_kwargs)), spec.shared_kwargs, self.queue, self.errors,
-                  self.heartbeat, self.served_version, self.stop_event),
+                  self.heartbeat, self.served_version, self.consumed, self.stop_event),
             name="grpo-rollout",
             daemon=True,
         )
@@ -84,8 +86,11 @@ class RolloutWorker:
                 os.environ["CUDA_VISIBLE_DEVICES"] = saved
         self.heartbeat.value = time.time()
 
-    def publish_version(self, version: int) -> None:
-        """The weight version the server serves from now on (dates requests where the server reports none)."""
+    def publish_version(self, version: int, consumed: int | None = None) -> None:
+        """The weight version the server serves from now on (dates requests where the server reports none),
+        and the samples the trainer has consumed (trained or dropped) up to that version."""
+        if consumed is not None:
+            self.consumed.value = consumed
         self.served_version.value = version
 
     def queue_size(self) -> int:
@@ -182,7 +187,8 @@ def _main_script_hidden() -> Iterator[None]:
 
 # ---------------------------------------------------------------------------- inside the rollout process
 def _worker_main(
-    payload: bytes, shared: dict[str, Any], out_queue: Any, errors: Any, heartbeat: Any, served_version: Any, stop_event: Any
+    payload: bytes, shared: dict[str, Any], out_queue: Any, errors: Any, heartbeat: Any, served_version: Any, consumed: Any,
+    stop_event: Any,
 ) -> None:
     # Unpickling imports the user's modules and the tokenizer's (transformers: seconds on a loaded
     # machine), before the event loop can beat: a thread beats until the loop's own beat takes over.
@@ -191,7 +197,7 @@ def _worker_main(
     try:
         loop_cls, loop_kwargs = pickle.loads(payload)
         spec = WorkerSpec(loop_cls=loop_cls, loop_kwargs=loop_kwargs, shared_kwargs=shared)
-        asyncio.run(_run(spec, out_queue, heartbeat, served_version, stop_event, starting))
+        asyncio.run(_run(spec, out_queue, heartbeat, served_version, consumed, stop_event, starting))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
         summary = f"rollout worker failed: {type(exc).__name__}: {exc}"
         errors.put((summary, traceback.format_exc()))
@@ -204,7 +210,8 @@ def _beat_while_starting(heartbeat: Any, started: threading.Event) -> None:
 
 
 async def _run(
-    spec: WorkerSpec, out_queue: Any, heartbeat: Any, served_version: Any, stop_event: Any, started: threading.Event
+    spec: WorkerSpec, out_queue: Any, heartbeat: Any, served_version: Any, consumed: Any, stop_event: Any,
+    started: threading.Event,
 ) -> None:
     async def beat() -> None:
         # From here on a stalled event loop (a blocking reward function, a frozen process) stops the beat.
@@ -229,6 +236,7 @@ async def _run(
     beat_task = asyncio.create_task(beat())
     loop_obj = spec.loop_cls(emit=emit, **spec.loop_kwargs, **spec.shared_kwargs)
     loop_obj.served_version = lambda: int(served_version.value)
+    loop_obj.consumed_samples = lambda: int(consumed.value)
     scheduler = RolloutScheduler(loop_obj, stop_event)
     try:
         await scheduler.run()

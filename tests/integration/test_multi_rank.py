@@ -79,8 +79,8 @@ class RecordingSource:
     def stop(self) -> None:
         self.worker.stop()
 
-    def publish_version(self, version: int) -> None:
-        self.worker.publish_version(version)
+    def publish_version(self, version: int, consumed: int | None = None) -> None:
+        self.worker.publish_version(version, consumed)
 
     def queue_size(self) -> int:
         return self.worker.queue_size()
@@ -98,7 +98,7 @@ class ReplaySource:
     def stop(self) -> None:
         pass
 
-    def publish_version(self, version: int) -> None:
+    def publish_version(self, version: int, consumed: int | None = None) -> None:
         pass
 
     def queue_size(self) -> int:
