@@ -33,6 +33,16 @@ class ConfigError(ValueError):
 LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
 """The values vLLM accepts as the server's largest LoRA rank (``ServerOptions.max_lora_rank``)."""
 
+AttentionBackendName = Literal["auto", "kernels", "flash_attn_cute", "torch_varlen", "aten_flash", "reference"]
+"""Kernels of tree attention (``grpo_core.models.attention_backends`` loads them and orders ``auto``'s choice)."""
+
+AUTO_DENSE_MAX_LOGITS = 2**32
+"""``logprob_chunk_size="auto"``: a row whose trained tokens x vocabulary exceed this takes the chunked head
+(2^32 fp32 logits are 16 GiB; 28k trained tokens at Qwen3's 151,936-token vocabulary). Below it the dense head,
+which benchmarks/README.md measured fitting at 16k and 32k rows of Qwen3-1.7B on one H200, and faster."""
+AUTO_CHUNK_LOGITS = 2**29
+"""``logprob_chunk_size="auto"``: logits per chunk (2 GiB in fp32; 3,533 tokens at a 151,936-token vocabulary)."""
+
 TRL_COMPATIBILITY_ONLY = frozenset({"ignore_data_skip"})
 """Fields accepted so that a TRL config reads the same, with the only value that behaves here."""
 
@@ -116,6 +126,29 @@ class AsyncGRPOConfig:
     """``torch.compile`` per decoder layer: ``none``; ``pointwise`` (the MLP and the norms: element-wise
     ops fuse, attention stays eager); ``layers`` (whole layers, tree attention traced too; fastest
     in benchmarks/README.md). Compiling costs start-up time and changes bf16 rounding."""
+    attention_backend: AttentionBackendName = "auto"
+    """Kernel of tree attention. ``auto``: the first that loads and passes a start-up probe on a small tree (output and
+    gradients against the dense reference), in the order of the GPU type (``BACKEND_ORDER`` in
+    ``grpo_core/models/attention_backends.py``; Hopper and Blackwell: ``kernels``, ``flash_attn_cute``,
+    ``torch_varlen``, ``aten_flash``), else ``reference``; each one passed over is logged with its reason. A name
+    forces that kernel, and start-up fails, naming the fix, where it cannot run. ``kernels``: a FlashAttention build
+    loaded with the ``kernels`` package (see ``attention_kernel``); ``flash_attn_cute``: FlashAttention-4
+    (``pip install flash-attn-4``); ``torch_varlen``: PyTorch's FlashAttention-2 (``varlen_attn``); ``aten_flash``:
+    the same through an older PyTorch op; ``reference``: dense PyTorch attention, any device, memory growing with
+    the square of the row (the only one on CPU). The run's ``perf/attention_backend`` param records the choice."""
+    attention_kernel: str | None = None
+    """The ``kernels`` backend's kernel: a Hub kernel at a major version or a revision
+    (``kernels-community/flash-attn3@1``, ``owner/name@main``) or a local kernel folder (``/path``, ``./path``,
+    ``~/path``). None: the GPU type's default (``DEFAULT_HUB_KERNELS``: FlashAttention-3 on Hopper, aiter on ROCm,
+    none elsewhere), fetched into the Hugging Face cache on first use (``HF_HUB_OFFLINE=1``: cached ones only)."""
+    logprob_chunk_size: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
+    """Log-probs of a row's trained tokens this many at a time, from the final hidden states: each chunk's
+    ``[chunk, vocab]`` logits exist only while it is computed and again in backward, never the row's whole
+    ``[trained, vocab]`` (bf16 logits plus their fp32 log-softmax, which do not fit one H200 at 64k-token rows of
+    a 152k vocabulary). Costs the head's matmul once more in backward. None: one pass through the model's head
+    (fastest while it fits); ``auto``: one pass while trained tokens x vocabulary <= 2^32, else chunks of 2^29
+    logits' worth of tokens (``AUTO_DENSE_MAX_LOGITS``, ``AUTO_CHUNK_LOGITS``). Refused for models that rescale
+    their logits after the head (Gemma's softcapping, Cohere's and Granite's scales)."""
 
     # ---- generation -----------------------------------------------------------------------------
     num_generations: Annotated[int, Field(ge=2)] = 8
@@ -245,6 +278,11 @@ class AsyncGRPOConfig:
             _fail(self, "max_steps", "set max_steps > 0, or max_steps <= 0 with num_train_epochs > 0")
         if self.bf16 and self.fp16:
             _fail(self, "fp16", "bf16 and fp16 exclude each other; set one of them")
+        if self.attention_kernel is not None:
+            try:
+                parse_kernel_ref(self.attention_kernel)
+            except ValueError as exc:
+                _fail(self, "attention_kernel", str(exc).split(": ", 1)[1])
         if self.weight_transfer_port_range is not None:
             low, high = (int(p) for p in self.weight_transfer_port_range.split("-"))
             if not 1 <= low <= high <= 65535:
@@ -274,6 +312,17 @@ class AsyncGRPOConfig:
             return self.bf16
         return bf16_supported and not self.fp16
 
+    def resolved_logprob_chunk_size(self, num_trained: int, vocab_size: int) -> int | None:
+        """Trained tokens per chunk of the log-prob head for a row, or None for one pass through the model's head."""
+        chunk = self.logprob_chunk_size
+        if chunk == "auto":
+            if num_trained * vocab_size <= AUTO_DENSE_MAX_LOGITS:
+                return None
+            chunk = max(1, AUTO_CHUNK_LOGITS // vocab_size)
+        if chunk is None or num_trained <= chunk:
+            return None  # one chunk would be the dense head plus a recompute
+        return chunk
+
     def needs_candidate_sets(self) -> bool:
         """Truncated sampling: the trainer must renormalise over each token's candidate set."""
         return self.top_p < 1.0 or self.top_k > 0
@@ -295,6 +344,37 @@ class AsyncGRPOConfig:
         """A copy with ``changes`` applied and checked (the original is never modified)."""
         check_known_keys(type(self).__name__, changes, [f.name for f in dataclasses.fields(self)])
         return dataclasses.replace(self, **changes)
+
+
+# ---- kernel references ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KernelRef:
+    """Where the ``kernels`` attention backend loads from: a local folder, or a Hub repo at a version or revision."""
+
+    path: str | None = None
+    repo_id: str | None = None
+    version: int | None = None
+    revision: str | None = None
+
+
+def parse_kernel_ref(spec: str) -> KernelRef:
+    """``/abs``, ``./rel``, ``../rel`` or ``~/dir``: a local kernel folder; ``owner/name@1``: a Hub kernel at major
+    version 1; ``owner/name@<branch, tag or commit>``: at that revision.
+
+    The ``kernels`` package loads a Hub kernel only at a stated version or revision, so a Hub id without ``@``
+    is refused here, when the config is made, rather than at start-up on the GPU.
+    """
+    if spec.startswith(("/", "./", "../", "~")):
+        return KernelRef(path=spec)
+    repo_id, at, ref = spec.partition("@")
+    if repo_id.count("/") != 1 or not all(repo_id.split("/")) or not at or not ref or any(c.isspace() for c in spec):
+        raise ValueError(
+            f"attention_kernel={spec!r}: use a Hub kernel with its version or revision "
+            "('kernels-community/flash-attn3@1', 'owner/name@main') or a local folder path ('/path/to/kernel', './kernel')"
+        )
+    if ref.isdigit():
+        return KernelRef(repo_id=repo_id, version=int(ref))
+    return KernelRef(repo_id=repo_id, revision=ref)
 
 
 # ---- checking ---------------------------------------------------------------------------------------
@@ -353,4 +433,4 @@ def describe(name: str, cls: type = AsyncGRPOConfig) -> str:
     return re.sub(r"\s+", " ", schema["properties"][name].get("description", "")).strip()
 
 
-__all__ = ["AsyncGRPOConfig", "ConfigError", "LoraRank", "TRL_COMPATIBILITY_ONLY", "check_fields", "check_known_keys", "field_names"]
+__all__ = ["AsyncGRPOConfig", "AttentionBackendName", "ConfigError", "KernelRef", "LoraRank", "parse_kernel_ref", "TRL_COMPATIBILITY_ONLY", "check_fields", "check_known_keys", "field_names"]

@@ -4,7 +4,9 @@ Three pieces, in the order the trainer calls them:
 
 1. ``token_logprobs`` turns the policy's logits into log-probs of the sampled tokens (and of the
    sampler's top-N ids), with the same temperature and the same top-k/top-p candidate set the
-   sampler used, so that the ratio against the sampler compares like with like.
+   sampler used, so that the ratio against the sampler compares like with like;
+   ``head_token_logprobs`` does the same from the final hidden states and the LM head, a chunk of
+   tokens at a time, for rows whose ``[T, V]`` logits would not fit.
 2. ``grpo_loss`` computes the clipped, off-policy-corrected surrogate for one micro-batch, already
    divided by the number of trained tokens in the whole optimizer step.
 3. ``finalize_metrics`` turns the per-call metric sums of a step into the published numbers.
@@ -221,6 +223,61 @@ def token_logprobs(
         targets.append(target)
         if top is not None:
             tops.append(top)
+    return torch.cat(targets), (torch.cat(tops) if top_ids is not None else None)
+
+
+def head_token_logprobs(
+    hidden: Tensor,
+    head_weight: Tensor,
+    target_ids: Tensor,
+    temperature: float,
+    top_ids: Tensor | None = None,
+    candidate_masks: Tensor | None = None,
+    *,
+    chunk_size: int,
+    head_bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """``token_logprobs(hidden @ head_weight.T + head_bias, ...)`` without the [T, V] logits.
+
+    Args:
+        hidden: [T, d] the final hidden states at the positions that predict the trained tokens.
+        head_weight: [V, d] the LM head (``head_bias``: [V] or None).
+        chunk_size: rows per chunk. Each chunk's logits and log-softmax are computed, reduced to
+            its [rows] and [rows, N] log-probs, and dropped; backward recomputes them, so the
+            head's matmul runs once more and peak memory holds one chunk's [chunk, V], not [T, V].
+        The rest: as in ``token_logprobs``.
+
+    Each row's arithmetic is the dense head's; only the weight gradient's sum over rows is split
+    into one partial sum per chunk.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    t = hidden.shape[0]
+
+    def chunk_logprobs(h: Tensor, w: Tensor, b: Tensor | None, targets: Tensor, tops: Tensor | None,
+                       masks: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        return _token_logprobs_dense(torch.nn.functional.linear(h, w, b), targets, temperature, tops, masks)
+
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or head_weight.requires_grad)
+    targets: list[Tensor] = []
+    tops: list[Tensor] = []
+    for start in range(0, t, chunk_size):
+        rows = slice(start, start + chunk_size)
+        args = (
+            hidden[rows],
+            head_weight,
+            head_bias,
+            target_ids[rows],
+            None if top_ids is None else top_ids[rows],
+            None if candidate_masks is None else candidate_masks[rows],
+        )
+        target, top = checkpoint(chunk_logprobs, *args, use_reentrant=False) if recompute else chunk_logprobs(*args)
+        targets.append(target)
+        if top is not None:
+            tops.append(top)
+    if not targets:  # no trained token: empty log-probs of the dense head's shapes and dtypes
+        return _token_logprobs_dense(hidden.new_zeros(0, head_weight.shape[0]), target_ids, temperature, top_ids,
+                                     candidate_masks)
     return torch.cat(targets), (torch.cat(tops) if top_ids is not None else None)
 
 

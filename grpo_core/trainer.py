@@ -32,9 +32,10 @@ from grpo_core.collector import COLLECTION_INTERRUPTED, StepBatch, StepCollector
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.distributed import DistInfo, StepFeed, broadcast_object, gather_step_results, init_distributed, shutdown_distributed
 from grpo_core.inputs import check_crossing, check_model_reference, check_train_dataset, model_load_error
-from grpo_core.loss import LossConfig, LossInputs, candidate_mask_from_ids, finalize_metrics, grpo_loss, token_logprobs
+from grpo_core.loss import LossConfig, LossInputs, candidate_mask_from_ids, finalize_metrics, grpo_loss
 from grpo_core.models.fsdp import FSDPSettings, full_value, needs_fsdp, shard_policy
 from grpo_core.models.loading import load_policy, load_tokenizer
+from grpo_core.models.logprob_head import output_head, row_logprobs, vocab_size
 from grpo_core.models.tree_attention import enable_tree_attention
 from grpo_core.packing.collator import PackedRow, pack_row
 from grpo_core.perf import PerfMeter, synchronize
@@ -117,7 +118,13 @@ class AsyncGRPOTrainer:
 
             self.model = apply_lora(self.model, peft_config)
             warn_if_not_saved(self.args)
-        self.attention_backend = enable_tree_attention(self.model, linear_backend=self.args.gdn_backend)
+        self.attention_backend = enable_tree_attention(
+            self.model, backend=self.args.attention_backend, linear_backend=self.args.gdn_backend,
+            kernel=self.args.attention_kernel,
+        )
+        if self.args.logprob_chunk_size is not None:
+            output_head(self.model)  # a model the chunked head cannot run is refused before anything starts
+        self.vocab_size = vocab_size(self.model)
         self.perf = PerfMeter(self.model, self.device, self.bf16, self.dist.world_size)
         self.model = shard_policy(self.model, fsdp_settings, self.device)  # before the optimizer sees the weights
         self.optimizer = torch.optim.AdamW(
@@ -132,6 +139,8 @@ class AsyncGRPOTrainer:
         self.loss_config = LossConfig.from_config(self.args)
         self._owns_tracker = tracker is None  # one this trainer made (report_to) is closed when train() ends
         self.tracker: Tracker = tracker or make_tracker(self.args, is_main=self.dist.is_main)
+        if self.dist.is_main:
+            self.tracker.log_params({"perf/attention_backend": self.attention_backend})
         self.state = TrainerState()
         self.frontier = TrainingFrontier()
         self.versions = WeightVersions()
@@ -382,24 +391,23 @@ class AsyncGRPOTrainer:
         return metrics
 
     def _forward_backward(self, row: PackedRow, num_tokens: int) -> tuple[float, dict[str, torch.Tensor]]:
-        outputs = self.model(**row.model_inputs(), logits_to_keep=row.logit_index)
-        logits = outputs.logits[0]
-        if row.num_trained == 0:
-            # Every rank runs forward and backward so that sharded collectives stay in step.
-            (logits.sum() * 0.0).backward()
-            return 0.0, {}
         top_ids = None
         if self.loss_config.score_centering and row.sampler_top_ids is not None:
             top_ids = row.sampler_top_ids.clamp(min=0)
-        candidates = self._candidate_masks(row, logits.shape[-1])
-        logprobs, top_logprobs = token_logprobs(
-            logits, row.target_ids, self.args.temperature, top_ids=top_ids, candidate_masks=candidates
+        head = row_logprobs(
+            self.model, row, self.args.temperature, top_ids=top_ids,
+            candidate_masks=self._candidate_masks(row, self.vocab_size),
+            chunk_size=self.args.resolved_logprob_chunk_size(row.num_trained, self.vocab_size),
         )
+        if row.num_trained == 0:
+            # Every rank runs forward and backward so that sharded collectives stay in step.
+            head.anchor.backward()
+            return 0.0, {}
         inputs = LossInputs(
-            logprobs=logprobs,
+            logprobs=head.logprobs,
             sampler_logprobs=row.sampler_logprobs,
             advantages=row.advantages,
-            top_logprobs=top_logprobs,
+            top_logprobs=head.top_logprobs,
             sampler_top_logprobs=row.sampler_top_logprobs if top_ids is not None else None,
             top_valid=row.top_valid if top_ids is not None else None,
         )

@@ -10,10 +10,9 @@ Backends (one is picked at load time by ``register_tree_attention``):
 
 - ``reference``: plain PyTorch, one dense ``[U, U]`` mask and ``scaled_dot_product_attention``.
   Runs anywhere; the oracle of the tests. Memory grows with ``U**2``.
-- ``torch_varlen``: gathers K/V along each path and makes one ``torch.nn.attention.varlen`` call.
-- ``aten_flash``: the same through ``torch.ops.aten._flash_attention_forward`` (older PyTorch).
-- ``kernels_flash``: the same through a FlashAttention build loaded with ``kernels`` from the local
-  path in ``$GRPO_FLASH_ATTN_KERNEL`` (nothing is downloaded).
+- fused varlen kernels (``kernels``, ``flash_attn_cute``, ``torch_varlen``, ``aten_flash``; how each
+  is loaded, and which ``auto`` prefers on which GPU, is ``grpo_core.models.attention_backends``):
+  K/V gathered along each root-to-segment path, then one varlen kernel call, causal bottom-right.
 - ``varlen_emulated``: the gather path with a per-segment PyTorch loop in place of the fused kernel,
   so that CPU tests cover the indices a GPU kernel receives.
 
@@ -36,12 +35,20 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from grpo_core.models.attention_backends import (
+    BackendUnavailable,
+    VarlenKernel,
+    device_family,
+    load_kernel,
+    pick_backend,
+    short_reason,
+)
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +96,6 @@ class TreeAttentionMetadata:
 
 
 # ---- backends ------------------------------------------------------------------------------------
-# A varlen kernel: (q [Tq, H, D], k [Tk, Hk, D], v, cu_q, cu_k, max_q, max_k, scale) -> [Tq, H, D],
-# causal aligned bottom-right within each sequence.
-VarlenKernel = Callable[..., torch.Tensor]
 
 
 @dataclass
@@ -169,63 +173,6 @@ def _gather_backend(name: str, kernel: VarlenKernel, repeat_kv: bool, needs_cuda
     return Backend(name, run, needs_cuda)
 
 
-def _torch_varlen_kernel() -> VarlenKernel:
-    from torch.nn.attention.varlen import varlen_attn  # ImportError where PyTorch has none
-
-    params = inspect.signature(varlen_attn).parameters
-
-    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-        kwargs = {}
-        # Newer PyTorch spells causal as window_size=(-1, 0); older ones as is_causal=True.
-        if "window_size" in params:
-            kwargs["window_size"] = (-1, 0)
-        else:
-            kwargs["is_causal"] = True
-        if "scale" in params:
-            kwargs["scale"] = scale
-        elif abs(scale - q.shape[-1] ** -0.5) > 1e-12:
-            q = q * (scale * q.shape[-1] ** 0.5)
-        if "enable_gqa" in params and k.shape[1] != q.shape[1]:
-            kwargs["enable_gqa"] = True
-        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
-
-    return kernel
-
-
-def _aten_flash_kernel() -> VarlenKernel:
-    op = torch.ops.aten._flash_attention_forward
-
-    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-        return op(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)[0]
-
-    return kernel
-
-
-def _kernels_flash_kernel() -> VarlenKernel:
-    path = os.environ.get("GRPO_FLASH_ATTN_KERNEL")
-    if not path:
-        raise RuntimeError("GRPO_FLASH_ATTN_KERNEL (a local FlashAttention kernel repository) is not set")
-    from pathlib import Path
-
-    import kernels  # the optional `kernels` extra
-
-    fn = kernels.get_local_kernel(Path(path)).flash_attn_varlen_func
-
-    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-        out = fn(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=True)
-        return out[0] if isinstance(out, tuple) else out
-
-    return kernel
-
-
-_KERNELS: dict[str, Callable[[], VarlenKernel]] = {
-    "kernels_flash": _kernels_flash_kernel,
-    "torch_varlen": _torch_varlen_kernel,
-    "aten_flash": _aten_flash_kernel,
-}
-_AUTO_ORDER = ("kernels_flash", "torch_varlen", "aten_flash")
-
-
 def _probe(backend: Backend, device: torch.device, heads: tuple[int, int] = (4, 2), dim: int = 128) -> float:
     """Largest relative error of output and input gradients against ``reference`` on a small tree."""
     gen = torch.Generator().manual_seed(0)
@@ -258,45 +205,41 @@ BACKENDS: dict[str, Backend] = {
 }
 
 
-def select_backend(name: str = "auto", device: torch.device | str | None = None) -> Backend:
-    """The backend to use: ``name``, or with ``"auto"`` the first fused kernel that passes a probe.
+def select_backend(name: str = "auto", device: torch.device | str | None = None, kernel: str | None = None) -> Backend:
+    """The backend to use: ``name``, or with ``"auto"`` the device's first fused kernel that passes a probe.
 
-    A fused kernel is accepted only if, on a small tree with grouped-query heads, its output and
-    gradients agree with ``reference`` (bf16 against fp32) to 2%; a kernel that fails with grouped
-    K/V heads is retried with the K/V heads repeated.
+    ``reference`` and ``varlen_emulated`` (the CPU test double of a fused kernel) are returned as
+    they are. A fused kernel (``attention_backends.FUSED_KERNELS``; ``kernel`` is the ``kernels``
+    backend's Hub id or folder) is accepted only if, on a small tree with grouped-query heads and
+    segments below ancestors, its output and gradients agree with ``reference`` (bf16 against fp32)
+    to 2%; a kernel that fails with grouped K/V heads is retried with the K/V heads repeated. The
+    order of ``auto`` per GPU type and the errors are ``attention_backends.pick_backend``'s.
     """
     if name in BACKENDS:
         return BACKENDS[name]
     device = torch.device(device) if device is not None else None
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    if name == "auto" and device.type != "cuda":
-        return BACKENDS["reference"]
-    order = _AUTO_ORDER if name == "auto" else (name,)
-    if any(n not in _KERNELS for n in order):
-        raise ValueError(f"unknown tree-attention backend {name!r}; known: {sorted([*BACKENDS, *_KERNELS])}")
-    failures = []
-    for kernel_name in order:
-        try:
-            kernel = _KERNELS[kernel_name]()
-        except Exception as exc:  # noqa: BLE001 - any import/load failure means "not available"
-            failures.append(f"{kernel_name}: {type(exc).__name__}: {exc}")
-            continue
+    family = device_family(device)
+
+    def attempt(kernel_name: str) -> Backend:
+        varlen = load_kernel(kernel_name, family, kernel)
+        failures = []
         for repeat_kv in (False, True):
-            backend = _gather_backend(kernel_name + ("+repeat_kv" if repeat_kv else ""), kernel, repeat_kv, True)
+            backend = _gather_backend(kernel_name + ("+repeat_kv" if repeat_kv else ""), varlen, repeat_kv, True)
             try:
                 err = _probe(backend, device)
-            except Exception as exc:  # noqa: BLE001
-                failures.append(f"{backend.name}: {type(exc).__name__}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - a kernel that refuses the probe's shapes or device
+                failures.append(f"{backend.name}: {short_reason(exc)}")
                 continue
             if err < 2e-2:
-                log.info("tree attention backend %s (probe error %.2e)", backend.name, err)
+                log.info("tree attention backend %s on a %s device (probe error %.2e)", backend.name, family, err)
                 return backend
             failures.append(f"{backend.name}: probe error {err:.2e}")
-    if name != "auto":
-        raise RuntimeError(f"tree-attention backend {name!r} is not usable here: {failures}")
-    log.warning("no fused varlen kernel works here (%s); falling back to the dense reference", failures)
-    return BACKENDS["reference"]
+        raise BackendUnavailable("; ".join(failures))
+
+    choice = pick_backend(name, family, attempt)
+    return choice.value if choice.value is not None else BACKENDS["reference"]
 
 
 _active: Backend = BACKENDS["reference"]
@@ -338,12 +281,16 @@ def tree_attention_forward(
     return out.unsqueeze(0), None
 
 
-def register_tree_attention(backend: str = "auto", device: torch.device | str | None = None) -> str:
-    """Register ``grpo_tree`` in transformers' attention interface; returns the backend's name."""
+def register_tree_attention(backend: str = "auto", device: torch.device | str | None = None,
+                            kernel: str | None = None) -> str:
+    """Register ``grpo_tree`` in transformers' attention interface; returns the backend's name.
+
+    ``backend`` and ``kernel`` are ``select_backend``'s (``AsyncGRPOConfig.attention_backend`` and
+    ``attention_kernel``)."""
     from transformers import AttentionInterface
 
     global _active
-    _active = select_backend(backend, device)
+    _active = select_backend(backend, device, kernel)
     AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
     return _active.name
 
@@ -417,17 +364,18 @@ def check_supported_architecture(model: torch.nn.Module) -> None:
             )
 
 
-def enable_tree_attention(model: torch.nn.Module, backend: str = "auto", linear_backend: str = "auto") -> str:
+def enable_tree_attention(model: torch.nn.Module, backend: str = "auto", linear_backend: str = "auto",
+                          kernel: str | None = None) -> str:
     """Check the model, register ``grpo_tree``, patch its Gated DeltaNet layers and switch it over.
 
-    ``backend`` picks the attention kernel (``select_backend``); ``linear_backend`` the delta-rule
-    kernel of GDN layers (``grpo_core.models.gated_delta.select_gdn_backend``). Returns the
-    attention backend's name.
+    ``backend`` picks the attention kernel (``select_backend``; ``kernel`` is the ``kernels`` backend's
+    Hub id or folder), ``linear_backend`` the delta-rule kernel of GDN layers
+    (``grpo_core.models.gated_delta.select_gdn_backend``). Returns the attention backend's name.
     """
     from grpo_core.models.hybrid import install_gated_delta
 
     check_supported_architecture(model)
-    name = register_tree_attention(backend, next(model.parameters()).device)
+    name = register_tree_attention(backend, next(model.parameters()).device, kernel)
     install_gated_delta(model, linear_backend)
     model.set_attn_implementation(TREE_ATTENTION)
     return name
