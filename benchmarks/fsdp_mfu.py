@@ -44,6 +44,7 @@ from grpo_core.config import AsyncGRPOConfig  # noqa: E402
 from grpo_core.loss import LossConfig, LossInputs, grpo_loss, token_logprobs  # noqa: E402
 from grpo_core.models import tree_attention as ta  # noqa: E402
 from grpo_core.models.fsdp import FSDPSettings, iter_full_layers, shard_policy  # noqa: E402
+from grpo_core.models.logprob_head import row_logprobs, vocab_size  # noqa: E402
 from grpo_core.distributed import DistInfo  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
 from grpo_core.perf import ModelFlops, device_peak_flops, synchronize  # noqa: E402
@@ -101,16 +102,17 @@ def lengths(args, budget: int) -> tuple[tuple[int, int], tuple[int, int]]:
     return (int(512 * scale), int(2048 * scale)), (int(512 * scale), int(4096 * scale))
 
 
-def row_backward(model, row, num_tokens: int, loss_config: LossConfig, chunk: int | None) -> None:
-    """The trainer's micro-batch: tree-attention forward, GRPO loss on trained tokens, backward."""
-    logits = model(**row.model_inputs(), logits_to_keep=row.logit_index).logits[0]
+def row_backward(model, row, num_tokens: int, loss_config: LossConfig, chunk: int | str | None) -> None:
+    """The trainer's micro-batch: tree-attention forward, the trainer's log-prob head (``row_logprobs``;
+    ``chunk`` is ``AsyncGRPOConfig.logprob_chunk_size``), GRPO loss on trained tokens, backward."""
+    chunk_size = AsyncGRPOConfig(logprob_chunk_size=chunk).resolved_logprob_chunk_size(row.num_trained, vocab_size(model))
+    head = row_logprobs(model, row, 1.0, top_ids=row.sampler_top_ids.clamp(min=0), chunk_size=chunk_size)
     if row.num_trained == 0:
-        (logits.sum() * 0.0).backward()
+        head.anchor.backward()
         return
-    logprobs, top = token_logprobs(logits, row.target_ids, 1.0, top_ids=row.sampler_top_ids.clamp(min=0),
-                                   chunk_size=chunk)
-    inputs = LossInputs(logprobs=logprobs, sampler_logprobs=row.sampler_logprobs, advantages=row.advantages,
-                        top_logprobs=top, sampler_top_logprobs=row.sampler_top_logprobs, top_valid=row.top_valid)
+    inputs = LossInputs(logprobs=head.logprobs, sampler_logprobs=row.sampler_logprobs, advantages=row.advantages,
+                        top_logprobs=head.top_logprobs, sampler_top_logprobs=row.sampler_top_logprobs,
+                        top_valid=row.top_valid)
     loss, _ = grpo_loss(inputs, loss_config, num_tokens)
     loss.backward()
 
@@ -123,8 +125,10 @@ def max_over_ranks(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
-def run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard) -> dict:
+def run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, attention) -> dict:
     world = dist.get_world_size()
+    backend = ta.register_tree_attention(attention if device.type == "cuda" else "varlen_emulated", device,
+                                         args.attention_kernel)
     model = build_model(shape, device)
     ta.check_supported_architecture(model)
     model.set_attn_implementation(ta.TREE_ATTENTION)
@@ -168,7 +172,7 @@ def run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard) 
     peak = device_peak_flops(device, settings.bf16)
     fb, st = statistics.median(times_fb), statistics.median(times_step)
     result = {
-        "token_budget": budget, "activation_checkpointing": ac, "compile": compiled,
+        "token_budget": budget, "activation_checkpointing": ac, "compile": compiled, "attention_backend": backend,
         "reshard_after_forward": reshard, "logprob_chunk": chunk, "world_size": world, "rows_per_rank": len(rows),
         "forwarded_tokens_per_step": int(metrics["batch/forwarded_tokens_per_step"]),
         "trained_tokens_per_step": num_trained, "row_fill_frac": metrics["batch/row_fill_frac"],
@@ -286,7 +290,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen3-1.7b")
     ap.add_argument("--configs", default="16384:noac,16384:ac,32768:ac,65536:ac",
-                    help="budget:ac|noac[:pointwise|:layers][:keep][:chunkN], comma-separated (keep: no reshard after forward)")
+                    help="budget:ac|noac[:pointwise|:layers][:keep][:chunkN|:chunkauto][:attn=NAME], comma-separated "
+                         "(keep: no reshard after forward; chunk: AsyncGRPOConfig.logprob_chunk_size; attn: "
+                         "AsyncGRPOConfig.attention_backend, else --attention-backend)")
+    ap.add_argument("--attention-backend", default="auto", help="tree attention backend (AsyncGRPOConfig names)")
+    ap.add_argument("--attention-kernel", default=None, help="the kernels backend's Hub id or local folder")
     ap.add_argument("--rows-per-rank", type=int, default=4, help="micro-batches per step")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
@@ -307,7 +315,8 @@ def main() -> None:
     device = info.device() if not args.smoke else torch.device("cpu")
     init_distributed(info, device, timeout_s=1800)
     shape = "tiny" if args.smoke else args.model
-    backend = ta.register_tree_attention("auto" if device.type == "cuda" else "varlen_emulated", device)
+    backend = ta.register_tree_attention(args.attention_backend if device.type == "cuda" else "varlen_emulated", device,
+                                         args.attention_kernel)
     import transformers
 
     report = {
@@ -331,13 +340,14 @@ def main() -> None:
         ac = parts[1] == "ac"
         compiled = next((p for p in parts[2:] if p in ("pointwise", "layers")), "none")
         reshard = "keep" not in parts[2:]
-        chunk = next((int(p[5:]) for p in parts[2:] if p.startswith("chunk")), None)
+        chunk = next((p[5:] if p == "chunkauto" else int(p[5:]) for p in parts[2:] if p.startswith("chunk")), None)
+        attention = next((p[5:] for p in parts[2:] if p.startswith("attn=")), args.attention_backend)
         args.gather = gather and not any("weight_gather" in r for r in report["results"])
         try:
-            result = run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard)
+            result = run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, attention)
         except Exception as exc:  # noqa: BLE001 - an OOM or a compile failure is a result too
             result = {"token_budget": budget, "activation_checkpointing": ac, "compile": compiled,
-                      "reshard_after_forward": reshard, "logprob_chunk": chunk,
+                      "attention_backend": attention, "reshard_after_forward": reshard, "logprob_chunk": chunk,
                       "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             gc.collect()
             if device.type == "cuda":
@@ -351,15 +361,15 @@ def main() -> None:
             with open(args.out, "w") as f:  # after every config: a later failure keeps the earlier ones
                 json.dump(report, f, indent=1)
     if info.rank == 0:
-        print(f"{'budget':>7} {'AC':>3} {'compile':>9} {'reshard':>7} {'chunk':>5} {'tok/s':>8} {'MFU fb':>7} "
-              f"{'MFU step':>8} {'peak GiB':>8}")
+        print(f"{'budget':>7} {'AC':>3} {'compile':>9} {'attention':>16} {'reshard':>7} {'chunk':>5} {'tok/s':>8} "
+              f"{'MFU fb':>7} {'MFU step':>8} {'peak GiB':>8}")
         for r in report["results"]:
             if "error" in r:
                 print(f"{r['token_budget']:>7} {r['activation_checkpointing']!s:>3} {r['error'][:60]}")
                 continue
             mfu = lambda v: f"{100 * v:6.1f}%" if v is not None else "   n/a"  # noqa: E731
             print(f"{r['token_budget']:>7} {int(r['activation_checkpointing']):>3} {r['compile']:>9} "
-                  f"{int(r['reshard_after_forward']):>7} {str(r['logprob_chunk']):>5} {r['tokens_per_s_fwd_bwd']:8.0f} {mfu(r['mfu_fwd_bwd'])} "
+                  f"{r['attention_backend']:>16} {int(r['reshard_after_forward']):>7} {str(r['logprob_chunk']):>5} {r['tokens_per_s_fwd_bwd']:8.0f} {mfu(r['mfu_fwd_bwd'])} "
                   f"{mfu(r['mfu_wall_clock']):>8} {r['peak_allocated_gib'] or 0:8.1f}")
     dist.destroy_process_group()
 

@@ -233,7 +233,10 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=16384)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--heads", default="full,chunked", help="loss heads to time (see row_loss)")
-    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--backend", default="auto",
+                    help="tree attention backend(s), comma-separated (AsyncGRPOConfig.attention_backend names): "
+                         "each workload is timed with each, side by side")
+    ap.add_argument("--attention-kernel", default=None, help="the kernels backend's Hub id or local folder")
     ap.add_argument("--out", default="benchmarks/results/tree_packing.json")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, times nothing real")
     args = ap.parse_args()
@@ -243,14 +246,16 @@ def main() -> None:
     models = ["tiny"] if args.smoke else args.models.split(",")
     workloads = SMOKE_WORKLOADS if args.smoke else WORKLOADS
     budget = 256 if args.smoke else args.token_budget
-    backend = ta.register_tree_attention(args.backend if device.type == "cuda" else "varlen_emulated", device)
+    wanted = args.backend.split(",") if device.type == "cuda" else ["varlen_emulated"]
+    backends = [ta.register_tree_attention(b, device, args.attention_kernel) for b in wanted]  # each one's probe
+    backend = ta.register_tree_attention(wanted[0], device, args.attention_kernel)
     import transformers
 
     report = {
         "env": {"torch": torch.__version__, "transformers": transformers.__version__,
                 "python": platform.python_version(),
                 "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-                "dtype": str(dtype), "tree_attention_backend": backend},
+                "dtype": str(dtype), "tree_attention_backend": backend, "tree_attention_backends": backends},
         "token_budget": budget, "repeats": args.repeats, "command": " ".join(sys.argv), "results": [],
     }
     try:
@@ -290,24 +295,29 @@ def main() -> None:
                               "samples_per_row": m["batch/samples_per_row"], "plan_and_pack_cpu_s": cpu_s,
                               "flops": step_flops(shape, rows)}
             for head in args.heads.split(","):
-                timed = time_modes(model, modes, args.repeats, device, head)
-                res = {m: dict(meta[m]) for m in modes}
-                for mode, (median, all_times, peak) in timed.items():
-                    res[mode].update(time_s=median, times_s=all_times, peak_mem_gib=peak,
-                                     trained_tok_per_s=res[mode]["trained_tokens"] / median,
-                                     tflops=res[mode]["flops"] / median / 1e12)
-                ratio = res["flat"]["forwarded_tokens"] / res["tree"]["forwarded_tokens"]
-                speedup = res["tree"]["trained_tok_per_s"] / res["flat"]["trained_tok_per_s"]
-                entry = {"model": shape, "workload": w.name, "head": head, "group_size": w.group_size,
-                         "prompt": w.prompt, "completion": w.completion, "shared_prompt": w.shared_prompt,
-                         "samples": len(samples), "packing_ratio": ratio, "speedup": speedup,
-                         "speedup_over_ratio": speedup / ratio,
-                         "flop_ratio": res["flat"]["flops"] / res["tree"]["flops"], **res}
-                report["results"].append(entry)
-                print(f"{shape:11s} {w.name:10s} {head:7s} ratio {ratio:5.2f} speedup {speedup:5.2f} "
-                      f"({speedup / ratio:4.2f}x ratio; flop ratio {entry['flop_ratio']:4.2f})  "
-                      f"flat {res['flat']['time_s']:.3f}s {res['flat']['peak_mem_gib'] or 0:.1f}GiB  "
-                      f"tree {res['tree']['time_s']:.3f}s {res['tree']['peak_mem_gib'] or 0:.1f}GiB", flush=True)
+                for name in wanted:
+                    attention = ta.register_tree_attention(name, device, args.attention_kernel)
+                    timed = time_modes(model, modes, args.repeats, device, head)
+                    res = {m: dict(meta[m]) for m in modes}
+                    for mode, (median, all_times, peak) in timed.items():
+                        res[mode].update(time_s=median, times_s=all_times, peak_mem_gib=peak,
+                                         trained_tok_per_s=res[mode]["trained_tokens"] / median,
+                                         tflops=res[mode]["flops"] / median / 1e12)
+                    ratio = res["flat"]["forwarded_tokens"] / res["tree"]["forwarded_tokens"]
+                    speedup = res["tree"]["trained_tok_per_s"] / res["flat"]["trained_tok_per_s"]
+                    flop_ratio = res["flat"]["flops"] / res["tree"]["flops"]
+                    entry = {"model": shape, "workload": w.name, "head": head, "backend": attention,
+                             "group_size": w.group_size, "prompt": w.prompt, "completion": w.completion,
+                             "shared_prompt": w.shared_prompt, "samples": len(samples), "packing_ratio": ratio,
+                             "speedup": speedup, "speedup_over_ratio": speedup / ratio, "flop_ratio": flop_ratio,
+                             "speedup_over_flop_ideal": speedup / flop_ratio,
+                             "tree_over_flat_peak_mem": (res["tree"]["peak_mem_gib"] / res["flat"]["peak_mem_gib"]
+                                                         if res["flat"]["peak_mem_gib"] else None), **res}
+                    report["results"].append(entry)
+                    print(f"{shape:11s} {w.name:10s} {head:7s} {attention:16s} ratio {ratio:5.2f} speedup {speedup:5.2f} "
+                          f"({speedup / flop_ratio:4.2f}x FLOP-ideal {flop_ratio:4.2f}; {speedup / ratio:4.2f}x ratio)  "
+                          f"flat {res['flat']['time_s']:.3f}s {res['flat']['peak_mem_gib'] or 0:.1f}GiB  "
+                          f"tree {res['tree']['time_s']:.3f}s {res['tree']['peak_mem_gib'] or 0:.1f}GiB", flush=True)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
