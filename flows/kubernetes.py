@@ -33,7 +33,6 @@ from grpo_core.server import VLLMServerSpec
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "infra" / "kubernetes"
 SERVER_PORT = 8000
-RENDEZVOUS_PORT = 29500
 _SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
@@ -173,20 +172,16 @@ def server_manifests(settings: KubernetesSettings, spec: VLLMServerSpec, name: s
 
 
 def training_command(launch: TrainingLaunch, name: str) -> list[str]:
-    """The training pod's command: the same entry point as on one machine, under torchrun for >1 process."""
-    local = launch.command()
-    entry = local[local.index("grpo_core.launch") - 1 :]  # "-m grpo_core.launch <args>"
-    if launch.nproc_per_node * launch.nnodes == 1:
+    """The training pod's command: the same entry point as on one machine, under torchrun for >1 process.
+
+    Node 0 is pod 0 of the Indexed Job (reached by the headless Service's name); each pod's node rank
+    is its completion index, which Kubernetes expands into ``$(NODE_RANK)``.
+    """
+    entry = launch.entry_args()  # "-m grpo_core.launch <args>"
+    if launch.world_size == 1:
         return ["python3", *entry]
-    return [
-        "torchrun",
-        f"--nnodes={launch.nnodes}",
-        f"--nproc-per-node={launch.nproc_per_node}",
-        "--node-rank=$(NODE_RANK)",  # expanded by Kubernetes from the env entry below
-        f"--master-addr={name}-0.{name}",
-        f"--master-port={RENDEZVOUS_PORT}",
-        *entry,
-    ]
+    pod_launch = dataclasses.replace(launch, rendezvous_address=f"{name}-0.{name}")
+    return ["torchrun", *pod_launch.torchrun_args(node_rank="$(NODE_RANK)"), *entry]
 
 
 def training_manifests(settings: KubernetesSettings, launch: TrainingLaunch, name: str) -> list[dict]:
@@ -203,7 +198,7 @@ def training_manifests(settings: KubernetesSettings, launch: TrainingLaunch, nam
         "env": [node_rank, *_cache_env(settings)],
         "nnodes": launch.nnodes,
         "gpus": str(gpus),
-        "rendezvous_port": RENDEZVOUS_PORT,
+        "rendezvous_port": launch.rendezvous_port,  # the port torchrun dials on pod 0
     }
     return render_template("training.yaml", values)
 

@@ -8,7 +8,10 @@ Kubernetes jobs (see ``flows/kubernetes.py``). The flow only calls ``start_serve
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -20,34 +23,93 @@ from typing import Any, Callable
 
 from grpo_core.server import VLLMServer, VLLMServerSpec
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class TrainingLaunch:
-    """One training attempt: the entry point's arguments and the topology."""
+    """One training attempt on one node: the entry point's arguments and the topology.
+
+    With ``nnodes > 1`` every node runs the same launch but for ``node_rank``, under torchrun's static
+    rendezvous: node 0 hosts it at ``rendezvous_address:rendezvous_port`` and holds trainer rank 0 (the
+    rank that talks to vLLM and writes ``result_file``); the other nodes dial it there.
+    """
 
     job_file: str
+    """The ``JobConfig`` as a JSON file every node reads."""
     server_url: str
+    """The vLLM server's base URL."""
     model_path: str
+    """The resolved model folder (so no node resolves ``job.model`` again)."""
     mlflow_run_id: str | None
+    """The MLflow run rank 0 logs into; None: the job's own tracking settings."""
     tracking_uri: str | None
+    """The MLflow tracking URI; None: MLflow's default."""
     result_file: str
+    """Where rank 0 writes the result JSON (metric history, final step)."""
     nproc_per_node: int = 1
+    """Training processes on each node (torchrun ``--nproc-per-node``)."""
     nnodes: int = 1
+    """Training nodes (torchrun ``--nnodes``)."""
+    node_rank: int = 0
+    """This node's rank, ``0 <= node_rank < nnodes`` (torchrun ``--node-rank``); node 0 hosts the rendezvous."""
+    rendezvous_address: str | None = None
+    """With ``nnodes > 1``: node 0's address as every node reaches it (torchrun ``--master-addr``); required there."""
+    rendezvous_port: int = 29500
+    """With ``nnodes > 1``: the port node 0 listens on for the rendezvous (torchrun ``--master-port``)."""
     log_file: str | None = None
+    """This node's log (appended to); None: the output goes to the flow's stdout only."""
 
-    def command(self) -> list[str]:
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1 or self.nnodes < 1:
+            raise ValueError(f"nproc_per_node={self.nproc_per_node}, nnodes={self.nnodes}: both must be >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} is outside 0..{self.nnodes - 1} (nnodes={self.nnodes})")
+        if not 1 <= self.rendezvous_port <= 65535:
+            raise ValueError(f"rendezvous_port={self.rendezvous_port}: need 1 <= port <= 65535")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    def for_node(self, node_rank: int) -> "TrainingLaunch":
+        """The same launch as node ``node_rank`` runs it."""
+        return dataclasses.replace(self, node_rank=node_rank)
+
+    def entry_args(self) -> list[str]:
+        """``-m grpo_core.launch JOB --server-url ...``: the training entry point, the same on every node."""
         entry = ["-m", "grpo_core.launch", self.job_file, "--server-url", self.server_url,
                  "--model-path", self.model_path, "--result", self.result_file]
         if self.mlflow_run_id:
             entry += ["--mlflow-run-id", self.mlflow_run_id]
         if self.tracking_uri:
             entry += ["--tracking-uri", self.tracking_uri]
-        if self.nproc_per_node * self.nnodes == 1:
-            return [sys.executable, *entry]
-        # One node: a rendezvous on a free local port, so two runs on one machine never share 29500.
-        standalone = ["--standalone"] if self.nnodes == 1 else []
-        return [sys.executable, "-m", "torch.distributed.run", *standalone, "--nproc-per-node",
-                str(self.nproc_per_node), "--nnodes", str(self.nnodes), *entry]
+        return entry
+
+    def torchrun_args(self, node_rank: str | None = None) -> list[str]:
+        """torchrun's options for this topology (the program's arguments follow them).
+
+        ``node_rank`` stands in for ``self.node_rank`` where the cluster fills it in per node (a
+        Kubernetes Indexed Job passes ``$(NODE_RANK)``).
+        """
+        topology = [f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc_per_node}"]
+        if self.nnodes == 1:
+            # A rendezvous on a free local port, so two runs on one machine never share 29500.
+            return ["--standalone", *topology]
+        if not self.rendezvous_address:
+            raise ValueError(
+                f"nnodes={self.nnodes} needs rendezvous_address: node 0's address as the other nodes reach it "
+                "(the job's rendezvous_address)"
+            )
+        rank = str(self.node_rank) if node_rank is None else node_rank
+        return [*topology, f"--node-rank={rank}", f"--master-addr={self.rendezvous_address}",
+                f"--master-port={self.rendezvous_port}"]
+
+    def command(self) -> list[str]:
+        """This node's command line: the entry point alone for one process, else under torchrun."""
+        if self.world_size == 1:
+            return [sys.executable, *self.entry_args()]
+        return [sys.executable, "-m", "torch.distributed.run", *self.torchrun_args(), *self.entry_args()]
 
 
 class Provisioner(ABC):
@@ -107,8 +169,14 @@ class LocalProvisioner(Provisioner):
         return env
 
     def run_training(self, launch: TrainingLaunch, on_start: Callable[[int], None] | None = None) -> int:
+        """Run ``launch``'s node here. Of a multi-node launch that is one node (the flow's is node 0):
+        the other nodes' commands are logged, for whoever starts them on their machines."""
+        if launch.nnodes > 1 and launch.node_rank == 0:
+            for rank in range(1, launch.nnodes):
+                command = shlex.join(launch.for_node(rank).command())
+                log.info("training node_rank %d of %d runs: %s", rank, launch.nnodes, command)
         log_path = Path(launch.log_file) if launch.log_file else None
-        log = open(log_path, "ab") if log_path else None
+        log_out = open(log_path, "ab") if log_path else None
         proc = subprocess.Popen(
             launch.command(),
             stdout=subprocess.PIPE,
@@ -118,7 +186,7 @@ class LocalProvisioner(Provisioner):
         )
         if on_start is not None:
             on_start(proc.pid)
-        pump = threading.Thread(target=_pump, args=(proc.stdout, log), daemon=True)
+        pump = threading.Thread(target=_pump, args=(proc.stdout, log_out), daemon=True)
         pump.start()
         try:
             code = proc.wait()
@@ -128,8 +196,8 @@ class LocalProvisioner(Provisioner):
             raise
         finally:
             pump.join(timeout=5)
-            if log is not None:
-                log.close()
+            if log_out is not None:
+                log_out.close()
         return code
 
 

@@ -141,6 +141,17 @@ def log_final_model(tracking_uri: str, run_id: str, registered_model_name: str |
     return uri
 
 
+def training_launch(job: JobConfig, job_file: Path, server_url: str, model_path: str, run_id: str | None,
+                    tracking_uri: str | None, out: Path) -> TrainingLaunch:
+    """Node 0's launch of one training attempt (the topology and rendezvous from the job; outputs in ``out``)."""
+    return TrainingLaunch(
+        job_file=str(job_file), server_url=server_url, model_path=model_path, mlflow_run_id=run_id,
+        tracking_uri=tracking_uri, result_file=str(out / "result.json"), nproc_per_node=job.nproc_per_node,
+        nnodes=job.nnodes, node_rank=0, rendezvous_address=job.rendezvous_address, rendezvous_port=job.rendezvous_port,
+        log_file=str(out / "train.log"),
+    )
+
+
 @task(name="train")
 def train_attempt(provisioner: Provisioner, launch: TrainingLaunch, pid_file: str | None = None) -> int:
     def note_pid(pid: int) -> None:
@@ -270,11 +281,8 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
         resume_file.write_text(JobConfig.model_validate(resume_job).model_dump_json(indent=2))
         resumes = 0
         while True:
-            launch = TrainingLaunch(
-                job_file=str(job_file if resumes == 0 else resume_file),
-                server_url=server_url, model_path=model_path, mlflow_run_id=run_id, tracking_uri=tracking_uri, result_file=str(out / "result.json"),
-                nproc_per_node=job.nproc_per_node, nnodes=job.nnodes, log_file=str(out / "train.log"),
-            )
+            launch = training_launch(job, job_file if resumes == 0 else resume_file, server_url, model_path, run_id,
+                                     tracking_uri, out)
             with TrainingProgress(tracking_uri, run_id, job.trainer.max_steps, on_step=progress_artifact()):
                 code = train_attempt(prov, launch, pid_file=str(out / "trainer.pid"))
             if code == 0:

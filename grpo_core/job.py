@@ -103,6 +103,12 @@ class JobConfig(_Strict):
     """Training processes per node (torchrun)."""
     nnodes: Annotated[int, Field(ge=1)] = 1
     """Training nodes."""
+    rendezvous_address: str | None = None
+    """With ``nnodes > 1``: node 0's address as the other training nodes reach it (torchrun ``--master-addr``).
+    Required by the local provisioner, which runs node 0 where the flow runs and logs the command of every other
+    node; the Kubernetes provisioner ignores it (node 0 is its pod 0)."""
+    rendezvous_port: Annotated[int, Field(ge=1, le=65535)] = 29500
+    """With ``nnodes > 1``: the port node 0 listens on for the other nodes (torchrun ``--master-port``)."""
     max_resumes: Annotated[int, Field(ge=0)] = 3
     """Times the flow restarts a training process that died."""
     server: ServerParams = Field(default_factory=ServerParams)

@@ -392,20 +392,3 @@ def test_config_fields_are_checked():
     settings = FSDPSettings.from_config(config, bf16=config.resolved_bf16(bf16_supported=False))
     assert settings == FSDPSettings(bf16=True, activation_checkpointing=True, reshard_after_forward=False,
                                     compile="layers")
-
-
-def test_launch_command_for_one_and_many_nodes():
-    from flows.provision import TrainingLaunch
-
-    def launch(nproc: int, nnodes: int) -> list[str]:
-        return TrainingLaunch(job_file="job.json", server_url="http://s", model_path="m", mlflow_run_id=None,
-                              tracking_uri=None, result_file="r.json", nproc_per_node=nproc, nnodes=nnodes).command()
-
-    assert "torch.distributed.run" not in launch(1, 1)
-    one_node = launch(4, 1)
-    assert one_node[1:4] == ["-m", "torch.distributed.run", "--standalone"]
-    assert one_node[one_node.index("--nproc-per-node") + 1] == "4"
-    # Several nodes rendezvous at an address the cluster provisioner adds (flows/kubernetes.py).
-    assert "--standalone" not in launch(4, 2)
-    for command in (one_node, launch(4, 2)):
-        assert command[command.index("grpo_core.launch") - 1 :][:2] == ["-m", "grpo_core.launch"]

@@ -106,14 +106,19 @@ def test_training_manifests_validate_for_each_topology(nproc, nnodes):
     assert container["resources"]["limits"]["nvidia.com/gpu"] == str(nproc)
     command = container["command"]
     # The same entry point and arguments as a local launch, whatever wraps it.
-    local = launch(nproc, nnodes).command()
-    assert command[command.index("-m") :] == local[local.index("grpo_core.launch") - 1 :]
+    assert command[command.index("-m") :] == launch(nproc, nnodes).entry_args()
     if nproc * nnodes == 1:
         assert command[0] == "python3"
     else:
         assert command[0] == "torchrun"
         assert f"--nnodes={nnodes}" in command and f"--nproc-per-node={nproc}" in command
+    if nnodes == 1:
+        assert "--standalone" in command or nproc == 1  # one pod: torchrun's rendezvous stays inside it
+    else:
+        # Pod 0 hosts the rendezvous on the port its Service and container open; each pod's rank is its index.
         assert f"--master-addr={name}-0.{name}" in command
+        assert f"--master-port={service['spec']['ports'][0]['port']}" in command
+        assert service["spec"]["ports"][0]["port"] == container["ports"][0]["containerPort"]
         env_names = [e["name"] for e in container["env"]]
         assert "NODE_RANK" in env_names and "--node-rank=$(NODE_RANK)" in command
 

@@ -1,4 +1,6 @@
-"""LocalProvisioner's training environment: CPU trainers beside a local vLLM server take half the cores."""
+"""The flow's training launch: the command each node runs (one process, one node under torchrun, several
+nodes at a static rendezvous on node 0), and LocalProvisioner's training environment (CPU trainers beside a
+local vLLM server take half the cores)."""
 
 from __future__ import annotations
 
@@ -44,3 +46,54 @@ def test_gpus_leave_threads_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("flows.provision._has_cuda", lambda: True)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert "OMP_NUM_THREADS" not in LocalProvisioner().training_env(launch("http://127.0.0.1:8000"))
+
+
+def node_command(nproc: int, nnodes: int, **topology: object) -> list[str]:
+    return TrainingLaunch(job_file="job.json", server_url="http://s", model_path="m", mlflow_run_id=None,
+                          tracking_uri=None, result_file="r.json", nproc_per_node=nproc, nnodes=nnodes,
+                          **topology).command()
+
+
+def test_one_process_runs_the_entry_point_alone() -> None:
+    assert "torch.distributed.run" not in node_command(1, 1)
+
+
+def test_one_node_rendezvouses_on_a_free_local_port() -> None:
+    command = node_command(4, 1)
+    assert command[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert "--nproc-per-node=4" in command and not any(a.startswith("--master-addr") for a in command)
+
+
+@pytest.mark.parametrize("node_rank", [0, 2])
+def test_every_node_of_several_dials_node_0_with_its_own_rank(node_rank: int) -> None:
+    command = node_command(4, 3, node_rank=node_rank, rendezvous_address="10.0.0.7", rendezvous_port=29400)
+    torchrun = command[command.index("torch.distributed.run") + 1 : command.index("grpo_core.launch") - 1]
+    assert torchrun == ["--nnodes=3", "--nproc-per-node=4", f"--node-rank={node_rank}", "--master-addr=10.0.0.7",
+                        "--master-port=29400"]
+    # Every node runs the same entry point and arguments; only the node rank differs.
+    assert command[command.index("grpo_core.launch") - 1 :] == node_command(1, 1)[1:]
+
+
+def test_several_nodes_need_node_0s_address() -> None:
+    with pytest.raises(ValueError, match="nnodes=2 needs rendezvous_address"):
+        node_command(1, 2)
+
+
+@pytest.mark.parametrize("topology", [dict(node_rank=2), dict(node_rank=-1), dict(rendezvous_port=0)])
+def test_a_node_rank_outside_the_nodes_or_a_bad_port_is_refused(topology: dict) -> None:
+    with pytest.raises(ValueError, match="node_rank|rendezvous_port"):
+        node_command(1, 2, rendezvous_address="10.0.0.7", **topology)
+
+
+def test_the_flow_runs_node_0_at_the_jobs_rendezvous(tmp_path) -> None:
+    from flows.train_flow import training_launch
+    from grpo_core.job import JobConfig
+
+    job = JobConfig(nproc_per_node=2, nnodes=2, rendezvous_address="10.0.0.7", rendezvous_port=29401)
+    launch = training_launch(job, tmp_path / "job.json", "http://s", "m", None, None, tmp_path)
+    assert (launch.node_rank, launch.nnodes, launch.nproc_per_node) == (0, 2, 2)
+    assert (launch.rendezvous_address, launch.rendezvous_port) == ("10.0.0.7", 29401)
+    command = launch.command()
+    assert {"--node-rank=0", "--master-addr=10.0.0.7", "--master-port=29401"} <= set(command)
+    # The command the flow logs for node 1: the same but for its rank.
+    assert launch.for_node(1).command() == [a.replace("--node-rank=0", "--node-rank=1") for a in command]
