@@ -258,6 +258,10 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
     """Run one GRPO training job end to end; returns the summary."""
     if storage_credentials:
         load_storage_credentials(storage_credentials)
+    if provisioner == "local" and job.nnodes > 1 and not job.rendezvous_address:
+        # Checked before anything starts: the launch would refuse it only after the server is up.
+        raise ValueError(f"job: nnodes={job.nnodes} needs rendezvous_address (node 0's address as the other "
+                         "training nodes reach it) with the local provisioner")
     prov: Provisioner = LocalProvisioner() if provisioner == "local" else _cluster_provisioner(provisioner)
     out = local_run_dir(job)
     tracking_uri = default_tracking_uri(job)
@@ -267,7 +271,6 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
     try:
         if job.server.managed:
             server_url = start_server(prov, job, model_path, str(out))
-        assert server_url, "server.base_url is required when server.managed is false"
         eval_before = evaluate(job, model_path, server_url, "before")
         run_id = create_mlflow_run(job, tracking_uri, {"model": job.model, "dataset": job.dataset})
         if job.tracking.system_metrics:
