@@ -90,16 +90,18 @@ def test_sync_makes_server_logprobs_equal_trainer(vllm_server, tiny_model_path, 
     sync.close()
 
 
-def test_stale_samples_dropped(vllm_server, tiny_model_path, tmp_path):
-    # max_staleness=0: only samples from the weights being trained count. The worker runs ahead, so
-    # after the first sync the queue holds samples from older versions, which must be dropped.
+def test_max_staleness_zero_trains_current_weights_without_running_ahead(vllm_server, tiny_model_path, tmp_path):
+    # max_staleness=0: only samples from the weights being trained count, and the worker starts the next
+    # step's groups only once those weights are served, so it does not generate samples only to have
+    # them dropped (before that budget it ran ahead by the whole queue: 157 dropped in one step).
+    # The collector's drop itself is tested by hand in tests/test_collector.py.
     data = arithmetic_dataset()
     config = fast_config(vllm_server.base_url, tmp_path, max_staleness=0, max_steps=5, max_concurrent_rollouts=64)
     trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward, format_reward], train_dataset=data["train"], args=config)
     history = trainer.train()
     assert len(history) == 5
     assert max(h["sample/staleness_max"] for h in history) == 0.0
-    assert history[-1]["sample/stale_dropped_total"] > 0
+    assert history[-1]["sample/stale_dropped_total"] <= config.per_device_train_batch_size, history[-1]
 
 
 class LockedReward:
