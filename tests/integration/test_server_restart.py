@@ -1,8 +1,8 @@
 """An external vLLM server killed and restarted on the same port mid-run (``server.managed: false``).
 
-A trainer runs against the session's CPU vLLM server; once the run trains samples drawn after its
-first push, a thread kills the server's process group with SIGKILL and starts the same server again on
-the same port, from outside the trainer, while a poller records the
+The test starts its own CPU vLLM server on a fixed port and runs a trainer against it; once the run
+trains samples drawn after its first push, a thread kills the server's process group with SIGKILL
+and starts a new server on the same port, from outside the trainer, while a poller records the
 server's ``/weight_info`` throughout. The new server comes back on its disk weights under the weight
 version ``"default"``.
 
@@ -11,8 +11,8 @@ again; no trained sample carries a version the trainer never pushed (the ledger 
 sample versions, so a ``"default"`` sample would appear as -1); the re-push is logged (the trainer's
 log, ``sync/server_restarts`` in MLflow and the ledger count the flow's summary reads).
 
-Cost: one vLLM start of the tiny model beyond the session's (about 1-2 min on an idle 2-core machine,
-3-5 min on a loaded one) and a 40-step run of a few seconds per step.
+Cost: two vLLM starts of the tiny model (about 1-2 min each on an idle 2-core machine; 3-5 min
+each on a loaded one) and a 40-step run of a few seconds per step.
 
     .venv/bin/python -m pytest -q tests/integration/test_server_restart.py
 """
@@ -34,7 +34,7 @@ from grpo_core.checkpoint import ledger_summary, read_ledger
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rewards import accuracy_reward, format_reward
 from grpo_core.rollout.stages import UNKNOWN_VERSION
-from grpo_core.server import VLLMServer
+from grpo_core.server import VLLMServer, VLLMServerSpec, free_port
 from grpo_core.tiny import arithmetic_dataset
 from grpo_core.trainer import AsyncGRPOTrainer
 
@@ -87,7 +87,8 @@ def fresh_samples_trained(output_dir: str) -> bool:
     return any(max(r["versions"], default=0) >= 1 for r in steps)
 
 
-def kill_and_restart(server: VLLMServer, trainer: AsyncGRPOTrainer, out: Restart) -> None:
+def kill_and_restart(server: VLLMServer, spec: VLLMServerSpec, log_dir, trainer: AsyncGRPOTrainer,
+                     out: Restart, holder: list[VLLMServer]) -> None:
     try:
         while not fresh_samples_trained(trainer.args.output_dir):
             time.sleep(0.2)
@@ -97,24 +98,26 @@ def kill_and_restart(server: VLLMServer, trainer: AsyncGRPOTrainer, out: Restart
         while len(trainer.state.log_history) == logged:
             time.sleep(0.01)
         out.kill_after_step = len(trainer.state.log_history)
-        process = server.process
-        os.killpg(process.pid, signal.SIGKILL)  # its own process group: API server, engine core, workers
-        process.wait()
+        pid = server.process.pid
+        os.killpg(pid, signal.SIGKILL)  # its own process group: API server, engine core, workers
+        server.process.wait()
         out.killed_at = time.time()
-        # The same command on the same port (the trainer's URL does not change); the session fixture
-        # stops this new process at the end, and later tests find a server as every test does.
         server.process = None
-        server.start(timeout_s=START_TIMEOUT_S)
+        restarted = VLLMServer(spec, log_dir)  # the same port: the trainer's URL does not change
+        holder.append(restarted)
+        restarted.start(timeout_s=START_TIMEOUT_S)
         out.serving_again_at = time.time()
     except BaseException as exc:  # noqa: BLE001 - reported by the test
         out.error = exc
 
 
-def test_trainer_repushes_to_a_restarted_external_server(vllm_server, tiny_model_path, mlflow_server, tmp_path,
-                                                       monkeypatch, caplog):
+def test_trainer_repushes_to_a_restarted_external_server(tiny_model_path, mlflow_server, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
-    server = vllm_server  # the session's server, restarted by this test (a start saved)
-    log_start = len(server.log_path.read_text(errors="replace").splitlines())
+    port = free_port()
+    spec = VLLMServerSpec(model=tiny_model_path, max_model_len=512, max_logprobs=20, port=port)
+    server = VLLMServer(spec, tmp_path / "server-1")
+    servers = [server]
+    server.start(timeout_s=START_TIMEOUT_S)
     config = AsyncGRPOConfig(
         output_dir=str(tmp_path / "run"), vllm_server_base_url=server.base_url, report_to="mlflow",
         run_name="server-restart", max_steps=MAX_STEPS, learning_rate=1e-4, num_generations=4,
@@ -131,7 +134,8 @@ def test_trainer_repushes_to_a_restarted_external_server(vllm_server, tiny_model
     poller = VersionPoller(server.base_url)
     restart = Restart()
     threads = [threading.Thread(target=poller.run, daemon=True),
-               threading.Thread(target=kill_and_restart, args=(server, trainer, restart), daemon=True)]
+               threading.Thread(target=kill_and_restart, args=(server, spec, tmp_path / "server-2", trainer, restart, servers),
+                                daemon=True)]
     caplog.set_level(logging.INFO, logger="grpo_core")
     try:
         for thread in threads:
@@ -142,6 +146,8 @@ def test_trainer_repushes_to_a_restarted_external_server(vllm_server, tiny_model
     finally:
         poller.stop()
         threads[1].join(timeout=10)
+        for s in servers:
+            s.stop()
     assert restart.error is None, f"the restart from outside failed: {restart.error}"
     print(f"trained {len(history)} steps in {train_s:.0f} s; killed after step {restart.kill_after_step}; the server "
           f"was down {restart.serving_again_at - restart.killed_at:.0f} s")
@@ -176,8 +182,7 @@ def test_trainer_repushes_to_a_restarted_external_server(vllm_server, tiny_model
     summary = ledger_summary(config.output_dir)
     assert summary["server_restarts"] == 1  # what the flow's summary reports
     # Generations the restarted server finished before the re-push paused it: wholly on disk weights.
-    log_lines = server.log_path.read_text(errors="replace").splitlines()[log_start:]
-    log_lines = log_lines[max(i for i, line in enumerate(log_lines) if line.startswith("$ ")):]  # the new process
+    log_lines = (tmp_path / "server-2" / "vllm_server.log").read_text(errors="replace").splitlines()
     first_pause = next(i for i, line in enumerate(log_lines) if "POST /pause" in line)
     on_disk_weights = sum('"POST /inference/v1/generate' in line for line in log_lines[:first_pause])
     print(f"restarted server: {on_disk_weights} generations finished on its disk weights before the re-push; "
