@@ -179,10 +179,11 @@ def server_usable(provisioner: Provisioner, base_url: str) -> bool:
 def local_run_dir(job: JobConfig) -> Path:
     """Where the job file, logs and pid file go: ``output_dir`` when it is a local folder, else a
     folder under the temp dir named after the URL (object stores hold no logs that grow)."""
-    from fsspec.core import url_to_fs
     from fsspec.implementations.local import LocalFileSystem
 
-    fs, path = url_to_fs(job.trainer.output_dir)
+    from grpo_core.checkpoint.storage import open_url
+
+    fs, path = open_url(job.trainer.output_dir)
     out = Path(path) if isinstance(fs, LocalFileSystem) else (
         Path(tempfile.gettempdir()) / "grpo-runs" / re.sub(r"[^A-Za-z0-9._-]+", "_", job.trainer.output_dir)
     )

@@ -267,17 +267,15 @@ def log_final_model(client: Any, run_id: str, registered_model_name: str | None 
     """
     import tempfile
 
-    import fsspec
-
     from grpo_core.checkpoint.storage import (
-        MANIFEST, MASTER_FILE, OPTIMIZER_FILE, RNG_FILE, ROLLOUT_STATE, SCHEDULER_FILE, TRAINER_STATE,
+        MANIFEST, MASTER_FILE, OPTIMIZER_FILE, RNG_FILE, ROLLOUT_STATE, SCHEDULER_FILE, TRAINER_STATE, open_url,
     )
 
     url = client.get_run(run_id).data.tags.get("artifact.checkpoint")
     if not url:
         return None
     training_only = {MANIFEST, MASTER_FILE, OPTIMIZER_FILE, RNG_FILE, ROLLOUT_STATE, SCHEDULER_FILE, TRAINER_STATE}
-    fs, root = fsspec.core.url_to_fs(url)
+    fs, root = open_url(url)
     with tempfile.TemporaryDirectory(prefix="grpo-final-model-") as tmp:
         for path in fs.ls(root, detail=False):
             name = path.rstrip("/").rsplit("/", 1)[-1]

@@ -140,3 +140,19 @@ def test_full_disk_skips_the_checkpoint_and_keeps_the_last_good_one(model_path, 
     fresh = make_trainer(model_path, train_rows, small_disk / "other", max_steps=4, resume_from_checkpoint=str(out / "checkpoint-1"))
     start(fresh)
     assert all(torch.equal(fresh.model.state_dict()[k], v) for k, v in good.items())
+
+
+def test_storage_reads_the_endpoint_when_it_is_made(monkeypatch) -> None:
+    # fsspec's instance cache would hand a second Storage the client made for the first endpoint (a
+    # long-lived process that reaches two stores, or the test suite's two S3 servers).
+    from grpo_core.checkpoint import Storage
+
+    for key, value in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    endpoints = []
+    for port in (1, 2):
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+        storage = Storage("s3://bucket/run")
+        storage.fs.connect()  # builds the client; no request is sent
+        endpoints.append(storage.fs.s3.meta.endpoint_url)
+    assert endpoints == ["http://127.0.0.1:1", "http://127.0.0.1:2"]

@@ -31,6 +31,20 @@ _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 _CHUNK = 1 << 20
 
 
+def open_url(url: str) -> tuple[Any, str]:
+    """The fsspec filesystem and path for ``url``, made from the environment as it is now.
+
+    fsspec hands back one cached filesystem per set of constructor arguments for the life of the
+    process, and an object store's endpoint and credentials (``AWS_ENDPOINT_URL``, keys) are read
+    from the environment when that instance is first made. A process that reaches a second store
+    or a moved endpoint (a notebook, an agent running several jobs) would keep talking to the first
+    one; a fresh instance costs a client set-up, nothing per request.
+    """
+    from fsspec.core import url_to_fs
+
+    return url_to_fs(url, skip_instance_cache=True)
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that was asked for by path is missing, torn or unreadable."""
 
@@ -42,10 +56,9 @@ class Storage:
     """
 
     def __init__(self, url: str, retry_timeout_s: float = DEFAULT_TIMEOUT_S):
-        from fsspec.core import url_to_fs
         from fsspec.implementations.local import LocalFileSystem
 
-        self.fs, self.root = url_to_fs(url)
+        self.fs, self.root = open_url(url)
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.retry_timeout_s = retry_timeout_s
 

@@ -165,10 +165,11 @@ def write_adapter(
     model: torch.nn.Module, url: str, base_model_name_or_path: str | None = None, state: dict[str, torch.Tensor] | None = None
 ) -> int:
     """Write the adapter as a PEFT folder at ``url`` (any fsspec URL); returns the weight bytes written."""
-    import fsspec
     from safetensors.torch import save
 
-    fs, path = fsspec.core.url_to_fs(url)
+    from grpo_core.checkpoint.storage import open_url
+
+    fs, path = open_url(url)
     state = adapter_state(model) if state is None else state
     blob = save(state, metadata={"format": "pt"})
     fs.makedirs(path, exist_ok=True)

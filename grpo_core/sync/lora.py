@@ -105,9 +105,9 @@ class AdapterWindow:
 
 def serving_path(url: str) -> str:
     """The path to hand to vLLM: a plain path for local folders, the URL itself otherwise."""
-    import fsspec
+    from grpo_core.checkpoint.storage import open_url
 
-    fs, path = fsspec.core.url_to_fs(url)
+    fs, path = open_url(url)
     protocols = fs.protocol if isinstance(fs.protocol, (list, tuple)) else [fs.protocol]
     return path if "file" in protocols or "local" in protocols else url
 
@@ -186,11 +186,11 @@ class LoraAdapterSync(WeightSync):
         )
 
     def _delete(self, versions: list[int]) -> None:
-        import fsspec
+        from grpo_core.checkpoint.storage import open_url
 
-        fs, _ = fsspec.core.url_to_fs(self.cache_url)
+        fs, root = open_url(self.cache_url)
         for version in versions:
-            _, path = fsspec.core.url_to_fs(self._url(version))
+            path = f"{root.rstrip('/')}/{self.adapter_name(version)}"
             if fs.exists(path):
                 fs.rm(path, recursive=True)
 
@@ -200,7 +200,7 @@ class LoraAdapterSync(WeightSync):
         A crashed or preempted trainer cannot clean up; its worker died with it, so no request of
         its can still need those folders once their names are gone from the server.
         """
-        import fsspec
+        from grpo_core.checkpoint.storage import open_url
 
         prefix = serving_path(self.cache_url).rstrip("/") + "/"
         for entry in self.control.models():
@@ -208,7 +208,7 @@ class LoraAdapterSync(WeightSync):
             if root.startswith(prefix) and entry.get("id") != entry.get("parent"):
                 log.info("unloading adapter %s left by an earlier process of this run", entry["id"])
                 self.control.unload_lora_adapter(str(entry["id"]))
-        fs, path = fsspec.core.url_to_fs(self.cache_url)
+        fs, path = open_url(self.cache_url)
         if fs.exists(path):
             for leftover in fs.ls(path, detail=False):
                 fs.rm(leftover, recursive=True)
