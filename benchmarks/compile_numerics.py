@@ -57,6 +57,7 @@ from grpo_core.models.fsdp import FSDPSettings, full_value, shard_policy  # noqa
 from grpo_core.models.logprob_head import row_logprobs  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
 from grpo_core.perf import synchronize  # noqa: E402
+from bench_io import write_report  # noqa: E402
 
 CANDIDATES = (("eager", "none"), ("eager_repeat", "none"), ("pointwise", "pointwise"), ("layers", "layers"))
 ERRORS = ("loss_abs", "logprob_max_abs", "logprob_mean_abs", "grad_rel", "grad_norm_rel")
@@ -244,10 +245,7 @@ def main() -> None:
         ratios = ", ".join(f"{e} {v['error_over_eager'][e]:.2f}" for e in ERRORS)
         print(f"{mode}: {'within' if v['within_eager'] else 'NOT within'} eager's errors on {' and '.join(DECIDING)} "
               f"(error / eager's: {ratios})")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

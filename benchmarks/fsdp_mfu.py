@@ -49,6 +49,7 @@ from grpo_core.distributed import DistInfo  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
 from grpo_core.perf import ModelFlops, device_peak_flops, synchronize  # noqa: E402
 from grpo_core.rollout.types import RolloutSample  # noqa: E402
+from bench_io import write_report  # noqa: E402
 
 SHAPES = {  # Qwen3 dense shapes (config.json of the public checkpoints)
     "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
@@ -357,9 +358,7 @@ def main() -> None:
             brief = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.items()
                      if not isinstance(v, (list, dict))}
             print(json.dumps(brief), flush=True)
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:  # after every config: a later failure keeps the earlier ones
-                json.dump(report, f, indent=1)
+            write_report(args.out, report, announce=False)  # after every config: a later failure keeps the earlier ones
     if info.rank == 0:
         print(f"{'budget':>7} {'AC':>3} {'compile':>9} {'attention':>16} {'reshard':>7} {'chunk':>5} {'tok/s':>8} "
               f"{'MFU fb':>7} {'MFU step':>8} {'peak GiB':>8}")

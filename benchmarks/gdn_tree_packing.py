@@ -40,6 +40,7 @@ from grpo_core.models import gated_delta as gd  # noqa: E402
 from grpo_core.models import tree_attention as ta  # noqa: E402
 from grpo_core.models.hybrid import install_gated_delta  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
+from bench_io import write_report  # noqa: E402
 
 # A Qwen3.5-style hybrid of about 2B parameters (sizes chosen for the benchmark, not read from a
 # checkpoint): 24 layers, every fourth full attention with an output gate, 16 key and 16 value heads
@@ -205,10 +206,7 @@ def main() -> None:
                   f"{speedup / ideal:4.2f}x of it)  flat {res['flat']['time_s']:.3f}s {res['flat']['peak_mem_gib'] or 0:.1f}GiB  "
                   f"tree {res['tree']['time_s']:.3f}s {res['tree']['peak_mem_gib'] or 0:.1f}GiB", flush=True)
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
 import platform
 import signal
@@ -46,6 +45,7 @@ from grpo_core.models.loading import load_policy  # noqa: E402
 from grpo_core.models.lora import adapter_state, apply_lora  # noqa: E402
 from grpo_core.rollout.client import VLLMControlClient  # noqa: E402
 from grpo_core.sync.factory import SyncSetup, make_weight_sync  # noqa: E402
+from bench_io import write_report  # noqa: E402
 
 SEVEN_B = dict(  # Qwen2.5-7B config.json
     architectures=["Qwen2ForCausalLM"], hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
@@ -212,9 +212,7 @@ def main() -> None:
         "env": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
                 "load_avg_at_end": os.getloadavg()},
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_report(args.out, result, indent=2, announce=False)
 
     print("\nsync per push, tiny model (rank %d), CPU server" % args.rank)
     print("| mode | bytes/push | median s | max s | first push (bytes, s) |")

@@ -67,6 +67,7 @@ from nccl_sync_receiver import (  # noqa: E402
     synchronize,
     use_cuda_platform,
 )
+from bench_io import write_report  # noqa: E402
 
 MB = 2**20
 
@@ -398,9 +399,7 @@ def launch(args) -> None:
                 recv.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 recv.kill()
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(combined, f, indent=1)
+        write_report(args.out, combined, announce=False)
     print_table(combined)
 
 

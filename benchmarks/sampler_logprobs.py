@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
 import pickle
 import platform
@@ -51,6 +50,7 @@ from grpo_core.rewards import accuracy_reward  # noqa: E402
 from grpo_core.rollout.stages import AsyncRolloutLoop  # noqa: E402
 from grpo_core.rollout.scheduler import END_OF_DATA, RolloutScheduler  # noqa: E402
 from grpo_core.rollout.types import GroupReport, RolloutSample  # noqa: E402
+from bench_io import write_report  # noqa: E402
 
 NUM_TOP = (0, 8, 20)
 
@@ -213,10 +213,7 @@ def main() -> None:
               f"   {t['seconds_median']:>6.3f}   {t['ratio_to_0']:>10.3f}")
     print(f"(trainer step: {len(top_samples)} samples, {trained} trained tokens)")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"wrote {args.out}")
+        write_report(args.out, results, indent=2)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from grpo_core.models import tree_attention as ta  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
 from grpo_core.rollout.types import RolloutSample  # noqa: E402
+from bench_io import write_report  # noqa: E402
 
 SHAPES = {  # Qwen3 dense shapes (config.json of the public checkpoints)
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -322,10 +323,7 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -129,8 +130,11 @@ class FlowRun:
     def local(self) -> Path:
         return local_run_dir(self.job)
 
-    @property
+    @cached_property
     def storage(self) -> Storage:
+        # One client for the whole run: a new S3 client per poll cost the poller so much time on two
+        # busy cores that it missed checkpoint writes and killed a trainer that had already finished
+        # (Storage.ls drops the listing cache itself, so the one client still sees new files).
         return Storage(self.job.trainer.output_dir)
 
     def start(self) -> None:
@@ -234,6 +238,12 @@ class FlowRun:
             kill_group(pid)
 
 
+def kill_live_trainer(run: FlowRun, pid: int, target: int) -> None:
+    """SIGKILL the trainer, which must still be running: a kill that lands after it finished proves nothing."""
+    assert alive(pid), f"trainer {pid} ended before the kill planned after step {target}:\n{run.train_log()[-3000:]}"
+    kill_group(pid)
+
+
 def run_with_kills(run: FlowRun, rng: random.Random, kill_server: bool) -> tuple[dict[str, Any], float]:
     start = time.monotonic()
     run.start()
@@ -242,7 +252,7 @@ def run_with_kills(run: FlowRun, rng: random.Random, kill_server: bool) -> tuple
     target = rng.randint(3, 2 * SAVE_STEPS - 2)
     run.wait_step(1, pid, target)
     time.sleep(rng.uniform(0.0, 1.5))
-    kill_group(pid)
+    kill_live_trainer(run, pid, target)
     run.kills.append(Kill(1, pid, "random", target))
     # 2: during the write of the first checkpoint the second attempt makes.
     pid = run.wait_new_trainer()
@@ -263,7 +273,7 @@ def run_with_kills(run: FlowRun, rng: random.Random, kill_server: bool) -> tuple
         while alive(server):
             time.sleep(0.05)
         print(f"killed the vLLM server's group {server}")
-    kill_group(pid)
+    kill_live_trainer(run, pid, target)
     run.kills.append(Kill(3, pid, "random" + (" + server" if kill_server else ""), target))
     run.wait_new_trainer()
     summary = run.wait_done(FLOW_TIMEOUT_S)

@@ -1,0 +1,20 @@
+"""What every benchmark script does with its figures: write the raw report as JSON next to the run.
+
+Imported by the scripts in this folder as ``from bench_io import write_report`` (they run as
+``python benchmarks/NAME.py``, so this folder is first on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+
+def write_report(path: str, report: Any, indent: int = 1, announce: bool = True) -> None:
+    """Write ``report`` to ``path`` as JSON, creating its folder; the whole file is replaced."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=indent)
+    if announce:
+        print(f"wrote {path}", flush=True)
