@@ -198,8 +198,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script only")
     args = ap.parse_args()
 
-    device = torch.device("cuda") if torch.cuda.is_available() and not args.smoke else torch.device("cpu")
-    init_distributed(DistInfo.from_env(), device, timeout_s=1800)  # FSDP2 needs a group, even of one rank
+    info = DistInfo.from_env()
+    device = info.device() if not args.smoke else torch.device("cpu")
+    init_distributed(info, device, timeout_s=1800)  # FSDP2 needs a group, even of one rank
     if device.type == "cuda":
         # The reference is fp32 in earnest: no TF32 in matmuls or convolutions.
         torch.backends.cuda.matmul.allow_tf32 = False

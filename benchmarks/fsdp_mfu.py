@@ -143,13 +143,18 @@ def run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, 
     needed_groups = 8 * world * args.rows_per_rank  # plenty: the plan takes what fits
     samples = make_samples(needed_groups, 8, prompt, completion, vocab, seed=budget)
     t0 = time.perf_counter()
-    plan = plan_step(samples, world_size=world, gradient_accumulation_steps=args.rows_per_rank, token_budget=budget)
+    # --same-rows: every rank forwards the rows a one-rank plan makes, so a scaling comparison sees the
+    # same work per GPU (a plan for more ranks draws a different mix of rows from the sample set).
+    plan_world = 1 if args.same_rows else world
+    plan = plan_step(samples, world_size=plan_world, gradient_accumulation_steps=args.rows_per_rank, token_budget=budget)
     plan_s = time.perf_counter() - t0
-    rows = [r.pack().to(device) for r in plan.rows_for_rank(info.rank)]
-    all_rows = plan.rows
+    rows = [r.pack().to(device) for r in plan.rows_for_rank(0 if args.same_rows else info.rank)]
+    all_rows = plan.rows * (world // plan_world)
     num_trained = sum(r.num_trained_tokens for r in all_rows)
     step_flops = flops_model.rows_flops(all_rows)
     metrics = plan.metrics()
+    if args.same_rows:
+        metrics["batch/forwarded_tokens_per_step"] *= world
     loss_config = LossConfig.from_config(AsyncGRPOConfig())
     times_fb, times_step = [], []
     if device.type == "cuda":
@@ -175,6 +180,7 @@ def run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, 
     result = {
         "token_budget": budget, "activation_checkpointing": ac, "compile": compiled, "attention_backend": backend,
         "reshard_after_forward": reshard, "logprob_chunk": chunk, "world_size": world, "rows_per_rank": len(rows),
+        "same_rows": args.same_rows,
         "forwarded_tokens_per_step": int(metrics["batch/forwarded_tokens_per_step"]),
         "trained_tokens_per_step": num_trained, "row_fill_frac": metrics["batch/row_fill_frac"],
         "packing_ratio": metrics["batch/packing_ratio"], "samples_per_row": metrics["batch/samples_per_row"],
@@ -297,6 +303,8 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto", help="tree attention backend (AsyncGRPOConfig names)")
     ap.add_argument("--attention-kernel", default=None, help="the kernels backend's Hub id or local folder")
     ap.add_argument("--rows-per-rank", type=int, default=4, help="micro-batches per step")
+    ap.add_argument("--same-rows", action="store_true", help="every rank forwards the rows of a one-rank plan "
+                    "(same work per GPU at any world size, for scaling figures)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--gather", action="store_true", help="time one full weight-sync gather after the first config")

@@ -102,7 +102,8 @@ class AsyncGRPOTrainer:
         self.dist = DistInfo.from_env()
         self.device = self.dist.device()
         self.bf16 = self._resolve_precision()
-        fsdp_settings = FSDPSettings.from_config(self.args, bf16=self.bf16)
+        fsdp_settings = FSDPSettings.from_config(self.args, bf16=self.bf16, device_type=self.device.type)
+        self.compile_mode = fsdp_settings.compile
         # Ranks (and 1-rank bf16 through FSDP2) join the process group before anything is sharded.
         self._owns_process_group = needs_fsdp(fsdp_settings, self.dist.world_size) and init_distributed(
             self.dist, self.device, timeout_s=max(3600.0, 2 * self.args.request_timeout)
@@ -140,7 +141,8 @@ class AsyncGRPOTrainer:
         self._owns_tracker = tracker is None  # one this trainer made (report_to) is closed when train() ends
         self.tracker: Tracker = tracker or make_tracker(self.args, is_main=self.dist.is_main)
         if self.dist.is_main:
-            self.tracker.log_params({"perf/attention_backend": self.attention_backend})
+            self.tracker.log_params({"perf/attention_backend": self.attention_backend,
+                                     "perf/compile_mode": self.compile_mode})
         self.state = TrainerState()
         self.frontier = TrainingFrontier()
         self.versions = WeightVersions()

@@ -392,3 +392,14 @@ def test_config_fields_are_checked():
     settings = FSDPSettings.from_config(config, bf16=config.resolved_bf16(bf16_supported=False))
     assert settings == FSDPSettings(bf16=True, activation_checkpointing=True, reshard_after_forward=False,
                                     compile="layers")
+
+
+def test_compile_mode_auto_compiles_layers_on_cuda_only():
+    from grpo_core.config import AsyncGRPOConfig
+
+    config = AsyncGRPOConfig()
+    assert config.compile_mode == "auto"
+    assert FSDPSettings.from_config(config, bf16=False, device_type="cpu").compile == "none"
+    assert FSDPSettings.from_config(config, bf16=True, device_type="cuda").compile == "layers"
+    for mode in ("none", "pointwise", "layers"):
+        assert FSDPSettings.from_config(AsyncGRPOConfig(compile_mode=mode), bf16=True, device_type="cuda").compile == mode

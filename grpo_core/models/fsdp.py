@@ -57,7 +57,7 @@ class FSDPSettings:
             raise ValueError(f"FSDPSettings.compile={self.compile!r}: use one of {COMPILE_MODES}")
 
     @classmethod
-    def from_config(cls, args, bf16: bool) -> FSDPSettings:
+    def from_config(cls, args, bf16: bool, device_type: str = "cpu") -> FSDPSettings:
         """From an ``AsyncGRPOConfig``; ``bf16`` is its resolved value for this device."""
         return cls(
             bf16=bf16,
@@ -65,8 +65,16 @@ class FSDPSettings:
             activation_checkpointing=args.gradient_checkpointing,
             reshard_after_forward=args.fsdp_reshard_after_forward,
             cpu_offload=args.fsdp_cpu_offload,
-            compile=args.compile_mode,
+            compile=resolve_compile_mode(args.compile_mode, device_type),
         )
+
+
+def resolve_compile_mode(mode: str, device_type: str) -> str:
+    """``auto`` → ``layers`` on CUDA (fastest, and within eager bf16's error against fp32 as measured),
+    ``none`` elsewhere (the CPU path stays eager); any other mode is kept as asked."""
+    if mode == "auto":
+        return "layers" if device_type == "cuda" else "none"
+    return mode
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
