@@ -301,11 +301,17 @@ def main() -> None:
     ap.add_argument("--device", type=int, required=True, help="GPU index; -1: the CPU (--smoke)")
     ap.add_argument("--transport", choices=("vllm", "torch"), required=True)
     ap.add_argument("--model", default="qwen3-1.7b")
+    ap.add_argument("--model-path", help="load this saved model (bf16) instead of a random --model shape")
     args = ap.parse_args()
     device = torch.device("cuda", args.device) if args.device >= 0 else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = build_model(args.model, device, torch.bfloat16, seed=1)
+    if args.model_path:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.bfloat16).to(device)
+    else:
+        model = build_model(args.model, device, torch.bfloat16, seed=1)
     server = serve(Receiver(model, device, args.transport), args.port)
     print(f"receiver ready on port {args.port}, GPU {args.device}, transport {args.transport}", flush=True)
     server.serve_forever()

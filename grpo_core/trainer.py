@@ -122,6 +122,7 @@ class AsyncGRPOTrainer:
         self.attention_backend = enable_tree_attention(
             self.model, backend=self.args.attention_backend, linear_backend=self.args.gdn_backend,
             kernel=self.args.attention_kernel,
+            compute_dtype=torch.bfloat16 if self.bf16 else (torch.float16 if self.args.fp16 else torch.float32),
         )
         if self.args.logprob_chunk_size is not None:
             output_head(self.model)  # a model the chunked head cannot run is refused before anything starts

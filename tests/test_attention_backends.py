@@ -171,3 +171,16 @@ def test_select_backend_probes_each_kernel_and_keeps_the_tree_mask(monkeypatch):
     assert ta._probe(backend, torch.device("cpu")) < 2e-2
     with pytest.raises(ab.AttentionBackendError, match="flash_attn_cute.*probe error"):
         ta.select_backend("flash_attn_cute", "cpu")
+
+
+def test_fp32_training_on_a_gpu_gets_reference_or_a_named_error():
+    from grpo_core.models.tree_attention import backend_for_precision
+
+    # The fused kernels take bf16/fp16 only: auto falls back, a named kernel is refused at start-up.
+    assert backend_for_precision("auto", "cuda", torch.float32) == "reference"
+    with pytest.raises(ValueError, match=r"attention_backend='torch_varlen'.*bf16=True"):
+        backend_for_precision("torch_varlen", "cuda", torch.float32)
+    assert backend_for_precision("torch_varlen", "cuda", torch.bfloat16) == "torch_varlen"
+    assert backend_for_precision("auto", "cuda", torch.float16) == "auto"
+    assert backend_for_precision("auto", "cpu", torch.float32) == "auto"
+    assert backend_for_precision("reference", "cuda", torch.float32) == "reference"

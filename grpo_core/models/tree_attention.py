@@ -364,18 +364,36 @@ def check_supported_architecture(model: torch.nn.Module) -> None:
             )
 
 
+def backend_for_precision(backend: str, device_type: str, compute_dtype: torch.dtype) -> str:
+    """``backend`` as it can run at ``compute_dtype``: the fused kernels take bf16/fp16 only, so an fp32
+    run on a GPU gets ``reference`` under ``auto``, and a fused kernel named for it is refused."""
+    if device_type != "cuda" or compute_dtype in (torch.bfloat16, torch.float16) or backend == "reference":
+        return backend
+    if backend == "auto":
+        log.info("tree attention: training in %s, which the fused kernels do not take; using 'reference'",
+                 compute_dtype)
+        return "reference"
+    raise ValueError(
+        f"AsyncGRPOConfig.attention_backend={backend!r} runs in bf16 or fp16 only, and this run trains in "
+        f"{compute_dtype} (bf16=False): set bf16=True (or fp16=True), or attention_backend='auto' or 'reference'"
+    )
+
+
 def enable_tree_attention(model: torch.nn.Module, backend: str = "auto", linear_backend: str = "auto",
-                          kernel: str | None = None) -> str:
+                          kernel: str | None = None, compute_dtype: torch.dtype | None = None) -> str:
     """Check the model, register ``grpo_tree``, patch its Gated DeltaNet layers and switch it over.
 
     ``backend`` picks the attention kernel (``select_backend``; ``kernel`` is the ``kernels`` backend's
-    Hub id or folder), ``linear_backend`` the delta-rule kernel of GDN layers
+    Hub id or folder; ``compute_dtype``, the training's, rules out fused kernels for fp32), ``linear_backend`` the delta-rule kernel of GDN layers
     (``grpo_core.models.gated_delta.select_gdn_backend``). Returns the attention backend's name.
     """
     from grpo_core.models.hybrid import install_gated_delta
 
     check_supported_architecture(model)
-    name = register_tree_attention(backend, next(model.parameters()).device, kernel)
+    device = next(model.parameters()).device
+    if compute_dtype is not None:
+        backend = backend_for_precision(backend, device.type, compute_dtype)
+    name = register_tree_attention(backend, device, kernel)
     install_gated_delta(model, linear_backend)
     model.set_attn_implementation(TREE_ATTENTION)
     return name
