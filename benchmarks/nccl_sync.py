@@ -38,6 +38,7 @@ Command (2 GPUs: one trainer rank, then two trainer ranks with the receiver shar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -47,7 +48,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import torch
@@ -371,12 +372,7 @@ def launch(args) -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     for n in (int(x) for x in args.trainer_ranks.split(",")):
         receiver_gpu = gpus - 1 if not args.smoke else -1
-        http_port = choose_port("127.0.0.1")
-        url = f"http://127.0.0.1:{http_port}"
-        recv = subprocess.Popen([sys.executable, os.path.join(here, "nccl_sync_receiver.py"), "--port", str(http_port),
-                                 "--device", str(receiver_gpu), "--transport", transport, "--model", args.model])
-        try:
-            _wait_ready(url, recv)
+        with running_receiver("--device", str(receiver_gpu), "--transport", transport, "--model", args.model) as url:
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
                 out = tmp.name
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
@@ -390,30 +386,40 @@ def launch(args) -> None:
                 run = {"error": f"{type(exc).__name__}: {exc}"}  # the next rank count still runs
             run["trainer_gpus"], run["receiver_gpu"] = list(range(n)), receiver_gpu
             combined["runs"][f"trainer_ranks_{n}"] = run
-        finally:
-            try:
-                httpx.post(f"{url}/harness/stop", timeout=10)
-            except httpx.HTTPError:
-                pass
-            try:
-                recv.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                recv.kill()
         write_report(args.out, combined, announce=False)
     print_table(combined)
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the receiver exited with {proc.returncode} before answering")
+@contextlib.contextmanager
+def running_receiver(*receiver_args: str, timeout: float = 600) -> Iterator[str]:
+    """``nccl_sync_receiver.py`` started with ``receiver_args`` on a free loopback port; yields its URL
+    once it answers, and stops it (``/harness/stop``, then a kill after 30 s) however the block ends."""
+    port = choose_port("127.0.0.1")
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "nccl_sync_receiver.py"),
+                             "--port", str(port), *receiver_args])
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the receiver exited with {proc.returncode} before answering")
+            try:
+                httpx.get(f"{url}/get_world_size", timeout=2).raise_for_status()
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the receiver did not answer") from None
+                time.sleep(0.5)
+        yield url
+    finally:
         try:
-            httpx.get(f"{url}/get_world_size", timeout=2).raise_for_status()
-            return
+            httpx.post(f"{url}/harness/stop", timeout=10)
         except httpx.HTTPError:
-            time.sleep(0.5)
-    raise TimeoutError("the receiver did not answer")
+            pass
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def _passthrough(args) -> list[str]:

@@ -191,28 +191,13 @@ class ReplayTrainer(AsyncGRPOTrainer):
         super().__init__(*a, **kw)
 
     def _setup(self, resume_from_checkpoint):
-        from grpo_core.collector import StepCollector
-        from grpo_core.distributed import StepFeed
-
-        args = self.args
         self.checkpointer.find_resume_point(resume_from_checkpoint)  # a fresh folder: nothing to resume
         self.checkpointer.begin_attempt()
         self.server = self.recording["server"]
         self.watch = QuietWatch()
         self.weight_sync = ReceiverSync(self.model, self.receiver_url, self.dist.rank, self.device, bucket_mb=256)
         self._sync_weights()  # version 0, as the recording run started with
-        collector = StepCollector(
-            source=ReplaySource(self.recording["items"]) if self.dist.is_main else None,
-            world_size=self.dist.world_size,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
-            token_budget=args.token_budget,
-            max_samples_per_step=args.per_device_train_batch_size * args.gradient_accumulation_steps * self.dist.world_size,
-            max_staleness=args.max_staleness,
-            flat=args.packing == "flat",
-            frontier=self.frontier,
-            timeout_s=args.request_timeout,
-        )
-        self.feed = StepFeed(collector, self.dist.rank, self.dist.world_size)
+        self.feed = self._make_feed(ReplaySource(self.recording["items"]) if self.dist.is_main else None)
 
     def _teardown(self, finished: bool) -> None:
         self.sync_checks = self.weight_sync.checks if self.weight_sync is not None else []
@@ -246,11 +231,8 @@ def replay(args) -> None:
 
 # ------------------------------------------------------------------------------------------ launch
 def launch(args) -> None:
-    from grpo_core.server import free_port
     from grpo_core.tiny import build_tiny_model
-    from nccl_sync import _wait_ready
-
-    import httpx
+    from nccl_sync import running_receiver
 
     model_path = args.model_path or str(build_tiny_model())
     gpus = torch.cuda.device_count() if not args.smoke else 0
@@ -260,13 +242,8 @@ def launch(args) -> None:
                                       "device": torch.cuda.get_device_name(0) if gpus else "cpu"},
                               "recording": str(args.recording), "command": " ".join(sys.argv), "runs": {}}
     for world, precision in runs:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        recv = subprocess.Popen([sys.executable, str(HERE / "nccl_sync_receiver.py"), "--port", str(port),
-                                 "--device", str(receiver_gpu), "--transport", "torch", "--model-path", model_path])
         name = f"{world}rank_{precision}"
-        try:
-            _wait_ready(url, recv)
+        with running_receiver("--device", str(receiver_gpu), "--transport", "torch", "--model-path", model_path) as url:
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
                 out = tmp.name
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
@@ -277,15 +254,6 @@ def launch(args) -> None:
                 report["runs"][name] = json.loads(Path(out).read_text())
             except (subprocess.SubprocessError, OSError, ValueError) as exc:
                 report["runs"][name] = {"error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            try:
-                httpx.post(f"{url}/harness/stop", timeout=10)
-            except httpx.HTTPError:
-                pass
-            try:
-                recv.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                recv.kill()
     report["comparison"] = compare(report["runs"], "bf16" if not args.smoke else "fp32")
     with open(args.recording, "rb") as f:
         recorded = pickle.load(f)["losses"]

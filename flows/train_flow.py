@@ -166,14 +166,15 @@ def train_attempt(provisioner: Provisioner, launch: TrainingLaunch, pid_file: st
 def server_usable(provisioner: Provisioner, base_url: str) -> bool:
     """The server process runs and its engine answers: a trainer killed during a weight sync can
     leave the API process up over a dead engine, which only a new server fixes."""
-    import httpx
+    from grpo_core.rollout.client import VLLMControlClient
 
     if not provisioner.server_alive(base_url):
         return False
+    client = VLLMControlClient(base_url)
     try:
-        return httpx.get(f"{base_url}/health", timeout=30).status_code == 200
-    except httpx.HTTPError:
-        return False
+        return client.answers("/health", timeout=30)
+    finally:
+        client.close()
 
 
 def local_run_dir(job: JobConfig) -> Path:

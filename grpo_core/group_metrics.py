@@ -1,4 +1,4 @@
-"""Reward and rollout metrics of one step, from the group reports that arrived during it.
+"""Metrics of one step: rewards and rollouts from its group reports, and its batch's samples and queue.
 
 Rewards are averaged over every scored rollout of every group that finished during the step, kept or
 dropped: a group dropped because all its rollouts failed is still part of how well the policy does.
@@ -12,10 +12,14 @@ denominators, because an average of per-group ratios would weight a 1-turn group
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from grpo_core.rollout.types import GroupReport
+
+if TYPE_CHECKING:
+    from grpo_core.collector import StepBatch
 
 # Counters carried by GroupReport.metrics that are summed over the step's groups.
 _COUNTER_PREFIXES = ("tools/", "env/", "rollout/")
@@ -105,4 +109,33 @@ def group_metrics(reports: list[GroupReport]) -> dict[str, float]:
     )
     metrics.update(counters)
     metrics.update(derived_rollout_metrics(counters))
+    return metrics
+
+
+def sample_and_queue_metrics(batch: StepBatch, wall_s: float, *, stale_dropped_total: int, server_restarts: int,
+                             frontier: int, queue_size: int) -> dict[str, float]:
+    """The step's metrics from its batch: rewards and rollouts (``group_metrics``), its rows, the samples'
+    staleness and the queue it came from (see README, "Reading the rollout queue"). ``wall_s``: the
+    step's wall clock so far."""
+    metrics = group_metrics(batch.reports)
+    metrics.update(batch.plan.metrics())
+    generated = sum(r.generated_tokens for r in batch.reports)
+    staleness = np.asarray(batch.staleness, dtype=np.float64)
+    forwarded = [len(s.token_ids) for s in batch.samples]
+    metrics.update(
+        {
+            "sample/staleness_mean": float(staleness.mean()) if staleness.size else 0.0,
+            "sample/staleness_max": float(staleness.max()) if staleness.size else 0.0,
+            "sample/stale_dropped": float(batch.stale_dropped),
+            "sample/stale_dropped_total": float(stale_dropped_total),
+            "sample/foreign_dropped": float(batch.foreign_dropped),
+            "sync/server_restarts": float(server_restarts),
+            "sample/forwarded_tokens_mean": float(np.mean(forwarded)) if forwarded else 0.0,
+            "rollout/generated_tok_s": generated / wall_s if wall_s > 0 else 0.0,
+            "rollout/queue_size": float(queue_size),
+            "perf/rollout_wait_s": batch.wait_s,
+            "perf/step_s": wall_s,
+            "rollout/frontier": float(frontier),
+        }
+    )
     return metrics

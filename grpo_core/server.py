@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import httpx
 from pydantic import ConfigDict, Field
 
 from grpo_core.config import LoraRank, check_fields
@@ -230,15 +229,18 @@ class VLLMServer:
         return self
 
     def _wait_ready(self, timeout_s: float) -> None:
+        from grpo_core.rollout.client import VLLMControlClient
+
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.check_alive()
-            try:
-                if httpx.get(f"{self.base_url}/v1/models", timeout=2.0).status_code == 200:
+        client = VLLMControlClient(self.base_url)
+        try:
+            while time.monotonic() < deadline:
+                self.check_alive()
+                if client.answers("/v1/models", timeout=2.0):
                     return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
+                time.sleep(1.0)
+        finally:
+            client.close()
         self.stop()
         raise VLLMServerError(f"vLLM server did not serve within {timeout_s:.0f} s\n{self.log_tail()}")
 

@@ -155,3 +155,29 @@ class WatchedSource:
                 deadline += time.monotonic() - waited_from  # time spent waiting for the server is not the worker's
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"no rollout arrived within {timeout_s:.0f} s") from None
+
+
+# ---- a server a dead trainer left mid-push ---------------------------------------------------------
+def left_paused(control: Any) -> bool:
+    """Whether the server is paused, as a trainer that died during a weight sync leaves it."""
+    try:
+        paused = control.is_paused()
+    except VLLMRequestError:
+        return False  # no dev-mode routes: check_server names the missing flag
+    if paused:
+        log.warning("the vLLM server was left paused, by a trainer that died during a weight sync; pushing weights")
+    return paused
+
+
+def close_open_weight_update(control: Any) -> None:
+    """Finish the weight-update session a trainer killed between start and finish left open, so the
+    next push can start one. vLLM answers a start while a session is open, and a finish while none
+    is, with an error (the engine runs on) and cannot be asked which holds: finish, and accept the
+    refusal when there was nothing to finish."""
+    try:
+        control.finish_weight_update()
+    except VLLMRequestError as err:
+        if "without a matching start" not in str(err):
+            raise
+        return
+    log.warning("closed the weight-update session that the dead trainer left open")

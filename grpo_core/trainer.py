@@ -31,6 +31,7 @@ from grpo_core.checkpoint import CheckpointParts, Checkpointer
 from grpo_core.collector import COLLECTION_INTERRUPTED, StepBatch, StepCollector, TrainingFrontier, WeightVersions
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.distributed import DistInfo, StepFeed, broadcast_object, gather_step_results, init_distributed, shutdown_distributed
+from grpo_core.host_memory import release_free_heap
 from grpo_core.inputs import check_crossing, check_model_reference, check_train_dataset, model_load_error
 from grpo_core.loss import LossConfig, LossInputs, candidate_mask_from_ids, finalize_metrics, grpo_loss
 from grpo_core.models.fsdp import FSDPSettings, full_value, needs_fsdp, shard_policy
@@ -44,8 +45,8 @@ from grpo_core.rollout.stages import AsyncRolloutLoop
 from grpo_core.rollout.prompts import is_streaming
 from grpo_core.rollout.tool_calls import ToolRegistry
 from grpo_core.rollout.worker import RolloutWorker, WorkerSpec
-from grpo_core.group_metrics import group_metrics
-from grpo_core.server_watch import ServerWatch, WatchedSource
+from grpo_core.group_metrics import sample_and_queue_metrics
+from grpo_core.server_watch import ServerWatch, WatchedSource, close_open_weight_update, left_paused
 from grpo_core.tracking import Tracker, make_tracker
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,8 @@ class AsyncGRPOTrainer:
         self.dist = DistInfo.from_env()
         self.device = self.dist.device()
         self.bf16 = self._resolve_precision()
+        # What forward/backward run in; weights are served and saved in it too (fp32 stays as it is).
+        self.compute_dtype = torch.bfloat16 if self.bf16 else (torch.float16 if self.args.fp16 else torch.float32)
         fsdp_settings = FSDPSettings.from_config(self.args, bf16=self.bf16, device_type=self.device.type)
         self.compile_mode = fsdp_settings.compile
         # Ranks (and 1-rank bf16 through FSDP2) join the process group before anything is sharded.
@@ -122,7 +125,7 @@ class AsyncGRPOTrainer:
         self.attention_backend = enable_tree_attention(
             self.model, backend=self.args.attention_backend, linear_backend=self.args.gdn_backend,
             kernel=self.args.attention_kernel,
-            compute_dtype=torch.bfloat16 if self.bf16 else (torch.float16 if self.args.fp16 else torch.float32),
+            compute_dtype=self.compute_dtype,
         )
         if self.args.logprob_chunk_size is not None:
             output_head(self.model)  # a model the chunked head cannot run is refused before anything starts
@@ -193,7 +196,11 @@ class AsyncGRPOTrainer:
                     metrics.update(self._sync_weights())
                 if self._is_eval_step():
                     metrics.update(self.evaluate())  # after the push: the server serves this step's policy
-                metrics.update(self._sample_and_queue_metrics(batch, step_start))
+                metrics.update(sample_and_queue_metrics(
+                    batch, time.perf_counter() - step_start, stale_dropped_total=self.feed.stale_dropped_total,
+                    server_restarts=self.server_restarts, frontier=self.frontier.position,
+                    queue_size=self.worker.queue_size() if self.worker is not None else 0,
+                ))
                 metrics.update(self.perf.metrics(batch.plan.rows, metrics["perf/fwd_bwd_s"], metrics["perf/step_s"]))
                 self._log(metrics)
                 self._log_completions(batch)
@@ -201,6 +208,7 @@ class AsyncGRPOTrainer:
                 # history, so resuming from it leaves no gap in the logged steps.
                 if self.checkpointer.should_save(self.global_step) or self._is_last_step():
                     self._log(self.checkpointer.save(), same_step=True)
+                release_free_heap()  # the step's host tensors are gone; keep resident memory flat
             finished = True
         finally:
             self._teardown(finished)
@@ -251,7 +259,7 @@ class AsyncGRPOTrainer:
             progress=self.state,
             frontier=self.frontier,
             tokenizer=self.processing_class,
-            serve_dtype=torch.bfloat16 if self.bf16 else (torch.float16 if self.args.fp16 else None),
+            serve_dtype=None if self.compute_dtype == torch.float32 else self.compute_dtype,
             num_prompts=None if is_streaming(self.train_dataset) else len(self.train_dataset),
             adapter_base=(self.model_path or "") if self.peft_config is not None else None,
         )
@@ -285,11 +293,11 @@ class AsyncGRPOTrainer:
             self.control = VLLMControlClient(args.vllm_server_base_url, timeout=args.request_timeout)
             wait_for_server(self.control, args, model_name, cuda)
         self.watch = ServerWatch(self.control, args.server_unavailable_timeout_s)
-        if broadcast_object(self.dist.is_main and _left_paused(self.control)):
+        if broadcast_object(self.dist.is_main and left_paused(self.control)):
             # A trainer killed during a weight sync (preemption) left the server paused with half-loaded
             # weights, on which the next request would crash it: complete a push (it resumes) first.
             if self.dist.is_main:
-                _close_open_weight_update(self.control)
+                close_open_weight_update(self.control)
             self.weight_sync = self._make_weight_sync()
             self._sync_weights()
         if self.dist.is_main:
@@ -301,8 +309,14 @@ class AsyncGRPOTrainer:
         # The server may hold other weights than ours (another revision, a resumed run): push first.
         self._sync_weights()
         self.worker = self._start_worker() if self.dist.is_main else None  # rank 0 owns the rollout worker
+        self.feed = self._make_feed(WatchedSource(self.worker, self.watch) if self.worker is not None else None)
+
+    def _make_feed(self, source: Any) -> StepFeed:
+        """Each step's batch from ``source`` (rank 0's; None on the other ranks, which receive rank 0's
+        plan by broadcast and rebuild the same rows)."""
+        args = self.args
         collector = StepCollector(
-            source=WatchedSource(self.worker, self.watch) if self.worker is not None else None,
+            source=source,
             world_size=self.dist.world_size,
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             token_budget=args.token_budget,
@@ -312,8 +326,7 @@ class AsyncGRPOTrainer:
             frontier=self.frontier,
             timeout_s=args.request_timeout,
         )
-        # Rank 0 collects each step and broadcasts it; the other ranks rebuild the same plan.
-        self.feed = StepFeed(collector, self.dist.rank, self.dist.world_size)
+        return StepFeed(collector, self.dist.rank, self.dist.world_size)
 
     def _make_weight_sync(self) -> Any:
         from grpo_core.sync.factory import SyncSetup, make_weight_sync, wire_dtype
@@ -526,7 +539,7 @@ class AsyncGRPOTrainer:
         model_state, _ = full_state(self.model, self.optimizer)
         if self.dist.is_main:
             folder.mkdir(parents=True, exist_ok=True)
-            dtype = torch.bfloat16 if self.bf16 else next(iter(model_state.values())).dtype
+            dtype = next(iter(model_state.values())).dtype if self.compute_dtype == torch.float32 else self.compute_dtype
             write_servable(folder, self.model, model_state, self.processing_class, dtype)
             if self.peft_config is not None:
                 from grpo_core.models.lora import adapter_files_state, write_adapter
@@ -535,31 +548,6 @@ class AsyncGRPOTrainer:
         return str(folder)
 
     # ------------------------------------------------------------------------------------------ metrics
-    def _sample_and_queue_metrics(self, batch: StepBatch, step_start: float) -> dict[str, float]:
-        wall = time.perf_counter() - step_start
-        metrics = group_metrics(batch.reports)
-        metrics.update(batch.plan.metrics())
-        generated = sum(r.generated_tokens for r in batch.reports)
-        staleness = np.asarray(batch.staleness, dtype=np.float64)
-        forwarded = [len(s.token_ids) for s in batch.samples]
-        metrics.update(
-            {
-                "sample/staleness_mean": float(staleness.mean()) if staleness.size else 0.0,
-                "sample/staleness_max": float(staleness.max()) if staleness.size else 0.0,
-                "sample/stale_dropped": float(batch.stale_dropped),
-                "sample/stale_dropped_total": float(self.feed.stale_dropped_total),
-                "sample/foreign_dropped": float(batch.foreign_dropped),
-                "sync/server_restarts": float(self.server_restarts),
-                "sample/forwarded_tokens_mean": float(np.mean(forwarded)) if forwarded else 0.0,
-                "rollout/generated_tok_s": generated / wall if wall > 0 else 0.0,
-                "rollout/queue_size": float(self.worker.queue_size()) if self.worker is not None else 0.0,
-                "perf/rollout_wait_s": batch.wait_s,
-                "perf/step_s": wall,
-                "rollout/frontier": float(self.frontier.position),
-            }
-        )
-        return metrics
-
     def _log(self, metrics: dict[str, float], same_step: bool = False) -> None:
         """Record ``metrics`` for the current step; ``same_step`` adds them to the step logged last."""
         metrics = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
@@ -632,32 +620,3 @@ def _lr_scheduler(args: AsyncGRPOConfig, optimizer: torch.optim.Optimizer) -> An
             raise ValueError(f"lr_scheduler_type={args.lr_scheduler_type!r} decays to 0 at max_steps; set max_steps > 0")
         extra["num_training_steps"] = args.max_steps
     return get_scheduler(args.lr_scheduler_type, optimizer, **extra)
-
-
-def _left_paused(control: Any) -> bool:
-    """Whether the server is paused, as a trainer that died during a weight sync leaves it."""
-    from grpo_core.rollout.client import VLLMRequestError
-
-    try:
-        paused = control.is_paused()
-    except VLLMRequestError:
-        return False  # no dev-mode routes: check_server names the missing flag
-    if paused:
-        log.warning("the vLLM server was left paused, by a trainer that died during a weight sync; pushing weights")
-    return paused
-
-
-def _close_open_weight_update(control: Any) -> None:
-    """Finish the weight-update session a trainer killed between start and finish left open, so the
-    next push can start one. vLLM answers a start while a session is open, and a finish while none
-    is, with an error (the engine runs on) and cannot be asked which holds: finish, and accept the
-    refusal when there was nothing to finish."""
-    from grpo_core.rollout.client import VLLMRequestError
-
-    try:
-        control.finish_weight_update()
-    except VLLMRequestError as err:
-        if "without a matching start" not in str(err):
-            raise
-        return
-    log.warning("closed the weight-update session that the dead trainer left open")

@@ -161,6 +161,24 @@ def test_each_vllm_flag_is_spelled_in_one_module(spelling):
     assert modules == ["grpo_core/server.py"], modules
 
 
+# HTTP requests outside the vLLM client: the Kubernetes API client (not a vLLM server).
+HTTP_CALL = re.compile(r"\bhttpx\.(get|post|put|delete|request|stream|Client|AsyncClient)\(")
+HTTP_CLIENT_MODULES = ["flows/kubernetes.py", "grpo_core/rollout/client.py"]
+
+
+def test_every_vllm_server_request_goes_through_the_client_module():
+    modules = sorted(str(p.relative_to(REPO)) for p in SOURCES if HTTP_CALL.search(p.read_text()))
+    assert modules == HTTP_CLIENT_MODULES, modules
+
+
+def test_a_server_that_is_not_there_does_not_answer_and_raises_nothing():
+    from grpo_core.rollout.client import VLLMControlClient
+
+    client = VLLMControlClient("http://127.0.0.1:9")
+    assert client.answers("/v1/models") is False and client.answers("/health", timeout=0.5) is False
+    client.close()
+
+
 def test_launch_and_restart_message_are_the_same_command():
     spec = VLLMServerSpec.for_run("Qwen/Qwen3-4B", AsyncGRPOConfig(top_k=20), ServerOptions(enable_lora=True), cuda=True)
     launched = spec.command(8000)

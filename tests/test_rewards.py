@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import threading
 
+import numpy as np
 import pytest
 
 from grpo_core.rewards import accuracy_reward, completion_text, format_reward, has_answer_format
@@ -105,3 +106,28 @@ def test_completion_text_variants() -> None:
 def test_reward_functions_pickle() -> None:
     for fn in (accuracy_reward, format_reward):
         assert pickle.loads(pickle.dumps(fn)) is fn
+
+
+# ---- what a reward function may return (checked in the rollout process) --------------------------------
+@pytest.mark.parametrize("values,message", [
+    ([1.0, float("inf")], r"'f' returned inf for completion 1 of dataset row 7; rewards must be finite"),
+    ([float("-inf"), 0.0], r"'f' returned -inf for completion 0 of dataset row 7"),
+    ([float("nan"), 0.0], r"'f' returned nan for completion 0"),
+    ([True, 0.0], r"'f' returned True \(bool\) for completion 0"),
+    ("0.5", r"'f' returned str '0.5' for dataset row 7"),
+    ([0.5], r"'f' returned 1 values for the 2 completions of dataset row 7"),
+])
+def test_reward_values_that_are_refused_name_function_row_and_value(values, message):
+    from grpo_core.inputs import InputError, check_reward_values
+
+    with pytest.raises(InputError, match=message):
+        check_reward_values("f", 7, values, expected=2)
+
+
+def test_none_stays_not_scored_and_numbers_become_floats():
+    import math
+
+    from grpo_core.inputs import check_reward_values
+
+    out = check_reward_values("f", 0, [None, 1, np.float32(0.25)], expected=3)
+    assert math.isnan(out[0]) and out[1:] == [1.0, 0.25] and all(type(v) is float for v in out)

@@ -58,3 +58,51 @@ def test_a_server_without_weight_transfer_is_refused_with_the_command() -> None:
     with pytest.raises(ServerConfigError, match="started without --weight-transfer-config") as refused:
         _check_weight_transfer_backend(control, "gloo", COMMAND)
     assert "weight_transfer_backend='gloo'" in str(refused.value) and COMMAND in str(refused.value)
+
+
+# ---- truncated sampling: which flag each feature needs ---------------------------------------------------
+class MaskProbe:
+    """A prober whose server returns a candidate-set mask, or not, through one endpoint."""
+
+    def __init__(self, tokens_endpoint: bool, mask: object):
+        self.tokens_endpoint, self.mask = tokens_endpoint, mask
+        self.asked: list[dict] = []
+
+    def sampling_mask(self, params: dict) -> object:
+        self.asked.append(params)
+        return self.mask
+
+
+def test_top_p_without_top_k_is_refused_naming_both_fields() -> None:
+    from grpo_core.config import AsyncGRPOConfig
+    from grpo_core.server_checks import _check_candidate_sets
+
+    probe = MaskProbe(tokens_endpoint=True, mask=[1])
+    with pytest.raises(ServerConfigError, match=r"top_p=0.9 needs top_k > 0"):
+        _check_candidate_sets(probe, AsyncGRPOConfig(top_p=0.9), COMMAND)
+    assert probe.asked == [], "refused before asking the server"
+
+
+@pytest.mark.parametrize("tokens_endpoint,needed", [
+    (False, "--enable-scale-out and --return-sampling-mask"),
+    (True, "needs --return-sampling-mask ("),
+])
+def test_a_server_without_candidate_sets_is_told_which_flags_and_runner(tokens_endpoint: bool, needed: str, caplog) -> None:
+    from grpo_core.config import AsyncGRPOConfig
+    from grpo_core.server_checks import _check_candidate_sets
+
+    with caplog.at_level("WARNING"):
+        assert _check_candidate_sets(MaskProbe(tokens_endpoint, None), AsyncGRPOConfig(top_k=20, top_p=0.95), COMMAND) is False
+    message = caplog.records[-1].getMessage()
+    assert needed in message and "VLLM_USE_V2_MODEL_RUNNER=1" in message and COMMAND in message
+
+
+def test_a_server_with_candidate_sets_passes_quietly(caplog) -> None:
+    from grpo_core.config import AsyncGRPOConfig
+    from grpo_core.server_checks import _check_candidate_sets
+
+    probe = MaskProbe(tokens_endpoint=True, mask=[0, 1])
+    with caplog.at_level("WARNING"):
+        assert _check_candidate_sets(probe, AsyncGRPOConfig(top_k=20, top_p=0.95), COMMAND) is True
+    assert not caplog.records and probe.asked[0]["top_k"] == 20 and probe.asked[0]["top_p"] == 0.95
+    assert _check_candidate_sets(probe, AsyncGRPOConfig(), COMMAND) is False and len(probe.asked) == 1

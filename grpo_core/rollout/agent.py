@@ -73,9 +73,9 @@ async def call_in_pool(fn: Callable[..., Any], pool: ThreadPoolExecutor, *args: 
 class _EnvironmentRegistry(ToolRegistry):
     """A registry that also accepts the bound methods of one environment instance.
 
-    ``ToolRegistry.register`` insists on module-level functions because the worker must find a tool
-    again by name after pickling; a bound method needs no such lookup, since the environment is
-    built inside the worker, so only the signature checks apply.
+    ``ToolRegistry.register`` refuses bound methods (a tool object's state belongs in an environment);
+    the environment's own methods are built inside the worker, once per rollout, so only the
+    signature checks apply.
     """
 
     def register_method(self, name: str, method: Callable[..., Any]) -> None:

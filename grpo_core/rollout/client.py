@@ -95,6 +95,14 @@ class VLLMControlClient:
             self._http = httpx.Client(base_url=self.base_url, timeout=self._timeout)
         return response
 
+    def answers(self, route: str = "/v1/models", timeout: float = 2.0) -> bool:
+        """Whether ``GET route`` answers 200 within ``timeout``: False for a server still starting, gone,
+        or up without a working engine (``/health``), never an exception."""
+        try:
+            return self._http.get(route, timeout=timeout).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     # -- model and server information -------------------------------------------------------------
     def models(self) -> list[dict[str, Any]]:
         return self._get("/v1/models").json()["data"]

@@ -2,8 +2,9 @@
 
     filter_prompt → generate_one (× num_generations) → score → compute_advantages → samples
 
-The loop runs in its own process and its own asyncio event loop. Subclass it (at module level, so
-it pickles) and set ``loop_cls`` on a trainer subclass to change a stage; build clients in
+The loop runs in its own process and its own asyncio event loop. Subclass it (anywhere: a subclass
+in a script's ``__main__`` crosses to that process by value) and set ``loop_cls`` on a trainer subclass
+to change a stage; build clients in
 ``setup()``, which runs inside the event loop, rather than in ``__init__``.
 
 A rollout is a chain of turns. Each turn renders the whole message list with the chat template,

@@ -124,21 +124,20 @@ class ToolResult:
     duration_s: float
 
 
-def _check_module_level(fn: Any) -> None:
+def _check_named_function(fn: Any) -> None:
+    """A tool is a ``def`` function: the model calls it by ``__name__``, which a lambda lacks. Where it is
+    defined does not matter (a script's ``__main__``, a closure): functions cross to the rollout
+    process by value when they cannot be imported there."""
+    if inspect.ismethod(fn):
+        raise TypeError(
+            f"tool {fn.__qualname__!r} is a bound method: pass a function, or make its object an environment "
+            "(environment_factory=...), whose public methods are its tools"
+        )
     if not inspect.isfunction(fn):
         kind = type(fn).__name__
-        raise TypeError(f"tool {fn!r} is a {kind}, not a function: tools must be module-level functions")
-    name = fn.__name__
-    if name == "<lambda>":
-        raise TypeError(f"tool {fn.__qualname__!r} is a lambda: define it with def at module level")
-    if "<locals>" in fn.__qualname__:
-        what = "closure" if fn.__closure__ else "nested function"
-        raise TypeError(f"tool {fn.__qualname__!r} is a {what}: define it at module level")
-    # The real criterion: the spawned worker finds the tool again by module + name (that is how pickle
-    # sends functions). Also rejects methods and functions renamed after definition.
-    module = sys.modules.get(fn.__module__)
-    if getattr(module, fn.__qualname__, None) is not fn:
-        raise TypeError(f"tool {fn.__qualname__!r} is not reachable as {fn.__module__}.{fn.__qualname__}")
+        raise TypeError(f"tool {fn!r} is a {kind}, not a function: tools are functions defined with def")
+    if fn.__name__ == "<lambda>":
+        raise TypeError(f"tool {fn.__qualname__!r} is a lambda, which has no name for the model to call: define it with def")
 
 
 def _describe(fn: Callable[..., Any]) -> _Tool:
@@ -199,7 +198,7 @@ class ToolRegistry:
 
     def register(self, fn: Callable[..., Any]) -> None:
         """Add a tool; TypeError for anything the spawned worker could not look up by name."""
-        _check_module_level(fn)
+        _check_named_function(fn)
         name = fn.__name__
         if name in self._tools:
             raise ValueError(f"a tool named {name!r} is already registered")

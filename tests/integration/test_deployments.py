@@ -276,6 +276,52 @@ def test_embedded_default_run_completes_with_metrics_in_mlflow(
     assert "[train]" in logs and "step 3" in logs, logs[-3000:]
 
 
+PROGRESS_FLOW = '''
+# A flow whose "trainer" logs rewards to MLflow step by step; after each step it waits for the progress
+# artifact to move and prints the value the Prefect API holds while the flow still runs.
+import sys, time
+import httpx, mlflow
+from prefect import flow
+from prefect.runtime import flow_run
+from flows.progress import TrainingProgress
+from flows.train_flow import progress_artifact
+
+
+@flow
+def watched(tracking_uri: str, api: str) -> None:
+    client = mlflow.MlflowClient(tracking_uri)
+    run_id = client.create_run(client.create_experiment("progress")).info.run_id
+    seen = []
+    with TrainingProgress(tracking_uri, run_id, total_steps=4, interval_s=0.2, on_step=progress_artifact()):
+        for step in range(1, 5):
+            client.log_metric(run_id, "reward", 0.1 * step, step=step)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                found = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"key": {"any_": ["training-progress"]},
+                                                                      "flow_run_id": {"any_": [flow_run.id]}}}).json()
+                value = float(found[0]["data"]) if found else None
+                if value is not None and value != (seen[-1] if seen else 0.0):
+                    break
+                time.sleep(0.2)
+            seen.append(value)
+    print("SEEN", seen)
+
+
+watched(sys.argv[1], sys.argv[2])
+'''
+
+
+def test_the_progress_artifact_moves_while_training_runs(prefect, tmp_path):
+    api, env, _ = prefect
+    script = tmp_path / "watched.py"
+    script.write_text(PROGRESS_FLOW)
+    done = subprocess.run([sys.executable, str(script), f"sqlite:///{tmp_path / 'mlflow.db'}", api], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    seen = json.loads(done.stdout.split("SEEN ")[1].splitlines()[0])
+    assert seen == [25.0, 50.0, 75.0, 100.0], seen
+
+
 def test_deploy_selects_by_name_and_names_unknown_ones():
     from flows.deploy import load_pool_specs, load_project, selected_deployments
 

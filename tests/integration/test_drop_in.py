@@ -95,6 +95,90 @@ def test_the_quick_start_as_printed_trains(vllm_server, tiny_model_path, data_fi
     assert done.stdout.count("TRAINED") == 1
 
 
+SCRIPT_OBJECTS = '''
+# Everything the worker needs is defined in this script's __main__: a tool, an environment class, a
+# rollout loop subclass (set on a trainer subclass) and a config dataclass subclass.
+import json
+import os
+from dataclasses import dataclass
+
+from datasets import load_dataset
+from grpo_core import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop
+
+dataset = load_dataset("json", data_files={data!r}, split="train")
+
+
+def lookup(key: str) -> str:
+    """Look a key up in the script's table.
+
+    Args:
+        key: The key to look up.
+    """
+    return {{"seven": "7"}}.get(key, "unknown")
+
+
+def longer_is_better(completions, **kwargs):
+    # Varies within a group, so groups are not dropped for equal rewards (the environment's are all 0.5).
+    return [len(c[0]["content"]) / 100 for c in completions]
+
+
+class HalfCreditEnv:
+    def reset(self, **columns):
+        return None
+
+    def get_reward(self, completion):
+        return 0.5
+
+
+@dataclass
+class ScriptConfig(AsyncGRPOConfig):
+    marker: str = "set-in-the-script"
+
+
+class RecordingLoop(AsyncRolloutLoop):
+    async def setup(self):
+        seen = dict(pid=os.getpid(), config=type(self.config).__name__, marker=self.config.marker,
+                    tools=[t.__name__ for t in self.tools], environment=self.environment_factory.__name__)
+        with open({seen!r}, "w") as f:
+            json.dump(seen, f)
+
+
+class ScriptTrainer(AsyncGRPOTrainer):
+    loop_cls = RecordingLoop
+
+
+trainer = ScriptTrainer(
+    model={model!r},
+    reward_funcs=[longer_is_better],
+    train_dataset=dataset,
+    tools=[lookup],
+    environment_factory=HalfCreditEnv,
+    args=ScriptConfig(output_dir={out!r}, vllm_server_base_url={url!r}, max_steps=2, report_to="none", save_strategy="no",
+                      num_generations=4, per_device_train_batch_size=8, max_completion_length=16, marker="changed-by-the-script"),
+)
+history = trainer.train()
+print("SCRIPT PID", os.getpid())
+print("ENV REWARD", [h["rewards/rollout_reward/mean"] for h in history])
+'''
+
+
+def test_tools_environments_loops_and_configs_from_the_script_reach_the_worker(vllm_server, tiny_model_path, data_file, tmp_path):
+    seen = tmp_path / "seen.json"
+    script = tmp_path / "script_objects.py"
+    script.write_text(SCRIPT_OBJECTS.format(data=data_file, model=tiny_model_path, out=str(tmp_path / "run"),
+                                            url=vllm_server.base_url, seen=str(seen)))
+    done = run_script(script, LAUNCHERS["python"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    recorded = json.loads(seen.read_text())
+    script_pid = int(done.stdout.split("SCRIPT PID ")[1].split()[0])
+    assert recorded["pid"] != script_pid, "the loop ran in the script's process, not the rollout worker"
+    assert recorded == dict(pid=recorded["pid"], config="ScriptConfig", marker="changed-by-the-script", tools=["lookup"],
+                            environment="HalfCreditEnv")
+    # The environment class ran in the worker: every rollout got its reward of 0.5.
+    rewards = json.loads(done.stdout.split("ENV REWARD ")[1].splitlines()[0])
+    assert rewards == [0.5, 0.5], rewards
+
+
 # ---- the seed's server command -------------------------------------------------------------------------
 SEED_FLAGS = ["--logprobs-mode", "processed_logprobs", "--api-server-count", "8"]
 
@@ -221,11 +305,16 @@ def returns_nan(completions, **kwargs):
     return [float("nan")] * len(completions)
 
 
+def returns_inf(completions, **kwargs):
+    return [1.0] * (len(completions) - 1) + [float("-inf")]
+
+
 RUNTIME = {
     "raises": (raises_on_row, r"reward function 'raises_on_row' raised on dataset row \d+: KeyError: 'answer'"),
     "wrong count": (returns_one, r"reward function 'returns_one' returned 1 values for the 4 completions of dataset row \d+"),
     "not numbers": (returns_text, r"reward function 'returns_text' returned 'good' \(str\) for completion 0 of dataset row \d+"),
     "nan": (returns_nan, r"reward function 'returns_nan' returned nan for completion 0 of dataset row \d+"),
+    "inf": (returns_inf, r"reward function 'returns_inf' returned -inf for completion 3 of dataset row \d+"),
 }
 
 
@@ -243,8 +332,41 @@ def test_a_broken_reward_function_ends_the_run_naming_function_row_and_value(vll
     assert time.monotonic() - start < 60
 
 
+# ---- TRL's surface: periodic evaluation, save_model, precision ----------------------------------------------
+def test_periodic_evaluation_and_save_model(vllm_server, tiny_model_path, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = arithmetic_dataset(num_train=64, num_eval=8)
+    config = quick(vllm_server.base_url, tmp_path, max_steps=4, eval_strategy="steps", eval_steps=2)
+    trainer = AsyncGRPOTrainer(tiny_model_path, accuracy_reward, config, data["train"], eval_dataset=data["eval"])
+    history = trainer.train()
+    assert [h["step"] for h in history if "eval/reward" in h] == [2.0, 4.0]
+    for h in history:
+        if "eval/reward" in h:
+            # accuracy_reward is 0 or 1 per completion; the mean over 8 prompts x 4 completions.
+            assert 0.0 <= h["eval/reward"] <= 1.0 and h["eval/rewards/accuracy_reward"] == h["eval/reward"]
+            assert h["eval/completion_length"] > 0
+    assert trainer.state.global_step == 4 and trainer.state.log_history == history
+    again = trainer.evaluate()  # the server still serves step 4's weights
+    assert set(again) >= {"eval/reward", "eval/completion_length", "eval/rewards/accuracy_reward"}
+
+    folder = trainer.save_model(str(tmp_path / "final"))
+    saved = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    trained = trainer.model.state_dict()
+    assert saved.keys() == trained.keys()
+    assert all(torch.equal(saved[k], trained[k].detach()) for k in saved)
+    assert not all(torch.equal(saved[k], v) for k, v in AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict().items())
+    assert AutoTokenizer.from_pretrained(folder).vocab_size == AutoTokenizer.from_pretrained(tiny_model_path).vocab_size
+
+
+def test_fp16_on_a_cpu_is_refused_naming_the_field(tiny_model_path, tmp_path):
+    data = arithmetic_dataset(num_train=8, num_eval=2)["train"]
+    with pytest.raises(ValueError, match=r"AsyncGRPOConfig.fp16=True needs a CUDA device"):
+        AsyncGRPOTrainer(tiny_model_path, accuracy_reward, quick("http://127.0.0.1:9", tmp_path, fp16=True), data)
+
+
 # ---- streaming data and staleness in weight updates -------------------------------------------------------
-def test_a_streaming_dataset_trains_and_resumes(vllm_server, tiny_model_path, tmp_path):
+def test_a_streaming_dataset_trains_and_resumes_past_a_failed_attempt(vllm_server, tiny_model_path, tmp_path):
     from grpo_core.checkpoint import read_ledger
 
     stream = arithmetic_dataset(num_train=64, num_eval=2)["train"].to_iterable_dataset()
@@ -252,13 +374,20 @@ def test_a_streaming_dataset_trains_and_resumes(vllm_server, tiny_model_path, tm
     settings = dict(save_strategy="steps", save_steps=3, max_concurrent_rollouts=8)
     first = AsyncGRPOTrainer(tiny_model_path, accuracy_reward, quick(vllm_server.base_url, tmp_path, max_steps=3, **settings), stream)
     assert len(first.train()) == 3
-    saved = json.loads((tmp_path / "run" / "checkpoint-3" / "rollout_state.json").read_text())
+    checkpoint = tmp_path / "run" / "checkpoint-3"
+    saved = json.loads((checkpoint / "rollout_state.json").read_text())
     assert saved["position"] > 0 and saved["num_prompts"] is None
+    written = {p.name: p.read_bytes() for p in checkpoint.iterdir() if p.is_file()}
+    # A resumed attempt that ends on a broken reward function loses nothing already written.
+    broken = AsyncGRPOTrainer(tiny_model_path, raises_on_row, quick(vllm_server.base_url, tmp_path, max_steps=5, **settings), stream)
+    with pytest.raises(RolloutWorkerError, match="raises_on_row"):
+        broken.train(resume_from_checkpoint=True)
+    assert {p.name: p.read_bytes() for p in checkpoint.iterdir() if p.is_file()} == written
     second = AsyncGRPOTrainer(tiny_model_path, accuracy_reward, quick(vllm_server.base_url, tmp_path, max_steps=5, **settings), stream)
     history = second.train(resume_from_checkpoint=True)
     assert [h["step"] for h in history] == [4.0, 5.0]
     _, steps = read_ledger(str(tmp_path / "run"))
-    resumed = [entry for entry in steps if entry["attempt"] == 2]
+    resumed = [entry for entry in steps if entry["attempt"] == max(e["attempt"] for e in steps)]
     assert [entry["step"] for entry in resumed] == [4, 5]
     trained = sorted(p for entry in resumed for p in entry["trained"])
     assert trained and min(trained) >= saved["position"], "the resumed stream started before the saved position"

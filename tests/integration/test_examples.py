@@ -45,13 +45,18 @@ def test_example_runs_through_grpo_train(path, vllm_server, prefect, tmp_path):
 
     api, env, _ = prefect
     out = tmp_path / "run"
+    # The jobs name no tracking store: the flow takes MLFLOW_TRACKING_URI, as MLflow's own clients do.
+    tracking_uri = f"sqlite:///{tmp_path / 'tracking' / 'mlflow.db'}"
+    (tmp_path / "tracking").mkdir()
     done = subprocess.run(
         [sys.executable, "-m", "flows.cli", "train", str(path), "--output-dir", str(out), "--server-url", vllm_server.base_url],
-        cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=1200,
+        cwd=REPO, env={**env, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": tracking_uri}, capture_output=True, text=True,
+        timeout=1200,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     job = JobConfig.model_validate(yaml.safe_load(path.read_text()))
+    assert job.tracking.tracking_uri is None and summary["mlflow_tracking_uri"] == tracking_uri
     assert summary["steps"] == job.trainer.max_steps
     run = mlflow.MlflowClient(summary["mlflow_tracking_uri"]).get_run(summary["mlflow_run_id"])
     assert SHOWS[path.stem](run.data.tags, run.data.metrics), (run.data.tags, sorted(run.data.metrics))
