@@ -12,14 +12,21 @@ On the GPU (results under benchmarks/results/):
     python benchmarks/tree_packing.py --out benchmarks/results/tree_packing.json
 
 On a CPU, a smoke run with a tiny model (no timing claims): ``--smoke``.
+
+``--kv-regather off,on`` times tree rows with the gathered K/V saved for backward and re-gathered in
+backward (``tree_attention.set_kv_regather``), side by side (``break``: with ``--compile-layers``, also
+in compiled layers, through a graph break); ``--profile ratio~6`` adds a CUDA-kernel
+profile of one step of each mode of that workload (top kernels, and time per kind of kernel).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
+import itertools
 import statistics
 import sys
 import time
@@ -126,7 +133,7 @@ def attention_pairs(row) -> int:
     return int((q * k - q * (q - 1) // 2).sum())
 
 
-def step_flops(shape: str, rows) -> float:
+def step_flop_parts(shape: str, rows) -> dict[str, float]:
     """Forward+backward FLOPs: 6 x body params x tokens, 6 x head x trained, 3.5 x attention fwd."""
     s = SHAPES[shape]
     h, layers, heads, d = s["hidden_size"], s["num_hidden_layers"], s["num_attention_heads"], s["head_dim"]
@@ -135,7 +142,12 @@ def step_flops(shape: str, rows) -> float:
     tokens = sum(r.num_tokens for r in rows)
     trained = sum(r.num_trained for r in rows)
     pairs = sum(attention_pairs(r) for r in rows)
-    return 6 * layers * per_layer * tokens + 6 * h * s["vocab_size"] * trained + 3.5 * 4 * pairs * heads * d * layers
+    return {"layers": 6 * layers * per_layer * tokens, "head": 6 * h * s["vocab_size"] * trained,
+            "attention": 3.5 * 4 * pairs * heads * d * layers}
+
+
+def step_flops(shape: str, rows) -> float:
+    return sum(step_flop_parts(shape, rows).values())
 
 
 def run_step(model, rows, total_trained: int, head: str) -> None:
@@ -228,6 +240,75 @@ def exactness_check(model, device, dtype, vocab: int, seed: int = 1) -> dict:
     return result
 
 
+def regather_check(row, shape: str, device: torch.device, dtype: torch.dtype) -> dict:
+    """One attention call of the active backend on ``row``'s segments, K/V saved vs re-gathered (eager): the
+    largest |difference| of output and q/k/v gradients, and, for scale, the same between two runs that
+    both save (a kernel whose backward adds with atomics is not bitwise repeatable)."""
+    s = SHAPES[shape]
+    gen = torch.Generator().manual_seed(0)
+    heads, kv, d = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
+    inputs = [torch.randn(row.num_tokens, h, d, generator=gen).to(device, dtype) for h in (heads, kv, kv)]
+    grad = torch.randn(row.num_tokens, heads, d, generator=gen).to(device, dtype)
+
+    def once(regather: bool) -> list[torch.Tensor]:
+        ta.set_kv_regather(regather)
+        xs = [t.clone().requires_grad_() for t in inputs]
+        out = ta._active.run(*xs, row.attention, d**-0.5)
+        out.backward(grad)
+        return [out.detach()] + [x.grad for x in xs]
+
+    saved, saved_again, regathered = once(False), once(False), once(True)
+    names = ("out", "dq", "dk", "dv")
+    diff = lambda a, b: {n: (x.float() - y.float()).abs().max().item() for n, x, y in zip(names, a, b)}  # noqa: E731
+    return {"regather_vs_saved": diff(regathered, saved), "saved_vs_saved": diff(saved_again, saved)}
+
+
+KERNEL_KINDS = (  # substrings of CUDA kernel names, first match wins
+    ("attention backward", ("flash_bwd", "attn_bwd", "_bwd_")),
+    ("attention forward", ("flash_fwd", "attn_fwd", "_fwd_")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "sm100_", "cublas")),
+    ("gather / scatter", ("index", "gather", "scatter")),
+    ("reduction", ("reduce", "softmax", "norm")),
+    ("elementwise / copy", ("elementwise", "vectorized", "copy", "fill", "cat")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def profile_step(model, rows, total_trained: int, head: str, top: int = 15) -> dict:
+    """CUDA kernel time of one step: the ``top`` kernels by time, and the time per ``kernel_kind``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_step(model, rows, total_trained, head)
+        torch.cuda.synchronize()
+    per_kernel = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[e.name][0] += 1
+            per_kernel[e.name][1] += e.time_range.elapsed_us() / 1e3
+    total = sum(ms for _, ms in per_kernel.values())
+    kinds = collections.Counter()
+    for name, (_, ms) in per_kernel.items():
+        kinds[kernel_kind(name)] += ms
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"kernel_ms": total,
+            "by_kind_ms": dict(kinds.most_common()),
+            "top": [{"kernel": n[:160], "calls": c, "ms": ms, "share": ms / total} for n, (c, ms) in ranked]}
+
+
+def print_profile(mode: str, prof: dict) -> None:
+    print(f"profile {mode}: {prof['kernel_ms']:.0f} ms of CUDA kernels; by kind: "
+          + ", ".join(f"{k} {ms:.0f}" for k, ms in prof["by_kind_ms"].items()), flush=True)
+    for t in prof["top"]:
+        print(f"  {t['ms']:8.1f} ms {t['share']:6.1%} {t['calls']:6d}x  {t['kernel'][:110]}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="qwen3-0.6b,qwen3-1.7b")
@@ -238,6 +319,17 @@ def main() -> None:
                     help="tree attention backend(s), comma-separated (AsyncGRPOConfig.attention_backend names): "
                          "each workload is timed with each, side by side")
     ap.add_argument("--attention-kernel", default=None, help="the kernels backend's Hub id or local folder")
+    ap.add_argument("--kv-regather", default="on",
+                    help="tree rows' gathered K/V re-gathered in backward ('on') or saved ('off'); 'break': 'on' "
+                         "and, in compiled layers, a graph break around tree attention so that it applies there "
+                         "too (tree_attention.set_kv_regather, set_kv_regather_compiled); 'off,on' times both, "
+                         "side by side")
+    ap.add_argument("--workloads", default=None, help="comma-separated workload names (default: all)")
+    ap.add_argument("--profile", default=None,
+                    help="workload name: after timing it, profile one step of each mode (CUDA kernels)")
+    ap.add_argument("--compile-layers", action="store_true",
+                    help="torch.compile each decoder layer (dynamic shapes), as the trainer's compile_mode='layers'; "
+                         "skips the exactness check (it would compile the sdpa path too)")
     ap.add_argument("--out", default="benchmarks/results/tree_packing.json")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, times nothing real")
     args = ap.parse_args()
@@ -245,7 +337,13 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     models = ["tiny"] if args.smoke else args.models.split(",")
-    workloads = SMOKE_WORKLOADS if args.smoke else WORKLOADS
+    # (seed, workload): each workload's samples depend on its place in the full list, not on --workloads
+    workloads = list(enumerate(SMOKE_WORKLOADS if args.smoke else WORKLOADS, start=100))
+    if args.workloads:
+        workloads = [(seed, w) for seed, w in workloads if w.name in args.workloads.split(",")]
+    regather_settings = args.kv_regather.split(",")
+    if not set(regather_settings) <= {"off", "on", "break"}:
+        ap.error(f"--kv-regather takes off, on and break, got {args.kv_regather!r}")
     budget = 256 if args.smoke else args.token_budget
     wanted = args.backend.split(",") if device.type == "cuda" else ["varlen_emulated"]
     backends = [ta.register_tree_attention(b, device, args.attention_kernel) for b in wanted]  # each one's probe
@@ -256,7 +354,9 @@ def main() -> None:
         "env": {"torch": torch.__version__, "transformers": transformers.__version__,
                 "python": platform.python_version(),
                 "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-                "dtype": str(dtype), "tree_attention_backend": backend, "tree_attention_backends": backends},
+                "dtype": str(dtype), "tree_attention_backend": backend, "tree_attention_backends": backends,
+                "kv_regather": regather_settings,
+                "compile_layers": args.compile_layers},
         "token_budget": budget, "repeats": args.repeats, "command": " ".join(sys.argv), "results": [],
     }
     try:
@@ -273,12 +373,19 @@ def main() -> None:
         ta.check_supported_architecture(model)
         model.set_attn_implementation(ta.TREE_ATTENTION)
         vocab = SHAPES[shape]["vocab_size"]
-        if shape == models[0]:
+        if args.compile_layers:
+            # Each switch setting (a guarded global) and each row-length range compiles its own graph;
+            # three settings side by side passed dynamo's default limit of 8, after which new shapes run
+            # eagerly and the figures mix compiled and eager steps.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            for layer in model.model.layers:
+                layer.compile(dynamic=True)
+        if shape == models[0] and not args.compile_layers:
             report["exactness"] = exactness_check(model, device, dtype, vocab)
             print("exactness", json.dumps(report["exactness"]), flush=True)
         model.train()
-        for i, w in enumerate(workloads):
-            samples = make_samples(w, vocab, seed=100 + i)
+        for seed, w in workloads:
+            samples = make_samples(w, vocab, seed=seed)
             modes, meta = {}, {}
             for mode in ("flat", "tree"):
                 t0 = time.perf_counter()
@@ -294,31 +401,46 @@ def main() -> None:
                 meta[mode] = {"rows": len(rows), "forwarded_tokens": int(m["batch/forwarded_tokens_per_step"]),
                               "trained_tokens": trained, "row_fill_frac": m["batch/row_fill_frac"],
                               "samples_per_row": m["batch/samples_per_row"], "plan_and_pack_cpu_s": cpu_s,
-                              "flops": step_flops(shape, rows)}
-            for head in args.heads.split(","):
-                for name in wanted:
-                    attention = ta.register_tree_attention(name, device, args.attention_kernel)
-                    timed = time_modes(model, modes, args.repeats, device, head)
-                    res = {m: dict(meta[m]) for m in modes}
-                    for mode, (median, all_times, peak) in timed.items():
-                        res[mode].update(time_s=median, times_s=all_times, peak_mem_gib=peak,
-                                         trained_tok_per_s=res[mode]["trained_tokens"] / median,
-                                         tflops=res[mode]["flops"] / median / 1e12)
-                    ratio = res["flat"]["forwarded_tokens"] / res["tree"]["forwarded_tokens"]
-                    speedup = res["tree"]["trained_tok_per_s"] / res["flat"]["trained_tok_per_s"]
-                    flop_ratio = res["flat"]["flops"] / res["tree"]["flops"]
-                    entry = {"model": shape, "workload": w.name, "head": head, "backend": attention,
-                             "group_size": w.group_size, "prompt": w.prompt, "completion": w.completion,
-                             "shared_prompt": w.shared_prompt, "samples": len(samples), "packing_ratio": ratio,
-                             "speedup": speedup, "speedup_over_ratio": speedup / ratio, "flop_ratio": flop_ratio,
-                             "speedup_over_flop_ideal": speedup / flop_ratio,
-                             "tree_over_flat_peak_mem": (res["tree"]["peak_mem_gib"] / res["flat"]["peak_mem_gib"]
-                                                         if res["flat"]["peak_mem_gib"] else None), **res}
-                    report["results"].append(entry)
-                    print(f"{shape:11s} {w.name:10s} {head:7s} {attention:16s} ratio {ratio:5.2f} speedup {speedup:5.2f} "
-                          f"({speedup / flop_ratio:4.2f}x FLOP-ideal {flop_ratio:4.2f}; {speedup / ratio:4.2f}x ratio)  "
-                          f"flat {res['flat']['time_s']:.3f}s {res['flat']['peak_mem_gib'] or 0:.1f}GiB  "
-                          f"tree {res['tree']['time_s']:.3f}s {res['tree']['peak_mem_gib'] or 0:.1f}GiB", flush=True)
+                              "flops": step_flops(shape, rows), "flop_parts": step_flop_parts(shape, rows)}
+            gathered = lambda r: 0 if r.attention.kv_index is None else r.attention.kv_index.numel()  # noqa: E731
+            longest = max(modes["tree"][0], key=gathered)
+            check = None
+            if len(regather_settings) > 1 and longest.attention.kv_index is not None:
+                check = regather_check(longest, shape, device, dtype)
+                print(f"regather check {w.name}", json.dumps(check), flush=True)
+            for head, name, regather in itertools.product(args.heads.split(","), wanted, regather_settings):
+                attention = ta.register_tree_attention(name, device, args.attention_kernel)
+                ta.set_kv_regather(regather != "off")
+                ta.set_kv_regather_compiled(regather == "break")
+                timed = time_modes(model, modes, args.repeats, device, head)
+                res = {m: dict(meta[m]) for m in modes}
+                for mode, (median, all_times, peak) in timed.items():
+                    res[mode].update(time_s=median, times_s=all_times, peak_mem_gib=peak,
+                                     trained_tok_per_s=res[mode]["trained_tokens"] / median,
+                                     tflops=res[mode]["flops"] / median / 1e12)
+                ratio = res["flat"]["forwarded_tokens"] / res["tree"]["forwarded_tokens"]
+                speedup = res["tree"]["trained_tok_per_s"] / res["flat"]["trained_tok_per_s"]
+                flop_ratio = res["flat"]["flops"] / res["tree"]["flops"]
+                entry = {"model": shape, "workload": w.name, "head": head, "backend": attention,
+                         "kv_regather": regather, "regather_check": check,
+                         "group_size": w.group_size, "prompt": w.prompt, "completion": w.completion,
+                         "shared_prompt": w.shared_prompt, "samples": len(samples), "packing_ratio": ratio,
+                         "speedup": speedup, "speedup_over_ratio": speedup / ratio, "flop_ratio": flop_ratio,
+                         "speedup_over_flop_ideal": speedup / flop_ratio,
+                         "tree_over_flat_peak_mem": (res["tree"]["peak_mem_gib"] / res["flat"]["peak_mem_gib"]
+                                                     if res["flat"]["peak_mem_gib"] else None), **res}
+                if w.name == args.profile and device.type == "cuda" and regather == regather_settings[-1]:
+                    entry["profile"] = {m: profile_step(model, rows, trained, head)
+                                        for m, (rows, trained) in modes.items()}
+                    for m, prof in entry["profile"].items():
+                        print_profile(m, prof)
+                report["results"].append(entry)
+                print(f"{shape:11s} {w.name:10s} {head:7s} {attention:16s} regather {regather:5s} "
+                      f"ratio {ratio:5.2f} speedup {speedup:5.2f} "
+                      f"({speedup / flop_ratio:4.2f}x FLOP-ideal {flop_ratio:4.2f}; {speedup / ratio:4.2f}x ratio)  "
+                      f"flat {res['flat']['time_s']:.3f}s {res['flat']['peak_mem_gib'] or 0:.1f}GiB  "
+                      f"tree {res['tree']['time_s']:.3f}s {res['tree']['peak_mem_gib'] or 0:.1f}GiB", flush=True)
+            write_report(args.out, report, announce=False)  # what is measured so far survives a cut-off run
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -8,6 +8,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+import torch.utils.checkpoint
 from hypothesis import HealthCheck, given, settings
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -272,3 +273,203 @@ def test_gather_path_gradients_equal_reference(samples):
     k_longest = (4 // 2) * p.num_tokens + 8
     for a, b, magnitude in zip(*results, magnitudes):
         assert ((a - b).abs().double() <= 2 * gamma(k_longest) * magnitude).all()
+
+
+# ---- re-gathering K/V in backward ---------------------------------------------------------------------
+
+
+def shared_prompt_row():
+    """A row whose paths repeat a 24-token prompt and a fork: the gathered K/V is longer than the row."""
+    prompt = list(range(1, 25))
+    row = TreeRow()
+    for tail in ([30, 31, 32], [30, 31, 40, 41, 42], [50, 51], [60] * 7):
+        row.add(make_sample(prompt + tail, len(tail)))
+    p = row.pack()
+    assert p.attention.kv_index.numel() > 2 * p.num_tokens
+    return p
+
+
+def gather_backend(repeat_kv: bool) -> ta.Backend:
+    # The fused kernels' path on the CPU; repeat_kv is the variant for kernels without grouped heads.
+    return ta._gather_backend("emulated", ta._emulated_kernel, repeat_kv=repeat_kv, needs_cuda=False)
+
+
+def run_backend(backend: ta.Backend, p, regather: bool, wrap=None):
+    """Output and q/k/v gradients of one attention call; ``wrap(fn)`` runs the call inside something."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(p.num_tokens, h, 8, generator=gen).requires_grad_() for h in (4, 2, 2))
+    grad = torch.randn(p.num_tokens, 4, 8, generator=gen)
+    previous = ta.set_kv_regather(regather)
+    try:
+        fn = lambda: backend.run(q, k, v, p.attention, 8**-0.5)  # noqa: E731
+        out = wrap(fn) if wrap is not None else fn()
+        out.backward(grad)
+    finally:
+        ta.set_kv_regather(previous)
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("repeat_kv", [False, True])
+def test_regather_is_bitwise_the_saving_path(repeat_kv):
+    """Re-gathering K/V in backward copies the same rows again: outputs and gradients are identical."""
+    p, backend = shared_prompt_row(), gather_backend(repeat_kv)
+    saved = run_backend(backend, p, regather=False)
+    regathered = run_backend(backend, p, regather=True)
+    for a, b in zip(saved, regathered):
+        assert torch.equal(a, b)
+
+
+class SavedBytes:
+    """Outer saved-tensor hooks that record the shape of every tensor the graph keeps for backward."""
+
+    def __init__(self):
+        self.shapes: list[tuple[int, ...]] = []
+
+    def pack(self, t):
+        self.shapes.append(tuple(t.shape))
+        return t.detach()
+
+    def unpack(self, t):
+        return t
+
+    def run(self, fn):
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            return fn()
+
+
+@pytest.mark.parametrize("repeat_kv", [False, True])
+def test_regather_keeps_gathered_kv_out_of_saved_tensors(repeat_kv):
+    """Saving path: the kernel keeps K/V of the gathered length (K rows). Re-gather: no tensor of that
+    length is kept, the saved tensors pass through the caller's hooks, and the results do not change."""
+    p, backend = shared_prompt_row(), gather_backend(repeat_kv)
+    gathered_rows = p.attention.kv_index.numel()
+    expected = run_backend(backend, p, regather=False)
+    kept = {}
+    for regather in (False, True):
+        counter = SavedBytes()
+        result = run_backend(backend, p, regather=regather, wrap=counter.run)
+        for a, b in zip(expected, result):
+            assert torch.equal(a, b)
+        kept[regather] = counter.shapes
+    def gathered_kv(shapes):  # [K, heads, D]; the paths themselves are [K] in both modes
+        return [s for s in shapes if len(s) == 3 and s[0] == gathered_rows]
+
+    assert len(gathered_kv(kept[False])) >= 2  # the gathered K and V
+    assert not gathered_kv(kept[True])
+    # instead: the row's own K and V (U rows) and the paths, each time a gathered tensor was saved
+    assert (p.num_tokens, 2, 8) in kept[True] and (gathered_rows,) in kept[True]
+
+
+def test_regather_under_activation_checkpointing():
+    """Non-reentrant checkpointing recomputes what the re-gather keeps; gradients stay identical."""
+    p, backend = shared_prompt_row(), gather_backend(False)
+    expected = run_backend(backend, p, regather=False)
+
+    def checkpointed(fn):
+        return torch.utils.checkpoint.checkpoint(fn, use_reentrant=False)
+
+    for regather in (False, True):
+        for a, b in zip(expected, run_backend(backend, p, regather=regather, wrap=checkpointed)):
+            assert torch.equal(a, b)
+
+
+def test_flat_rows_and_no_grad_skip_the_hooks(monkeypatch):
+    """Flat rows gather nothing and inference saves nothing: neither pushes hooks."""
+    pushed = []
+    real = torch.autograd.graph.saved_tensors_hooks
+
+    def spy(pack, unpack):
+        pushed.append(pack)
+        return real(pack, unpack)
+
+    monkeypatch.setattr(torch.autograd.graph, "saved_tensors_hooks", spy)
+    p, backend = shared_prompt_row(), gather_backend(False)
+    with torch.no_grad():
+        run = backend.run(*(torch.randn(p.num_tokens, h, 8) for h in (4, 2, 2)), p.attention, 8**-0.5)
+    assert run.shape == (p.num_tokens, 4, 8) and not pushed
+    flat = ta.TreeAttentionMetadata(p.attention.cu_seq_q, p.attention.cu_seq_q, p.attention.max_q,
+                                    p.attention.max_q, None)
+    xs = [torch.randn(p.num_tokens, h, 8).requires_grad_() for h in (4, 2, 2)]
+    backend.run(*xs, flat, 8**-0.5).sum().backward()
+    assert not pushed
+    backend.run(*xs, p.attention, 8**-0.5).sum().backward()
+    assert len(pushed) == 1
+
+
+# A stand-in for a fused kernel as compiled code meets one (torch_varlen is such a custom op): opaque to
+# the compiler, saving its q/k/v for a backward op of its own. The backward is written out because an
+# op's body runs below autograd.
+@torch.library.custom_op("grpo_test::varlen_attn", mutates_args=())
+def _op_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    return ta._emulated_attention(q, k, v, cu_q, cu_k, scale)
+
+
+@torch.library.custom_op("grpo_test::varlen_attn_bwd", mutates_args=())
+def _op_varlen_bwd(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                   cu_k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rep = q.shape[1] // k.shape[1]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for g in range(len(cq) - 1):
+        (qa, qb), (ka, kb) = (cq[g], cq[g + 1]), (ck[g], ck[g + 1])
+        qq, gg = q[qa:qb].transpose(0, 1), grad[qa:qb].transpose(0, 1)
+        kk, vv = (x[ka:kb].repeat_interleave(rep, 1).transpose(0, 1) for x in (k, v))
+        mask = torch.ones(qb - qa, kb - ka, dtype=torch.bool).tril((kb - ka) - (qb - qa))
+        p = torch.softmax((scale * qq @ kk.transpose(1, 2)).masked_fill(~mask, float("-inf")), -1)
+        ds = p * (gg @ vv.transpose(1, 2) - (gg * (p @ vv)).sum(-1, keepdim=True))
+        dq[qa:qb] = (scale * ds @ kk).transpose(0, 1)
+        per_kv_head = lambda t: t.transpose(0, 1).reshape(kb - ka, k.shape[1], rep, -1).sum(2)  # noqa: E731
+        dk[ka:kb] = per_kv_head(scale * ds.transpose(1, 2) @ qq)
+        dv[ka:kb] = per_kv_head(p.transpose(1, 2) @ gg)
+    return dq, dk, dv
+
+
+_op_varlen.register_fake(lambda q, k, v, cu_q, cu_k, scale: torch.empty_like(q))
+_op_varlen_bwd.register_fake(
+    lambda grad, q, k, v, cu_q, cu_k, scale: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
+
+
+def _op_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, scale = inputs
+    ctx.save_for_backward(q, k, v, cu_q, cu_k)
+    ctx.scale = scale
+
+
+def _op_backward(ctx, grad):
+    q, k, v, cu_q, cu_k = ctx.saved_tensors
+    return (*_op_varlen_bwd(grad, q, k, v, cu_q, cu_k, ctx.scale), None, None, None)
+
+
+_op_varlen.register_autograd(_op_backward, setup_context=_op_setup)
+
+
+def test_regather_in_compiled_layers():
+    """A compiled caller (compile_mode="layers") keeps the gathered K/V: hooks are not traced, and the
+    partitioner saves it. ``set_kv_regather_compiled`` breaks the graph around the attention of a tree
+    row, which then runs under the hooks and keeps none of it; results are identical."""
+    p = shared_prompt_row()
+    gathered_rows = p.attention.kv_index.numel()
+    op_kernel = lambda q, k, v, cu_q, cu_k, max_q, max_k, scale: _op_varlen(q, k, v, cu_q, cu_k, scale)  # noqa: E731
+    inner = ta._gather_backend("op", op_kernel, repeat_kv=False, needs_cuda=False)
+
+    def layer(q, k, v, meta, scale):  # K/V reach attention as intermediates, as after RoPE
+        return inner.run(q, k * 1.5 + 0.25, v, meta, scale) * 2
+
+    # aot_eager_decomp_partition: inductor's decompositions and min-cut partitioner, no C++ compile
+    compiled = ta.Backend("compiled", torch.compile(layer, backend="aot_eager_decomp_partition", dynamic=True),
+                          needs_cuda=False)
+    expected = run_backend(ta.Backend("eager", layer, needs_cuda=False), p, regather=True)
+    kept = {}
+    for regather, in_compiled in ((False, False), (True, False), (True, True)):
+        counter = SavedBytes()
+        previous = ta.set_kv_regather_compiled(in_compiled)
+        try:
+            result = run_backend(compiled, p, regather=regather, wrap=counter.run)
+        finally:
+            ta.set_kv_regather_compiled(previous)
+        for a, b in zip(expected, result):
+            assert torch.equal(a, b)
+        kept[regather, in_compiled] = [s for s in counter.shapes if len(s) == 3 and s[0] == gathered_rows]
+    assert len(kept[False, False]) >= 2 and len(kept[True, False]) >= 2  # the gathered K and V
+    assert not kept[True, True]
