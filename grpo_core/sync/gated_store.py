@@ -74,7 +74,34 @@ def _relay(a: socket.socket, b: socket.socket, name: str) -> None:
         threading.Thread(target=_pipe, args=(src, dst), name=name, daemon=True).start()
 
 
-class StoreGate:
+class _Listener:
+    """A listening socket whose connections go to ``_serve`` on a daemon thread until ``close``."""
+
+    def __init__(self, listen_socket: socket.socket, name: str):
+        self.listen_socket = listen_socket
+        self._closed = False
+        threading.Thread(target=self._accept, name=name, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, peer = self.listen_socket.accept()
+            except OSError:
+                return  # closed
+            self._serve(conn, peer)
+
+    def _serve(self, conn: socket.socket, peer: Any) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self.listen_socket.close()
+        except OSError:
+            pass
+
+
+class StoreGate(_Listener):
     """Trainer side: the public listener that admits only connections carrying the secret.
 
     ``listen_socket`` is bound to the chosen interface and port (the server dials it); ``store_socket``
@@ -84,22 +111,16 @@ class StoreGate:
     def __init__(self, address: str, port: int, secret: str):
         self.secret = bytes.fromhex(secret)
         self.address = address
-        self.listen_socket = socket.create_server((address, port))
-        self.port = self.listen_socket.getsockname()[1]
         self.store_socket = socket.create_server(("127.0.0.1", 0))
         self.store_port = self.store_socket.getsockname()[1]
         self.refused: list[str] = []
-        self._closed = False
-        self._thread = threading.Thread(target=self._accept, name="rendezvous-gate", daemon=True)
-        self._thread.start()
+        listen_socket = socket.create_server((address, port))
+        self.port = listen_socket.getsockname()[1]
+        super().__init__(listen_socket, "rendezvous-gate")
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, peer = self.listen_socket.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._admit, args=(conn, peer), name="rendezvous-gate-check", daemon=True).start()
+    def _serve(self, conn: socket.socket, peer: Any) -> None:
+        # Each check on its own thread: a dialer that never sends its hello must not hold up the next.
+        threading.Thread(target=self._admit, args=(conn, peer), name="rendezvous-gate-check", daemon=True).start()
 
     def _admit(self, conn: socket.socket, peer: Any) -> None:
         conn.settimeout(HANDSHAKE_TIMEOUT_S)
@@ -127,50 +148,30 @@ class StoreGate:
             return
         _relay(conn, store, "rendezvous-gate-relay")
 
-    def close(self) -> None:
-        self._closed = True
-        try:
-            self.listen_socket.close()
-        except OSError:
-            pass
 
-
-class StoreDialer:
+class StoreDialer(_Listener):
     """Server side: a loopback port for the ``TCPStore`` client that dials the gate with the secret."""
 
     def __init__(self, address: str, port: int, secret: str):
         self.upstream = (address, port)
         self.secret = bytes.fromhex(secret)
-        self.listen_socket = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listen_socket.getsockname()[1]
-        self._closed = False
-        threading.Thread(target=self._accept, name="rendezvous-dialer", daemon=True).start()
+        listen_socket = socket.create_server(("127.0.0.1", 0))
+        self.port = listen_socket.getsockname()[1]
+        super().__init__(listen_socket, "rendezvous-dialer")
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                local, _ = self.listen_socket.accept()
-            except OSError:
-                return
-            try:
-                remote = socket.create_connection(self.upstream, timeout=HANDSHAKE_TIMEOUT_S)
-                remote.sendall(MAGIC + self.secret)
-                if _recv_exactly(remote, len(ACK)) != ACK:
-                    raise ConnectionRefusedError(f"the trainer's rendezvous at {self.upstream[0]}:{self.upstream[1]} "
-                                                 "refused this server's secret")
-                remote.settimeout(None)
-            except OSError as err:
-                log.error("weight-transfer rendezvous: %s", err)
-                local.close()
-                continue
-            _relay(local, remote, "rendezvous-dialer-relay")
-
-    def close(self) -> None:
-        self._closed = True
+    def _serve(self, local: socket.socket, peer: Any) -> None:
         try:
-            self.listen_socket.close()
-        except OSError:
-            pass
+            remote = socket.create_connection(self.upstream, timeout=HANDSHAKE_TIMEOUT_S)
+            remote.sendall(MAGIC + self.secret)
+            if _recv_exactly(remote, len(ACK)) != ACK:
+                raise ConnectionRefusedError(f"the trainer's rendezvous at {self.upstream[0]}:{self.upstream[1]} "
+                                             "refused this server's secret")
+            remote.settimeout(None)
+        except OSError as err:
+            log.error("weight-transfer rendezvous: %s", err)
+            local.close()
+            return
+        _relay(local, remote, "rendezvous-dialer-relay")
 
 
 def trainer_store(gate: StoreGate, world_size: int, timeout: timedelta) -> Any:
