@@ -139,6 +139,14 @@ class AsyncGRPOConfig:
     (``pip install flash-attn-4``); ``torch_varlen``: PyTorch's FlashAttention-2 (``varlen_attn``); ``aten_flash``:
     the same through an older PyTorch op; ``reference``: dense PyTorch attention, any device, memory growing with
     the square of the row (the only one on CPU). The run's ``perf/attention_backend`` param records the choice."""
+    tree_kv_regather: Literal["eager", "always", "never"] = "eager"
+    """Whether a tree row's attention keeps, for backward, the K/V it gathered along every root-to-segment path
+    (several times the row's own K/V at high packing ratios) or gathers it again there (bitwise the same
+    result). ``eager``: re-gather where attention runs eagerly (``compile_mode`` ``none``/``pointwise``, the CPU);
+    compiled layers keep the copy. ``always``: under compiled layers too, by running each tree row's attention
+    outside the compiled graph. ``never``: keep it. Measured on an H200 (Qwen3-1.7B shape, packing ratio ~6,
+    benchmarks/README.md "Re-gathering K/V in backward"): eager, tree-row peak 1.36x -> 1.17x a flat row's
+    for 0.5-0.8% of the step; compiled (``always``), 1.46x -> 1.18x for 3.4-4.8%."""
     attention_kernel: str | None = None
     """The ``kernels`` backend's kernel: a Hub kernel at a major version or a revision
     (``kernels-community/flash-attn3@1``, ``owner/name@main``) or a local kernel folder (``/path``, ``./path``,

@@ -125,7 +125,7 @@ class AsyncGRPOTrainer:
         self.attention_backend = enable_tree_attention(
             self.model, backend=self.args.attention_backend, linear_backend=self.args.gdn_backend,
             kernel=self.args.attention_kernel,
-            compute_dtype=self.compute_dtype,
+            compute_dtype=self.compute_dtype, kv_regather=self.args.tree_kv_regather,
         )
         if self.args.logprob_chunk_size is not None:
             output_head(self.model)  # a model the chunked head cannot run is refused before anything starts

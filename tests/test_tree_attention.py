@@ -473,3 +473,20 @@ def test_regather_in_compiled_layers():
         kept[regather, in_compiled] = [s for s in counter.shapes if len(s) == 3 and s[0] == gathered_rows]
     assert len(kept[False, False]) >= 2 and len(kept[True, False]) >= 2  # the gathered K and V
     assert not kept[True, True]
+
+
+@pytest.mark.parametrize("mode,eager,compiled", [("eager", True, False), ("always", True, True), ("never", False, False)])
+def test_the_config_setting_reaches_both_switches(mode, eager, compiled):
+    from grpo_core.tiny import build_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(build_tiny_model()))
+    before = ta.set_kv_regather(True), ta.set_kv_regather_compiled(False)
+    try:
+        ta.enable_tree_attention(model, backend="reference", kv_regather=mode)
+        assert (ta.kv_regather_enabled(), ta._kv_regather_compiled) == (eager, compiled)
+        with pytest.raises(ValueError, match="kv_regather='sometimes'"):
+            ta.enable_tree_attention(model, backend="reference", kv_regather="sometimes")
+    finally:
+        ta.set_kv_regather(before[0])
+        ta.set_kv_regather_compiled(before[1])

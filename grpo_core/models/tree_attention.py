@@ -578,12 +578,14 @@ def backend_for_precision(backend: str, device_type: str, compute_dtype: torch.d
 
 
 def enable_tree_attention(model: torch.nn.Module, backend: str = "auto", linear_backend: str = "auto",
-                          kernel: str | None = None, compute_dtype: torch.dtype | None = None) -> str:
+                          kernel: str | None = None, compute_dtype: torch.dtype | None = None,
+                          kv_regather: str = "eager") -> str:
     """Check the model, register ``grpo_tree``, patch its Gated DeltaNet layers and switch it over.
 
     ``backend`` picks the attention kernel (``select_backend``; ``kernel`` is the ``kernels`` backend's
-    Hub id or folder; ``compute_dtype``, the training's, rules out fused kernels for fp32), ``linear_backend`` the delta-rule kernel of GDN layers
-    (``grpo_core.models.gated_delta.select_gdn_backend``). Returns the attention backend's name.
+    Hub id or folder; ``compute_dtype``, the training's, rules out fused kernels for fp32), ``linear_backend``
+    the delta-rule kernel of GDN layers (``grpo_core.models.gated_delta.select_gdn_backend``), ``kv_regather``
+    whether backward gathers K/V again (``AsyncGRPOConfig.tree_kv_regather``). Returns the attention backend's name.
     """
     from grpo_core.models.hybrid import install_gated_delta
 
@@ -592,6 +594,10 @@ def enable_tree_attention(model: torch.nn.Module, backend: str = "auto", linear_
     if compute_dtype is not None:
         backend = backend_for_precision(backend, device.type, compute_dtype)
     name = register_tree_attention(backend, device, kernel)
+    if kv_regather not in ("eager", "always", "never"):
+        raise ValueError(f"kv_regather={kv_regather!r}: expected 'eager', 'always' or 'never'")
+    set_kv_regather(kv_regather != "never")  # AsyncGRPOConfig.tree_kv_regather
+    set_kv_regather_compiled(kv_regather == "always")
     install_gated_delta(model, linear_backend)
     model.set_attn_implementation(TREE_ATTENTION)
     return name
