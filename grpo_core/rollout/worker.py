@@ -34,6 +34,7 @@ from typing import Any
 import cloudpickle
 
 _HEARTBEAT_PERIOD_S = 1.0
+_PARENT_CHECK_S = 1.0
 
 
 class RolloutWorkerError(RuntimeError):
@@ -67,7 +68,7 @@ class RolloutWorker:
         self.process = ctx.Process(
             target=_worker_main,
             args=(cloudpickle.dumps((spec.loop_cls, spec.loop_kwargs)), spec.shared_kwargs, self.queue, self.errors,
-                  self.heartbeat, self.served_version, self.consumed, self.stop_event),
+                  self.heartbeat, self.served_version, self.consumed, self.stop_event, os.getpid()),
             name="grpo-rollout",
             daemon=True,
         )
@@ -188,8 +189,9 @@ def _main_script_hidden() -> Iterator[None]:
 # ---------------------------------------------------------------------------- inside the rollout process
 def _worker_main(
     payload: bytes, shared: dict[str, Any], out_queue: Any, errors: Any, heartbeat: Any, served_version: Any, consumed: Any,
-    stop_event: Any,
+    stop_event: Any, trainer_pid: int,
 ) -> None:
+    threading.Thread(target=exit_with_parent, args=(trainer_pid,), name="rollout-parent-watch", daemon=True).start()
     # Unpickling imports the user's modules and the tokenizer's (transformers: seconds on a loaded
     # machine), before the event loop can beat: a thread beats until the loop's own beat takes over.
     starting = threading.Event()
@@ -202,6 +204,16 @@ def _worker_main(
         summary = f"rollout worker failed: {type(exc).__name__}: {exc}"
         errors.put((summary, traceback.format_exc()))
         raise SystemExit(1) from None
+
+
+def exit_with_parent(parent_pid: int, period_s: float = _PARENT_CHECK_S) -> None:
+    """End this process once ``parent_pid`` is no longer its parent. A trainer that is killed (SIGKILL,
+    SIGTERM, a crashed interpreter) never calls ``stop()``, and its orphaned worker would go on
+    generating into a queue nobody reads, holding the server's capacity, for as long as the machine runs."""
+    while os.getppid() == parent_pid:
+        time.sleep(period_s)
+    print(f"rollout worker {os.getpid()}: the trainer process {parent_pid} is gone; exiting", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def _beat_while_starting(heartbeat: Any, started: threading.Event) -> None:
