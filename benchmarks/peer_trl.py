@@ -606,7 +606,7 @@ def _drop_bulky(run: dict[str, Any]) -> dict[str, Any]:
     keep = ("step", "t_end", "wall_s", "reward", "perf/rollout_wait_s", "perf/step_s", "perf/fwd_bwd_s", "sync/seconds",
             "rollout/generated_tok_s", "batch/trained_tokens_per_step", "sample/stale_dropped", "sample/staleness_mean",
             "rollout/queue_size", "rollout/concurrency", "gen_s", "gen_tokens", "completions/mean_length",
-            "perf/weight_sync_s", "loss")
+            "perf/weight_sync_s", "loss", "rollout/completions_per_request")
     run = dict(run)
     run["steps"] = [{k: r[k] for k in keep if k in r} for r in run.get("steps", [])]
     run.pop("snapshots", None)

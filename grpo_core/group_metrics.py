@@ -26,7 +26,7 @@ _COUNTER_PREFIXES = ("tools/", "env/", "rollout/")
 # GroupReport.metrics that are snapshots, not counters: the last group's value stands for the step.
 _SNAPSHOTS = (
     "rollout/concurrency_cap", "rollout/concurrency", "rollout/report_interval_s", "rollout/backpressure_s",
-    "rollout/score_queue_size",
+    "rollout/score_queue_size", "rollout/completions_per_request",
 )
 
 
@@ -99,7 +99,7 @@ def group_metrics(reports: list[GroupReport]) -> dict[str, float]:
     metrics["rollout/groups_dropped_frac"] = float(np.mean([r.dropped for r in generated]))
     metrics["rollout/generated_tokens"] = float(sum(r.generated_tokens for r in generated))
     last = generated[-1].metrics
-    for key in ("rollout/concurrency_cap", "rollout/concurrency", "rollout/score_queue_size"):
+    for key in ("rollout/concurrency_cap", "rollout/concurrency", "rollout/score_queue_size", "rollout/completions_per_request"):
         if key in last:
             metrics[key] = last[key]
     metrics["rollout/backpressure_s"] = float(sum(r.metrics.get("rollout/backpressure_s", 0.0) for r in generated))

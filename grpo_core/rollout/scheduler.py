@@ -192,6 +192,12 @@ class RolloutScheduler:
             self._raise_failure()
             self.controller.on_rollout_started()
 
+    def _completions_per_request(self) -> float:
+        """Completions per generation request so far (above 1 when a group's first turns were coalesced)."""
+        client = self.loop.client
+        sent = getattr(client, "requests_sent", 0)
+        return float(getattr(client, "completions_received", 0)) / sent if sent else 0.0
+
     async def _released(self) -> None:
         assert self.controller is not None
         self.controller.on_rollout_finished()
@@ -247,6 +253,7 @@ class RolloutScheduler:
                 "rollout/report_interval_s": now - self.last_report_time,
                 "rollout/score_queue_size": float(self.scoring_groups),
                 "rollout/samples_ahead": float(self.samples_ahead() if self.samples_ahead() is not None else -1),
+                "rollout/completions_per_request": self._completions_per_request(),
                 **merge_counters([r.metrics for r in group.rollouts]),
                 **reconcile_metrics(reconciled),
             },
