@@ -126,10 +126,11 @@ def max_over_ranks(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
-def run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, attention) -> dict:
+def run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, attention, plan="auto") -> dict:
     world = dist.get_world_size()
-    backend = ta.register_tree_attention(attention if device.type == "cuda" else "varlen_emulated", device,
-                                         args.attention_kernel)
+    cpu_name = "split_emulated" if plan == "split" else "varlen_emulated"
+    backend = ta.register_tree_attention(attention if device.type == "cuda" else cpu_name, device,
+                                         args.attention_kernel, plan)
     model = build_model(shape, device)
     ta.check_supported_architecture(model)
     model.set_attn_implementation(ta.TREE_ATTENTION)
@@ -297,9 +298,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen3-1.7b")
     ap.add_argument("--configs", default="16384:noac,16384:ac,32768:ac,65536:ac",
-                    help="budget:ac|noac[:pointwise|:layers][:keep][:chunkN|:chunkauto][:attn=NAME], comma-separated "
-                         "(keep: no reshard after forward; chunk: AsyncGRPOConfig.logprob_chunk_size; attn: "
-                         "AsyncGRPOConfig.attention_backend, else --attention-backend)")
+                    help="budget:ac|noac[:pointwise|:layers][:keep][:chunkN|:chunkauto][:attn=NAME][:plan=NAME], "
+                         "comma-separated (keep: no reshard after forward; chunk: AsyncGRPOConfig.logprob_chunk_size; "
+                         "attn: AsyncGRPOConfig.attention_backend, else --attention-backend; plan: "
+                         "AsyncGRPOConfig.tree_attention_plan, else auto)")
     ap.add_argument("--attention-backend", default="auto", help="tree attention backend (AsyncGRPOConfig names)")
     ap.add_argument("--attention-kernel", default=None, help="the kernels backend's Hub id or local folder")
     ap.add_argument("--rows-per-rank", type=int, default=4, help="micro-batches per step")
@@ -351,9 +353,10 @@ def main() -> None:
         reshard = "keep" not in parts[2:]
         chunk = next((p[5:] if p == "chunkauto" else int(p[5:]) for p in parts[2:] if p.startswith("chunk")), None)
         attention = next((p[5:] for p in parts[2:] if p.startswith("attn=")), args.attention_backend)
+        plan = next((p[5:] for p in parts[2:] if p.startswith("plan=")), "auto")
         args.gather = gather and not any("weight_gather" in r for r in report["results"])
         try:
-            result = run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, attention)
+            result = run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, attention, plan)
         except Exception as exc:  # noqa: BLE001 - an OOM or a compile failure is a result too
             result = {"token_budget": budget, "activation_checkpointing": ac, "compile": compiled,
                       "attention_backend": attention, "reshard_after_forward": reshard, "logprob_chunk": chunk,

@@ -15,7 +15,9 @@ On a CPU, a smoke run with a tiny model (no timing claims): ``--smoke``.
 
 ``--kv-regather off,on`` times tree rows with the gathered K/V saved for backward and re-gathered in
 backward (``tree_attention.set_kv_regather``), side by side (``break``: with ``--compile-layers``, also
-in compiled layers, through a graph break); ``--profile ratio~6`` adds a CUDA-kernel
+in compiled layers, through a graph break); ``--plan gather,split`` times the two plans of fused-kernel
+tree attention side by side (``AsyncGRPOConfig.tree_attention_plan``; the re-gather settings apply to
+``gather`` only); ``--profile ratio~6`` adds a CUDA-kernel
 profile of one step of each mode of that workload (top kernels, and time per kind of kernel).
 """
 
@@ -240,6 +242,42 @@ def exactness_check(model, device, dtype, vocab: int, seed: int = 1) -> dict:
     return result
 
 
+def plan_check(row, shape: str, device: torch.device, dtype: torch.dtype, kernel: str, plans: list[str]) -> dict:
+    """One attention call per plan on ``row``'s segments against an fp32 oracle (the gather plan with the
+    emulated kernel, fp32 inputs): relative error norms of output and q/k/v gradients, per plan of backend
+    ``kernel``; "split, merge in PyTorch ops" repeats the split plan without the Triton merge
+    (that kernel's check)."""
+    from grpo_core.models import tree_split
+
+    s = SHAPES[shape]
+    gen = torch.Generator().manual_seed(0)
+    heads, kv, d = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
+    inputs = [torch.randn(row.num_tokens, h, d, generator=gen).to(device) for h in (heads, kv, kv)]
+    grad = torch.randn(row.num_tokens, heads, d, generator=gen).to(device)
+
+    def once(backend: ta.Backend, dt: torch.dtype) -> list[torch.Tensor]:
+        xs = [t.detach().to(dt).clone().requires_grad_() for t in inputs]
+        out = backend.run(*xs, row.attention, d**-0.5)
+        out.backward(grad.to(dt))
+        return [out.detach().float()] + [x.grad.float() for x in xs]
+
+    oracle = once(ta.BACKENDS["varlen_emulated"], torch.float32)
+    results = {}
+    for plan in plans:
+        label = ta.register_tree_attention(kernel, device, None, plan)
+        results[label] = once(ta._active, dtype)
+    if "split" in plans:
+        fused, tree_split._merge_kernel = tree_split._merge_kernel, False  # PyTorch ops for the merge
+        try:
+            ta.register_tree_attention(kernel, device, None, "split")
+            results["split, merge in PyTorch ops"] = once(ta._active, dtype)
+        finally:
+            tree_split._merge_kernel = fused
+    names = ("out", "dq", "dk", "dv")
+    return {label: {n: float((x - y).norm() / y.norm()) for n, x, y in zip(names, got, oracle)}
+            for label, got in results.items()}
+
+
 def regather_check(row, shape: str, device: torch.device, dtype: torch.dtype) -> dict:
     """One attention call of the active backend on ``row``'s segments, K/V saved vs re-gathered (eager): the
     largest |difference| of output and q/k/v gradients, and, for scale, the same between two runs that
@@ -324,6 +362,9 @@ def main() -> None:
                          "and, in compiled layers, a graph break around tree attention so that it applies there "
                          "too (tree_attention.set_kv_regather, set_kv_regather_compiled); 'off,on' times both, "
                          "side by side")
+    ap.add_argument("--plan", default="auto",
+                    help="tree attention plan(s), comma-separated (AsyncGRPOConfig.tree_attention_plan: auto, split, "
+                         "gather): each workload is timed with each, side by side")
     ap.add_argument("--workloads", default=None, help="comma-separated workload names (default: all)")
     ap.add_argument("--profile", default=None,
                     help="workload name: after timing it, profile one step of each mode (CUDA kernels)")
@@ -345,9 +386,18 @@ def main() -> None:
     if not set(regather_settings) <= {"off", "on", "break"}:
         ap.error(f"--kv-regather takes off, on and break, got {args.kv_regather!r}")
     budget = 256 if args.smoke else args.token_budget
-    wanted = args.backend.split(",") if device.type == "cuda" else ["varlen_emulated"]
-    backends = [ta.register_tree_attention(b, device, args.attention_kernel) for b in wanted]  # each one's probe
-    backend = ta.register_tree_attention(wanted[0], device, args.attention_kernel)
+    wanted = args.backend.split(",") if device.type == "cuda" else ["emulated"]
+    plans = args.plan.split(",")
+    for p in plans:
+        ta._check_plan(p)
+
+    def register(name: str, plan: str) -> str:
+        if name == "emulated":  # the CPU's stand-ins of a fused kernel, one per plan
+            name = "split_emulated" if plan == "split" else "varlen_emulated"
+        return ta.register_tree_attention(name, device, args.attention_kernel, plan)
+
+    backends = [register(b, p) for b in wanted for p in plans]  # each one's probe
+    backend = register(wanted[0], plans[0])
     import transformers
 
     report = {
@@ -355,7 +405,7 @@ def main() -> None:
                 "python": platform.python_version(),
                 "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
                 "dtype": str(dtype), "tree_attention_backend": backend, "tree_attention_backends": backends,
-                "kv_regather": regather_settings,
+                "kv_regather": regather_settings, "plans": plans,
                 "compile_layers": args.compile_layers},
         "token_budget": budget, "repeats": args.repeats, "command": " ".join(sys.argv), "results": [],
     }
@@ -408,8 +458,14 @@ def main() -> None:
             if len(regather_settings) > 1 and longest.attention.kv_index is not None:
                 check = regather_check(longest, shape, device, dtype)
                 print(f"regather check {w.name}", json.dumps(check), flush=True)
-            for head, name, regather in itertools.product(args.heads.split(","), wanted, regather_settings):
-                attention = ta.register_tree_attention(name, device, args.attention_kernel)
+            if len(plans) > 1 and longest.attention.kv_index is not None and device.type == "cuda":
+                pc = plan_check(longest, shape, device, dtype, wanted[0], plans)
+                print(f"plan check {w.name} (relative error vs fp32)", json.dumps(pc), flush=True)
+                check = {**(check or {}), "plans_vs_fp32": pc}
+            for head, name, plan, regather in itertools.product(args.heads.split(","), wanted, plans, regather_settings):
+                attention = register(name, plan)
+                if "split" in attention and regather != regather_settings[0]:
+                    continue  # re-gathering is the gather plan's; the split plan is timed once
                 ta.set_kv_regather(regather != "off")
                 ta.set_kv_regather_compiled(regather == "break")
                 timed = time_modes(model, modes, args.repeats, device, head)
@@ -421,7 +477,7 @@ def main() -> None:
                 ratio = res["flat"]["forwarded_tokens"] / res["tree"]["forwarded_tokens"]
                 speedup = res["tree"]["trained_tok_per_s"] / res["flat"]["trained_tok_per_s"]
                 flop_ratio = res["flat"]["flops"] / res["tree"]["flops"]
-                entry = {"model": shape, "workload": w.name, "head": head, "backend": attention,
+                entry = {"model": shape, "workload": w.name, "head": head, "backend": attention, "plan": plan,
                          "kv_regather": regather, "regather_check": check,
                          "group_size": w.group_size, "prompt": w.prompt, "completion": w.completion,
                          "shared_prompt": w.shared_prompt, "samples": len(samples), "packing_ratio": ratio,
@@ -429,7 +485,8 @@ def main() -> None:
                          "speedup_over_flop_ideal": speedup / flop_ratio,
                          "tree_over_flat_peak_mem": (res["tree"]["peak_mem_gib"] / res["flat"]["peak_mem_gib"]
                                                      if res["flat"]["peak_mem_gib"] else None), **res}
-                if w.name == args.profile and device.type == "cuda" and regather == regather_settings[-1]:
+                if w.name == args.profile and device.type == "cuda" and (regather == regather_settings[-1]
+                                                                          or "split" in attention):
                     entry["profile"] = {m: profile_step(model, rows, trained, head)
                                         for m, (rows, trained) in modes.items()}
                     for m, prof in entry["profile"].items():

@@ -139,8 +139,20 @@ class AsyncGRPOConfig:
     (``pip install flash-attn-4``); ``torch_varlen``: PyTorch's FlashAttention-2 (``varlen_attn``); ``aten_flash``:
     the same through an older PyTorch op; ``reference``: dense PyTorch attention, any device, memory growing with
     the square of the row (the only one on CPU). The run's ``perf/attention_backend`` param records the choice."""
+    tree_attention_plan: Literal["auto", "split", "gather"] = "auto"
+    """How a fused kernel runs a tree row's attention. ``split``: one call for every segment's own tokens and one
+    per ancestor depth (the queries below each ancestor against its keys), merged by log-sum-exp; no key is copied
+    per path, so nothing of the paths' length is computed or saved (``grpo_core/models/tree_split.py``). Needs a
+    kernel with log-sum-exp entry points: ``flash_attn_cute``, ``torch_varlen``, ``aten_flash``. ``gather``: K/V
+    copied along every root-to-segment path and one causal varlen call (any kernel; see ``tree_kv_regather``).
+    ``auto``: per row, ``split`` where the row's paths hold at least 3 keys per token of the row
+    (``SPLIT_MIN_PATHS_PER_TOKEN``; long prompts shared by many completions) and the kernel has the entry points and
+    passes the start-up probe that way, else ``gather``: on one H200 split was ahead at packing ratios ~3.4 and ~6 and
+    behind at ~2 and below (benchmarks/README.md). ``perf/attention_backend`` shows the plan (``+split``,
+    ``+split/gather``). Ignored by ``reference``."""
     tree_kv_regather: Literal["eager", "always", "never"] = "eager"
-    """Whether a tree row's attention keeps, for backward, the K/V it gathered along every root-to-segment path
+    """The gather plan (``tree_attention_plan``): whether a tree row's attention keeps, for backward, the K/V it
+    gathered along every root-to-segment path
     (several times the row's own K/V at high packing ratios) or gathers it again there (bitwise the same
     result). ``eager``: re-gather where attention runs eagerly (``compile_mode`` ``none``/``pointwise``, the CPU);
     compiled layers keep the copy. ``always``: under compiled layers too, by running each tree row's attention

@@ -126,6 +126,7 @@ class AsyncGRPOTrainer:
             self.model, backend=self.args.attention_backend, linear_backend=self.args.gdn_backend,
             kernel=self.args.attention_kernel,
             compute_dtype=self.compute_dtype, kv_regather=self.args.tree_kv_regather,
+            plan=self.args.tree_attention_plan,
         )
         if self.args.logprob_chunk_size is not None:
             output_head(self.model)  # a model the chunked head cannot run is refused before anything starts

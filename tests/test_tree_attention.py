@@ -151,14 +151,16 @@ def test_packed_equals_alone(kind, samples):
     assert (g1 - g2).norm() <= bound
 
 
+@pytest.mark.parametrize("plan", ["varlen_emulated", "split_emulated"])
 @given(samples=sample_sets(vocab_max=VOCAB))
 @settings(max_examples=15, deadline=None)
-def test_gather_path_equals_reference(samples):
-    """The fused-kernel path (K/V gathered along paths, one varlen call) with the kernel emulated."""
+def test_fused_kernel_plans_equal_reference(plan, samples):
+    """The fused-kernel plans with the kernel emulated: gather (K/V gathered along paths, one varlen call)
+    and split (a call per ancestor depth, merged by log-sum-exp)."""
     model, alone = MODELS["qwen3"]
     with torch.no_grad():
         ref, _ = packed_logprobs(model, samples, "reference")
-        emu, _ = packed_logprobs(model, samples, "varlen_emulated")
+        emu, _ = packed_logprobs(model, samples, plan)
     ta.register_tree_attention("reference")
     if len(ref):
         # fp32, two kernels: each log-prob within γ_k·λ of exact (the same values as each sample alone)
@@ -250,10 +252,12 @@ def attention_error_scale(q, k, v, grad, mask, scale) -> list[torch.Tensor]:
     return [t.transpose(0, 1) for t in (out_mag, dq_mag, per_kv_head(dk_mag), per_kv_head(dv_mag))]
 
 
+@pytest.mark.parametrize("plan", ["varlen_emulated", "split_emulated"])
 @given(samples=sample_sets(vocab_max=VOCAB))
 @settings(max_examples=15, deadline=None)
-def test_gather_path_gradients_equal_reference(samples):
-    """Output and q/k/v gradients of the gather path (fp32 accumulation of shared K/V) vs reference."""
+def test_fused_kernel_plans_gradients_equal_reference(plan, samples):
+    """Output and q/k/v gradients of the gather plan (fp32 accumulation of shared K/V) and of the split
+    plan (fp32 sum of the level calls' gradients) vs reference."""
     row = TreeRow()
     for s in samples:
         row.add(s)
@@ -262,7 +266,7 @@ def test_gather_path_gradients_equal_reference(samples):
     q, k, v = (torch.randn(p.num_tokens, h, 8, generator=gen) for h in (4, 2, 2))
     grad = torch.randn(p.num_tokens, 4, 8, generator=gen)
     results = []
-    for name in ("reference", "varlen_emulated"):
+    for name in ("reference", plan):
         xs = [t.clone().requires_grad_() for t in (q, k, v)]
         out = ta.BACKENDS[name].run(*xs, p.attention, 8**-0.5)
         out.backward(grad)

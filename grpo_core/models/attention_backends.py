@@ -238,6 +238,67 @@ def load_hub_kernel(ref: KernelRef) -> VarlenKernel:
     return _opaque_to_compile(kernel)
 
 
+# ---- kernels with their log-sum-exp (the split plan, ``grpo_core.models.tree_split``) ----------------
+class AtenFlashLSE:
+    """PyTorch's FlashAttention-2 through its aten entry points, which return the LSE (forward) and take
+    output and LSE (backward): ``torch_varlen`` and ``aten_flash`` run this kernel."""
+
+    name = "aten_flash"
+
+    def __init__(self) -> None:
+        self._fwd = torch.ops.aten._flash_attention_forward
+        self._bwd = torch.ops.aten._flash_attention_backward
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+        out, lse = self._fwd(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)[:2]
+        if lse.dim() != 2 or lse.shape[1] != q.shape[0]:
+            raise BackendUnavailable(f"this PyTorch's varlen FlashAttention returns its LSE as {tuple(lse.shape)}, "
+                                     f"not [heads, tokens] = [{q.shape[1]}, {q.shape[0]}]")
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+        # No dropout: the random-number state the backward takes is not read.
+        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
+        unused = torch.empty(0, dtype=torch.uint64, device=q.device)
+        return self._bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng, unused, scale=scale)
+
+
+class FlashAttnCuteLSE:
+    """FlashAttention-4's forward (``return_lse=True``) and backward entry points."""
+
+    name = "flash_attn_cute"
+
+    def __init__(self) -> None:
+        from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd  # the flash-attn-4 package
+
+        self._fwd, self._bwd = _flash_attn_fwd, _flash_attn_bwd
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+        out, lse = self._fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                             softmax_scale=scale, causal=causal, return_lse=True)[:2]
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+        return tuple(self._bwd(q, k, v, out, dout, lse, scale, causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                               max_seqlen_q=max_q, max_seqlen_k=max_k)[:3])
+
+
+LSE_KERNELS: dict[str, Callable[[], object]] = {
+    "torch_varlen": AtenFlashLSE, "aten_flash": AtenFlashLSE, "flash_attn_cute": FlashAttnCuteLSE,
+}
+"""Backends whose kernel has LSE entry points, hence the split plan; ``kernels`` builds do not expose them."""
+
+
+def load_lse_kernel(name: str):
+    """The LSE entry points of backend ``name``; ``BackendUnavailable`` where it has none or they do not load."""
+    if name not in LSE_KERNELS:
+        raise BackendUnavailable(f"{name} exposes no forward-with-LSE / backward-from-LSE entry points")
+    try:
+        return LSE_KERNELS[name]()
+    except Exception as exc:  # noqa: BLE001 - not installed, or an op missing from this build
+        raise BackendUnavailable(short_reason(exc)) from exc
+
+
 def kernel_spec_for(family: DeviceFamily, attention_kernel: str | None) -> str:
     """What the ``kernels`` backend loads: ``attention_kernel``, else the device's default Hub kernel."""
     if attention_kernel is not None:

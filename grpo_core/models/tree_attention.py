@@ -11,13 +11,20 @@ Backends (one is picked at load time by ``register_tree_attention``):
 - ``reference``: plain PyTorch, one dense ``[U, U]`` mask and ``scaled_dot_product_attention``.
   Runs anywhere; the oracle of the tests. Memory grows with ``U**2``.
 - fused varlen kernels (``kernels``, ``flash_attn_cute``, ``torch_varlen``, ``aten_flash``; how each
-  is loaded, and which ``auto`` prefers on which GPU, is ``grpo_core.models.attention_backends``):
-  K/V gathered along each root-to-segment path, then one varlen kernel call, causal bottom-right.
-  The gathered K/V is not kept for backward: saved-tensor hooks keep the row's own K/V and the paths
-  instead, and backward gathers again (``set_kv_regather``; exact, see "re-gathering K/V in backward";
-  compiled layers only with ``set_kv_regather_compiled``).
-- ``varlen_emulated``: the gather path with a per-segment PyTorch loop in place of the fused kernel,
-  saving its inputs as one does, so that CPU tests cover what a GPU kernel receives and saves.
+  is loaded, and which ``auto`` prefers on which GPU, is ``grpo_core.models.attention_backends``), in
+  one of two plans:
+
+  - ``split`` (where the kernel exposes its log-sum-exp: ``flash_attn_cute``, ``torch_varlen``,
+    ``aten_flash``): one call for every segment's own tokens and one per ancestor depth, merged by
+    log-sum-exp; nothing of the paths' length is copied (``grpo_core.models.tree_split``);
+  - ``gather`` (any varlen kernel): K/V gathered along each root-to-segment path, then one varlen
+    call, causal bottom-right.
+  In the gather plan the gathered K/V is not kept for backward: saved-tensor hooks keep the row's own
+  K/V and the paths instead, and backward gathers again (``set_kv_regather``; exact, see "re-gathering
+  K/V in backward"; compiled layers only with ``set_kv_regather_compiled``).
+- ``varlen_emulated`` / ``split_emulated``: the gather / split plan with PyTorch loops in place of the
+  fused kernel (``tree_split.EmulatedLSEKernel`` for the split one), so that CPU tests cover what a GPU
+  kernel receives and saves.
 
 Use::
 
@@ -47,10 +54,18 @@ import torch.nn.functional as F
 from grpo_core.models.attention_backends import (
     BackendUnavailable,
     VarlenKernel,
+    load_lse_kernel,
     device_family,
     load_kernel,
     pick_backend,
     short_reason,
+)
+from grpo_core.models.tree_split import (
+    AncestorLevel,
+    EmulatedLSEKernel,
+    LSEKernel,
+    levels_from_paths,
+    split_tree_attention,
 )
 
 log = logging.getLogger(__name__)
@@ -67,6 +82,9 @@ class TreeAttentionMetadata:
     max_q: int  # longest segment
     max_k: int  # longest root-to-segment path
     kv_index: torch.Tensor | None  # int64 [K]: row positions of every path; None = no gather (flat)
+    # The split plan's calls per ancestor depth (``tree_split.plan_levels``; the collator builds them on
+    # the host); None: derived from ``kv_index`` when first needed.
+    levels: tuple[AncestorLevel, ...] | None = None
     _dense_mask: torch.Tensor | None = field(default=None, repr=False, compare=False)
     # Per-row plans other token mixers derive from the segments (gated delta: segment depths, conv
     # gathers), built by the first layer that needs them and read by the rest of the forward.
@@ -78,9 +96,18 @@ class TreeAttentionMetadata:
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> TreeAttentionMetadata:
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        levels = None if self.levels is None else tuple(lv.to(device, non_blocking) for lv in self.levels)
         return TreeAttentionMetadata(
-            move(self.cu_seq_q), move(self.cu_seq_k), self.max_q, self.max_k, move(self.kv_index)
+            move(self.cu_seq_q), move(self.cu_seq_k), self.max_q, self.max_k, move(self.kv_index), levels
         )
+
+    def ancestor_levels(self, device: torch.device) -> tuple[AncestorLevel, ...]:
+        """The split plan's level calls, on ``device`` (derived from the paths once if not given)."""
+        if self.levels is None:
+            self.levels = levels_from_paths(self.cu_seq_q, self.cu_seq_k, self.kv_index)
+        if self.levels and self.levels[0].q_index.device != device:
+            self.levels = tuple(lv.to(device) for lv in self.levels)
+        return self.levels
 
     def dense_mask(self, device: torch.device) -> torch.Tensor:
         """bool ``[U, U]``: ``mask[i, j]`` iff query ``i`` may see key ``j``. Built once per row."""
@@ -371,6 +398,34 @@ def _gather_backend(name: str, kernel: VarlenKernel, repeat_kv: bool, needs_cuda
     return Backend(name, run_or_break_graph, needs_cuda)
 
 
+def _split_backend(name: str, kernel: LSEKernel, needs_cuda: bool) -> Backend:
+    def run(q, k, v, meta: TreeAttentionMetadata, scale: float) -> torch.Tensor:
+        levels = meta.ancestor_levels(q.device)
+        return split_tree_attention(q, k, v, kernel, meta.cu_seq_q, meta.max_q, levels, scale)
+
+    # A fused kernel's entry points are called from Python with a loop over the row's levels; compiled
+    # layers break their graph around it, as they do around any kernel from outside PyTorch.
+    return Backend(name, torch.compiler.disable(run, recursive=True) if needs_cuda else run, needs_cuda)
+
+
+SPLIT_MIN_PATHS_PER_TOKEN = 3.0
+"""``auto`` plan: a row runs split where its root-to-segment paths hold at least this many keys per token of
+the row (``kv_index`` length / ``U``), else gather. Measured on one H200 (Qwen3-1.7B shape, benchmarks/README.md
+"Tree attention split by ancestor level"): split is ahead at packing ratios ~3.4 and ~6 (about 3.7 and 7 path
+keys per token), behind at ~2 (2.1) and on the MFU rows (1.4), where its extra launches, query gathers and
+merge outweigh the copy it saves."""
+
+
+def _per_row_backend(name: str, split: Backend, gather: Backend) -> Backend:
+    def run(q, k, v, meta: TreeAttentionMetadata, scale: float) -> torch.Tensor:
+        # Shapes only (no device read): the paths' length is kv_index's size.
+        if meta.kv_index is not None and meta.kv_index.shape[0] >= SPLIT_MIN_PATHS_PER_TOKEN * q.shape[0]:
+            return split.run(q, k, v, meta, scale)
+        return gather.run(q, k, v, meta, scale)
+
+    return Backend(name, run, split.needs_cuda or gather.needs_cuda)
+
+
 def _probe(backend: Backend, device: torch.device, heads: tuple[int, int] = (4, 2), dim: int = 128) -> float:
     """Largest relative error of output and input gradients against ``reference`` on a small tree."""
     gen = torch.Generator().manual_seed(0)
@@ -400,11 +455,26 @@ def _probe(backend: Backend, device: torch.device, heads: tuple[int, int] = (4, 
 BACKENDS: dict[str, Backend] = {
     "reference": Backend("reference", _reference, needs_cuda=False),
     "varlen_emulated": _gather_backend("varlen_emulated", _emulated_kernel, repeat_kv=False, needs_cuda=False),
+    "split_emulated": _split_backend("split_emulated", EmulatedLSEKernel(), needs_cuda=False),
 }
+BACKENDS["split_or_gather_emulated"] = _per_row_backend(
+    "split_or_gather_emulated", BACKENDS["split_emulated"], BACKENDS["varlen_emulated"])
+
+TREE_PLANS = ("auto", "split", "gather")
 
 
-def select_backend(name: str = "auto", device: torch.device | str | None = None, kernel: str | None = None) -> Backend:
+def _check_plan(plan: str) -> None:
+    if plan not in TREE_PLANS:
+        raise ValueError(f"tree attention plan {plan!r}: expected one of {list(TREE_PLANS)}")
+
+
+def select_backend(name: str = "auto", device: torch.device | str | None = None, kernel: str | None = None,
+                   plan: str = "auto") -> Backend:
     """The backend to use: ``name``, or with ``"auto"`` the device's first fused kernel that passes a probe.
+
+    ``plan``: ``split`` or ``gather`` for every row (a kernel that cannot run the plan is then unavailable), or
+    ``auto``: per row, ``split`` where its paths are at least ``SPLIT_MIN_PATHS_PER_TOKEN`` times its length
+    and the kernel has LSE entry points that pass the probe, else ``gather``.
 
     ``reference`` and ``varlen_emulated`` (the CPU test double of a fused kernel) are returned as
     they are. A fused kernel (``attention_backends.FUSED_KERNELS``; ``kernel`` is the ``kernels``
@@ -413,6 +483,7 @@ def select_backend(name: str = "auto", device: torch.device | str | None = None,
     to 2%; a kernel that fails with grouped K/V heads is retried with the K/V heads repeated. The
     order of ``auto`` per GPU type and the errors are ``attention_backends.pick_backend``'s.
     """
+    _check_plan(plan)
     if name in BACKENDS:
         return BACKENDS[name]
     device = torch.device(device) if device is not None else None
@@ -421,8 +492,32 @@ def select_backend(name: str = "auto", device: torch.device | str | None = None,
     family = device_family(device)
 
     def attempt(kernel_name: str) -> Backend:
+        failures: list[str] = []
+        split = None
+        if plan in ("auto", "split"):
+            try:
+                split = _split_backend(kernel_name + "+split", load_lse_kernel(kernel_name), True)
+                err = _probe(split, device)
+                if err >= 2e-2:
+                    failures.append(f"{split.name}: probe error {err:.2e}")
+                    split = None
+            except Exception as exc:  # noqa: BLE001 - no LSE entry points, or a kernel refusing the probe
+                failures.append(f"{kernel_name}+split: {short_reason(exc)}")
+                split = None
+            if plan == "split":
+                if split is None:
+                    raise BackendUnavailable("; ".join(failures))
+                log.info("tree attention backend %s on a %s device", split.name, family)
+                return split
+            if split is None:
+                log.info("tree attention: the split plan is unavailable (%s); every row gathers", "; ".join(failures))
+        gather = attempt_gather(kernel_name, failures)
+        if split is None:
+            return gather
+        return _per_row_backend(f"{gather.name}+split/gather", split, gather)
+
+    def attempt_gather(kernel_name: str, failures: list[str]) -> Backend:
         varlen = load_kernel(kernel_name, family, kernel)
-        failures = []
         for repeat_kv in (False, True):
             backend = _gather_backend(kernel_name + ("+repeat_kv" if repeat_kv else ""), varlen, repeat_kv, True)
             try:
@@ -480,15 +575,15 @@ def tree_attention_forward(
 
 
 def register_tree_attention(backend: str = "auto", device: torch.device | str | None = None,
-                            kernel: str | None = None) -> str:
+                            kernel: str | None = None, plan: str = "auto") -> str:
     """Register ``grpo_tree`` in transformers' attention interface; returns the backend's name.
 
-    ``backend`` and ``kernel`` are ``select_backend``'s (``AsyncGRPOConfig.attention_backend`` and
-    ``attention_kernel``)."""
+    ``backend``, ``kernel`` and ``plan`` are ``select_backend``'s (``AsyncGRPOConfig.attention_backend``,
+    ``attention_kernel`` and ``tree_attention_plan``)."""
     from transformers import AttentionInterface
 
     global _active
-    _active = select_backend(backend, device, kernel)
+    _active = select_backend(backend, device, kernel, plan)
     AttentionInterface.register(TREE_ATTENTION, tree_attention_forward)
     return _active.name
 
@@ -579,13 +674,14 @@ def backend_for_precision(backend: str, device_type: str, compute_dtype: torch.d
 
 def enable_tree_attention(model: torch.nn.Module, backend: str = "auto", linear_backend: str = "auto",
                           kernel: str | None = None, compute_dtype: torch.dtype | None = None,
-                          kv_regather: str = "eager") -> str:
+                          kv_regather: str = "eager", plan: str = "auto") -> str:
     """Check the model, register ``grpo_tree``, patch its Gated DeltaNet layers and switch it over.
 
     ``backend`` picks the attention kernel (``select_backend``; ``kernel`` is the ``kernels`` backend's
     Hub id or folder; ``compute_dtype``, the training's, rules out fused kernels for fp32), ``linear_backend``
     the delta-rule kernel of GDN layers (``grpo_core.models.gated_delta.select_gdn_backend``), ``kv_regather``
-    whether backward gathers K/V again (``AsyncGRPOConfig.tree_kv_regather``). Returns the attention backend's name.
+    whether the gather plan's backward gathers K/V again (``AsyncGRPOConfig.tree_kv_regather``), ``plan`` split or
+    gather (``AsyncGRPOConfig.tree_attention_plan``). Returns the attention backend's name.
     """
     from grpo_core.models.hybrid import install_gated_delta
 
@@ -593,7 +689,7 @@ def enable_tree_attention(model: torch.nn.Module, backend: str = "auto", linear_
     device = next(model.parameters()).device
     if compute_dtype is not None:
         backend = backend_for_precision(backend, device.type, compute_dtype)
-    name = register_tree_attention(backend, device, kernel)
+    name = register_tree_attention(backend, device, kernel, plan)
     if kv_regather not in ("eager", "always", "never"):
         raise ValueError(f"kv_regather={kv_regather!r}: expected 'eager', 'always' or 'never'")
     set_kv_regather(kv_regather != "never")  # AsyncGRPOConfig.tree_kv_regather

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from grpo_core.models.tree_attention import TreeAttentionMetadata
+from grpo_core.models.tree_split import plan_levels
 
 if TYPE_CHECKING:
     from grpo_core.packing.trie import TreeRow
@@ -116,9 +117,12 @@ def _layout(row: TreeRow) -> tuple[np.ndarray, np.ndarray, TreeAttentionMetadata
     k_lens = np.array([seg.start + seg.num_nodes for seg in order], dtype=np.int64)
     cu_q = np.concatenate([[0], np.cumsum(q_lens)])
     cu_k = np.concatenate([[0], np.cumsum(k_lens)])
+    levels: tuple = ()
     if all(seg.start == 0 for seg in order):
         kv_index = None  # every segment is a root: its keys are its own queries, no gather needed
     else:
+        index_of = {id(seg): g for g, seg in enumerate(order)}
+        levels = plan_levels(q_lens.tolist(), [index_of.get(id(seg.parent)) for seg in order])
         paths: dict[int, np.ndarray] = {}
         parts = []
         for seg in order:  # parents come before their children in depth-first order
@@ -134,6 +138,7 @@ def _layout(row: TreeRow) -> tuple[np.ndarray, np.ndarray, TreeAttentionMetadata
         max_q=int(q_lens.max()),
         max_k=int(k_lens.max()),
         kv_index=kv_index,
+        levels=levels,
     )
     return input_ids, position_ids, meta
 
