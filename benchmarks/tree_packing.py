@@ -393,7 +393,7 @@ def main() -> None:
 
     def register(name: str, plan: str) -> str:
         if name == "emulated":  # the CPU's stand-ins of a fused kernel, one per plan
-            name = "split_emulated" if plan == "split" else "varlen_emulated"
+            name = {"split": "split_emulated", "auto": "split_or_gather_emulated"}.get(plan, "varlen_emulated")
         return ta.register_tree_attention(name, device, args.attention_kernel, plan)
 
     backends = [register(b, p) for b in wanted for p in plans]  # each one's probe

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from grpo_core.models import tree_attention as ta
+from grpo_core.models import tree_gather as tg
 from grpo_core.packing.trie import TreeRow
 from tests.test_packing_trie import make_sample, sample_sets
 from tests.tolerances import GradientMagnitudes, gamma, log_softmax_grad_magnitude, logprob_error_magnitude
@@ -406,7 +407,7 @@ def test_flat_rows_and_no_grad_skip_the_hooks(monkeypatch):
 @torch.library.custom_op("grpo_test::varlen_attn", mutates_args=())
 def _op_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                scale: float) -> torch.Tensor:
-    return ta._emulated_attention(q, k, v, cu_q, cu_k, scale)
+    return tg._emulated_attention(q, k, v, cu_q, cu_k, scale)
 
 
 @torch.library.custom_op("grpo_test::varlen_attn_bwd", mutates_args=())
@@ -488,7 +489,7 @@ def test_the_config_setting_reaches_both_switches(mode, eager, compiled):
     before = ta.set_kv_regather(True), ta.set_kv_regather_compiled(False)
     try:
         ta.enable_tree_attention(model, backend="reference", kv_regather=mode)
-        assert (ta.kv_regather_enabled(), ta._kv_regather_compiled) == (eager, compiled)
+        assert (tg.kv_regather_enabled(), tg._kv_regather_compiled) == (eager, compiled)
         with pytest.raises(ValueError, match="kv_regather='sometimes'"):
             ta.enable_tree_attention(model, backend="reference", kv_regather="sometimes")
     finally:

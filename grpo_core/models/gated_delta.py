@@ -37,7 +37,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from grpo_core.models.tree_attention import TreeAttentionMetadata, gather_rows
+from grpo_core.models.tree_attention import TreeAttentionMetadata
+from grpo_core.models.tree_gather import gather_rows
 
 log = logging.getLogger(__name__)
 
