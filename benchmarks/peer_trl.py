@@ -14,7 +14,9 @@ its weights (in memory, outside nothing else); after all runs each copy is score
 with one sampler for all (``grpo_core.tiny.evaluate.sampled_eval``: temperature 1, no top-k/top-p,
 ``max_completion_length`` new tokens, the same seed), so accuracy is plotted against each run's own wall
 clock (from ``train()`` to the end of the step). A contender that cannot run on this CPU build is
-reported with the exact error that stopped it.
+reported with the exact error that stopped it. The server and our contenders share the cores as the flow's
+local provisioner places them (``grpo_core.cpu_placement``; on two cores our trainer alone on core 1, the server
+and the rollout worker on core 0); ``--cpu-placement off`` leaves them to the scheduler.
 
     bash benchmarks/peer_trl_env.sh
     .venv/bin/python benchmarks/peer_trl.py                 # full run: JSON + PNG under benchmarks/results/
@@ -398,17 +400,25 @@ def _python_for(name: str) -> str:
     return str((TRL_ENV if name in ON_TRL_ENV else ROOT / ".venv") / "bin" / "python")
 
 
-def _contender_env(name: str) -> dict[str, str]:
+def _contender_env(name: str, placement: Any = None) -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     if name.startswith("ours"):
         # As the flow starts a trainer beside a local CPU server (flows/provision.py, LocalProvisioner.training_env).
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
+        if placement is not None:
+            env.update(placement.trainer_environment())
     if name == "trl_sync":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # as the server gets (grpo_core.server.ServerOptions.kv_cache_gib)
     return env
 
 
-def run_one(name: str, spec: dict[str, Any], work: Path, round_index: int, timeout_s: float) -> dict[str, Any]:
+def run_one(name: str, spec: dict[str, Any], work: Path, round_index: int, timeout_s: float,
+            placement: Any = None) -> dict[str, Any]:
+    """One contender in a subprocess; ours start on the placement's trainer cores, as the flow starts a trainer
+    beside a CPU server it placed (TRL's are never placed: its synchronous trainer uses no server)."""
+    from grpo_core.cpu_placement import forked_on
+
+    placement = placement if name.startswith("ours") else None
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(spec))
     tag = f"{name}{'-hf' if name == 'trl_sync' and spec.get('trl_generation') else ''}-r{round_index}"
@@ -417,9 +427,9 @@ def run_one(name: str, spec: dict[str, Any], work: Path, round_index: int, timeo
     cmd = [_python_for(name), str(Path(__file__).resolve()), "--contender", name, "--spec", str(spec_path), "--out", str(out)]
     print(f"[peer_trl] round {round_index}: {name} ...", flush=True)
     start = time.perf_counter()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_contender_env(name), cwd=str(ROOT),
-                                start_new_session=True)
+    with open(log_path, "wb") as log, forked_on(placement.trainer if placement is not None else None):
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_contender_env(name, placement),
+                                cwd=str(ROOT), start_new_session=True)
         try:
             rc = proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -434,6 +444,7 @@ def run_one(name: str, spec: dict[str, Any], work: Path, round_index: int, timeo
         tail = log_path.read_text(errors="replace").splitlines()[-25:]
         result["error"] = f"exit {rc}: " + "\n".join(tail)
     result.update({"name": name, "round": round_index, "process_s": elapsed, "log": str(log_path),
+                   "cpu_placement": placement.describe() if placement is not None else None,
                    **({"trl_generation": spec.get("trl_generation") or "vllm colocate"} if name == "trl_sync" else {})})
     print(f"[peer_trl] {name}: {'ok' if 'steps' in result else 'FAILED'} in {elapsed:.0f} s", flush=True)
     return result
@@ -646,6 +657,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--server-url", default=None, help="use this running server (started with the same spec) instead of starting one")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per contender run")
+    parser.add_argument("--cpu-placement", choices=("auto", "off"), default="auto",
+                        help="split the cores between our trainer and the server it starts, as the flow does "
+                             "(grpo_core.cpu_placement; never with --server-url)")
     parser.add_argument("--out", default=str(RESULTS / "peer_trl.json"))
     parser.add_argument("--plot", default=str(RESULTS / "peer_trl.png"))
     parser.add_argument("--table", help="print the README table of this result file and exit")
@@ -678,21 +692,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[peer_trl] work folder {work}", flush=True)
     runs: list[dict[str, Any]] = []
     server = None
+    placement = None
     try:
         if args.server_url:
             spec["server_url"] = args.server_url
         elif any(n in NEEDS_SERVER for n in names):
+            import torch
+
+            from grpo_core.cpu_placement import resolve_placement
+
+            placement = resolve_placement(args.cpu_placement, cuda=torch.cuda.is_available(), server_started_here=True)
+            print(f"[peer_trl] cpu placement: {placement.describe() if placement else 'none'}", flush=True)
             server = VLLMServer(VLLMServerSpec(model=model_path, max_model_len=SHARED["max_model_len"], max_logprobs=20),
-                                work / "server").start(timeout_s=900)
+                                work / "server", placement=placement).start(timeout_s=900)
             spec["server_url"] = server.base_url
         for r in range(args.rounds):
             order = names if r % 2 == 0 else list(reversed(names))  # alternate, so drift in load hits all alike
             for name in order:
-                run = run_one(name, spec, work, r, args.timeout_s)
+                run = run_one(name, spec, work, r, args.timeout_s, placement)
                 if name == "trl_sync" and "steps" not in run and spec.get("trl_generation") is None:
                     # vLLM colocated cannot run here: say why, and from then on use transformers generation.
                     spec["trl_generation"] = "transformers generate"
-                    retry = run_one(name, spec, work, r, args.timeout_s)
+                    retry = run_one(name, spec, work, r, args.timeout_s, placement)
                     retry["attempts"] = run.get("attempts", []) + retry.get("attempts", [])
                     run = retry
                 runs.append(run)
@@ -708,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "command": " ".join([".venv/bin/python", "benchmarks/peer_trl.py", *(argv if argv is not None else sys.argv[1:])]),
         "settings": {**SHARED, "steps": args.steps, "eval_every": args.eval_every, "num_eval": args.num_eval,
-                     "rounds": args.rounds},
+                     "rounds": args.rounds, "cpu_placement": placement.describe() if placement is not None else "none"},
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
                     "load_avg_after": os.getloadavg()},
         **summary,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from grpo_core.cpu_placement import CpuPlacement, forked_on, resolve_placement
 from grpo_core.server import VLLMServer, VLLMServerSpec
 
 log = logging.getLogger(__name__)
@@ -133,15 +134,28 @@ class Provisioner(ABC):
 
 
 class LocalProvisioner(Provisioner):
-    """Child processes on this machine; the server and trainers are stopped with the flow."""
+    """Child processes on this machine; the server and trainers are stopped with the flow.
+
+    Without a GPU, the server it starts and the trainers that use it split the cores
+    (``ServerOptions.cpu_placement="auto"``, ``grpo_core.cpu_placement.embedded_placement``): the trainers alone on
+    the top half, the server's processes and the rollout worker on the rest. Left to the scheduler, a one-thread
+    trainer's forward/backward beside a generating server took 4x its time alone (``benchmarks/cpu_share.py``)."""
 
     def __init__(self) -> None:
         self.servers: dict[str, VLLMServer] = {}
 
     def start_server(self, spec: VLLMServerSpec, log_dir: str, timeout_s: float) -> str:
-        server = VLLMServer(spec, log_dir).start(timeout_s)
+        placement = resolve_placement(spec.cpu_placement, cuda=_has_cuda(), server_started_here=True)
+        if placement is not None:
+            log.info("cpu placement: %s", placement.describe())
+        server = VLLMServer(spec, log_dir, placement=placement).start(timeout_s)
         self.servers[server.base_url] = server
         return server.base_url
+
+    def placement_for(self, server_url: str) -> CpuPlacement | None:
+        """The core split of the server at ``server_url`` when this provisioner started it placed, else None."""
+        server = self.servers.get(server_url)
+        return server.placement if server is not None else None
 
     def server_alive(self, base_url: str) -> bool:
         server = self.servers.get(base_url)
@@ -161,8 +175,15 @@ class LocalProvisioner(Provisioner):
         worker binds its OpenMP threads to them, and trainers that also spin one OpenMP thread per
         core stall each other's barriers (a forward+backward of about 1 s alone took 13-22 s beside a
         busy server). The trainers then get half the cores between them, unless ``OMP_NUM_THREADS``
-        is set already."""
+        is set already. A server this provisioner started placed also names the rollout worker's cores
+        (``GRPO_ROLLOUT_CPUS``); ``run_training`` starts the trainers on the others."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        placement = self.placement_for(launch.server_url)
+        if placement is not None:
+            placed = placement.trainer_environment(launch.nproc_per_node)
+            if "OMP_NUM_THREADS" in env:
+                placed.pop("OMP_NUM_THREADS")
+            return {**env, **placed}
         local_server = launch.server_url in self.servers or _is_loopback(launch.server_url)
         if local_server and "OMP_NUM_THREADS" not in env and not _has_cuda():
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // 2 // launch.nproc_per_node))
@@ -177,13 +198,17 @@ class LocalProvisioner(Provisioner):
                 log.info("training node_rank %d of %d runs: %s", rank, launch.nnodes, command)
         log_path = Path(launch.log_file) if launch.log_file else None
         log_out = open(log_path, "ab") if log_path else None
-        proc = subprocess.Popen(
-            launch.command(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own group: a kill reaches torchrun's ranks too
-            env=self.training_env(launch),
-        )
+        placement = self.placement_for(launch.server_url)
+        # On a placed machine the trainers (torchrun's ranks too) start on the trainer cores; their rollout
+        # worker moves to the generation cores when it starts (GRPO_ROLLOUT_CPUS).
+        with forked_on(placement.trainer if placement is not None else None):
+            proc = subprocess.Popen(
+                launch.command(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own group: a kill reaches torchrun's ranks too
+                env=self.training_env(launch),
+            )
         if on_start is not None:
             on_start(proc.pid)
         pump = threading.Thread(target=_pump, args=(proc.stdout, log_out), daemon=True)

@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field
 
 from grpo_core.config import LoraRank, check_fields
+from grpo_core.cpu_placement import CpuPlacement, format_cpus, forked_on
 
 
 class VLLMServerError(RuntimeError):
@@ -46,6 +47,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+CPU_OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 ENTRY_POINT = "vllm.entrypoints.openai.api_server"
 MODEL = "--model"
 HOST = "--host"
@@ -87,6 +89,10 @@ class ServerOptions:
     """API server processes (vLLM serialises top log-probs there; 8 on GPU servers)."""
     language_model_only: bool = False
     """Skip building a vision-language model's vision tower (text-only training)."""
+    cpu_placement: Literal["auto", "off"] = "auto"
+    """No GPU and the server started on the trainer's machine (the flow's local provisioner): ``auto`` splits the
+    cores, the trainer alone on the top half, the server and the rollout worker on the rest
+    (``grpo_core.cpu_placement``); ``off`` leaves them all to the OS scheduler. Ignored on GPUs and clusters."""
     extra_args: list[str] = field(default_factory=list)
     """Further command-line flags, appended as given."""
     env: dict[str, str] = field(default_factory=dict)
@@ -198,10 +204,14 @@ class VLLMServerSpec(ServerOptions):
 
 
 class VLLMServer:
-    """A vLLM server child process: ``start()`` waits until it serves, ``stop()`` ends its process group."""
+    """A vLLM server child process: ``start()`` waits until it serves, ``stop()`` ends its process group.
 
-    def __init__(self, spec: VLLMServerSpec, log_dir: str | Path):
+    ``placement`` (a ``CpuPlacement``, CPU servers only): the server's processes start on its generation cores
+    and its engine binds its OpenMP threads to the placement's engine cores."""
+
+    def __init__(self, spec: VLLMServerSpec, log_dir: str | Path, placement: CpuPlacement | None = None):
         self.spec = spec
+        self.placement = placement
         self.log_path = Path(log_dir) / "vllm_server.log"
         self.port = spec.port or free_port(spec.host)
         self.process: subprocess.Popen[bytes] | None = None
@@ -217,13 +227,19 @@ class VLLMServer:
         log = open(self.log_path, "ab")
         log.write(f"$ {' '.join(self.spec.command(self.port))}\n".encode())
         log.flush()
-        self.process = subprocess.Popen(
-            self.spec.command(self.port),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=self.spec.environment(),
-            start_new_session=True,  # its own process group: stop() ends exactly what we started
-        )
+        env = self.spec.environment()
+        if self.placement is not None:
+            env[CPU_OMP_BIND_ENV] = format_cpus(self.placement.engine)
+            log.write(f"# cpu placement: {self.placement.describe()}\n".encode())
+            log.flush()
+        with forked_on(self.placement.generation if self.placement is not None else None):
+            self.process = subprocess.Popen(
+                self.spec.command(self.port),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # its own process group: stop() ends exactly what we started
+            )
         log.close()
         self._wait_ready(timeout_s)
         return self

@@ -1,6 +1,6 @@
 """The flow's training launch: the command each node runs (one process, one node under torchrun, several
 nodes at a static rendezvous on node 0), and LocalProvisioner's training environment (CPU trainers beside a
-local vLLM server take half the cores)."""
+local vLLM server take half the cores, and the cores the split gives the rollout worker)."""
 
 from __future__ import annotations
 
@@ -97,3 +97,23 @@ def test_the_flow_runs_node_0_at_the_jobs_rendezvous(tmp_path) -> None:
     assert {"--node-rank=0", "--master-addr=10.0.0.7", "--master-port=29401"} <= set(command)
     # The command the flow logs for node 1: the same but for its rank.
     assert launch.for_node(1).command() == [a.replace("--node-rank=0", "--node-rank=1") for a in command]
+
+
+@pytest.mark.usefixtures("no_gpu")
+def test_a_server_started_placed_names_the_rollout_cores_and_the_trainer_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    from grpo_core.cpu_placement import embedded_placement
+
+    prov = LocalProvisioner()
+    server = type("Placed", (), {"placement": embedded_placement(range(8))})()
+    prov.servers["http://127.0.0.1:8000"] = server
+    env = prov.training_env(launch("http://127.0.0.1:8000", 2))
+    assert (env["OMP_NUM_THREADS"], env["GRPO_ROLLOUT_CPUS"]) == ("2", "0-3")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert prov.training_env(launch("http://127.0.0.1:8000", 2))["OMP_NUM_THREADS"] == "3"  # the user's setting wins
+
+
+@pytest.mark.usefixtures("no_gpu")
+def test_a_server_started_unplaced_leaves_the_rollout_worker_alone() -> None:
+    prov = LocalProvisioner()
+    prov.servers["http://127.0.0.1:8000"] = type("Unplaced", (), {"placement": None})()
+    assert "GRPO_ROLLOUT_CPUS" not in prov.training_env(launch("http://127.0.0.1:8000"))

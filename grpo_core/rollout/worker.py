@@ -33,6 +33,8 @@ from typing import Any
 
 import cloudpickle
 
+from grpo_core.cpu_placement import forked_on, rollout_cpus_from_env
+
 _HEARTBEAT_PERIOD_S = 1.0
 _PARENT_CHECK_S = 1.0
 
@@ -78,7 +80,9 @@ class RolloutWorker:
         saved = os.environ.get("CUDA_VISIBLE_DEVICES")
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         try:
-            with _main_script_hidden():
+            # A trainer placed beside a local CPU server (grpo_core.cpu_placement) keeps its cores to itself:
+            # the worker starts on the generation cores, and every thread it starts inherits them.
+            with _main_script_hidden(), forked_on(rollout_cpus_from_env()):
                 self.process.start()
         finally:
             if saved is None:
