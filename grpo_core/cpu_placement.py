@@ -19,6 +19,7 @@ GPU machines, clusters and servers this process did not start are never placed.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ ROLLOUT_CPUS_ENV = "GRPO_ROLLOUT_CPUS"
 """Set in a placed trainer's environment: the cores its rollout worker starts on."""
 
 PlacementMode = Literal["auto", "off"]
+
+log = logging.getLogger(__name__)
 
 
 def format_cpus(cpus: Iterable[int]) -> str:
@@ -127,7 +130,12 @@ def forked_on(cores: Iterable[int] | None) -> Iterator[None]:
         yield
         return
     saved = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, set(cores))
+    try:
+        os.sched_setaffinity(0, set(cores))
+    except OSError as err:  # cores this machine or cgroup does not have (a stale GRPO_ROLLOUT_CPUS): start unplaced
+        log.warning("cannot place a child on cores %s (%s); it starts on %s", format_cpus(cores), err, format_cpus(saved))
+        yield
+        return
     try:
         yield
     finally:

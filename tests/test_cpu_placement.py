@@ -105,3 +105,10 @@ def test_forked_on_none_changes_nothing() -> None:
     before = os.sched_getaffinity(0)
     with forked_on(None):
         assert os.sched_getaffinity(0) == before
+
+
+def test_forked_on_cores_the_machine_lacks_starts_the_child_unplaced() -> None:
+    before = os.sched_getaffinity(0)
+    with forked_on([4096]):  # no such core
+        assert os.sched_getaffinity(0) == before
+    assert os.sched_getaffinity(0) == before
