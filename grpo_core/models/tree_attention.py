@@ -62,6 +62,7 @@ from grpo_core.models.attention_backends import (
 )
 from grpo_core.models.tree_gather import (
     _emulated_kernel,
+    _repeat_kv,
     gather_plan,
     set_kv_regather,
     set_kv_regather_compiled,
@@ -139,10 +140,6 @@ class Backend:
     name: str
     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, TreeAttentionMetadata, float], torch.Tensor]
     needs_cuda: bool
-
-
-def _repeat_kv(k: torch.Tensor, heads: int) -> torch.Tensor:
-    return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
 
 
 def _reference(q, k, v, meta: TreeAttentionMetadata, scale: float) -> torch.Tensor:
