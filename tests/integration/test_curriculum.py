@@ -1,8 +1,11 @@
 """A curriculum written as a loop subclass, run through the trainer against the real CPU vLLM server.
 
-The loop remembers each prompt's pass rate (``setup`` makes the table inside the rollout process,
-``compute_advantages`` fills it) and ``filter_prompt`` skips prompts the policy already solves at
-``pass_rate_cap`` or better. The trainer subclass only sets ``loop_cls``; everything is module-level
+The loop remembers each prompt's last pass rate and the epoch it was measured in (``setup`` makes the
+table inside the rollout process, ``compute_advantages`` fills it), and ``filter_prompt`` skips a prompt
+for one epoch after a group of it scored at ``pass_rate_cap`` or better, then tries it again. A skip that
+lasted for good would be unsound here: a skipped prompt never gets a new pass rate, so the solved set only
+grows, and once it holds every prompt an epoch has nothing to train (the scheduler raises). With the
+worker racing ahead through skipped positions that happened within 14 steps. The trainer subclass only sets ``loop_cls``; everything is module-level
 because the loop is pickled into the spawned rollout worker.
 """
 
@@ -28,20 +31,21 @@ pytestmark = pytest.mark.integration
 @dataclass
 class CurriculumConfig(AsyncGRPOConfig):
     pass_rate_cap: float = 0.75
-    """Skip a prompt while the share of its last group's rollouts that scored > 0 is at least this."""
+    """Skip a prompt for one epoch after the share of its group's rollouts that scored > 0 reached this."""
 
 
 class PassRateLoop(AsyncRolloutLoop):
     async def setup(self) -> None:
-        self.pass_rates: dict[int, float] = {}
+        self.pass_rates: dict[int, tuple[int, float]] = {}  # row -> (epoch measured, pass rate)
 
     def filter_prompt(self, row_index: int, row: dict[str, Any], epoch: int) -> bool:
-        return self.pass_rates.get(row_index, 0.0) < self.config.pass_rate_cap
+        measured_epoch, rate = self.pass_rates.get(row_index, (-1, 0.0))
+        return not (measured_epoch == epoch - 1 and rate >= self.config.pass_rate_cap)
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         scored = group.rewards[~np.isnan(group.rewards)]
         if scored.size:
-            self.pass_rates[group.row_index] = float(np.mean(scored > 0))
+            self.pass_rates[group.row_index] = (group.epoch, float(np.mean(scored > 0)))
         return super().compute_advantages(group)
 
 
@@ -82,10 +86,13 @@ def test_curriculum_skips_solved_prompts(vllm_server, tiny_model_path, tmp_path)
     assert filtered, f"no prompt was skipped over {len(reports)} positions; pass rates seen: " + str(
         sorted({(r.row_index, pass_rate(r)) for r in generated})
     )
-    # Every skip is justified: an earlier epoch's group of that prompt passed the cap.
+    # Every skip is justified: the previous epoch's group of that prompt passed the cap.
     for skip in filtered:
-        earlier = [pass_rate(r) for r in generated if r.row_index == skip.row_index and r.epoch < skip.epoch]
-        assert earlier and max(earlier) >= config.pass_rate_cap, (skip.row_index, skip.epoch, earlier)
+        previous = [pass_rate(r) for r in generated if r.row_index == skip.row_index and r.epoch == skip.epoch - 1]
+        assert previous and max(previous) >= config.pass_rate_cap, (skip.row_index, skip.epoch, previous)
+    # A skip lasts one epoch: no prompt is skipped in two epochs in a row.
+    skipped_at = {(r.row_index, r.epoch) for r in filtered}
+    assert not any((row, epoch - 1) in skipped_at for row, epoch in skipped_at), sorted(skipped_at)
     # Nothing is skipped in the first epoch (no pass rate yet), and a skipped prompt counts toward
     # its epoch: the training frontier (first position not done) moves past skipped positions.
     assert all(r.epoch >= 1 for r in filtered)
