@@ -103,11 +103,13 @@ def lengths(args, budget: int) -> tuple[tuple[int, int], tuple[int, int]]:
     return (int(512 * scale), int(2048 * scale)), (int(512 * scale), int(4096 * scale))
 
 
-def row_backward(model, row, num_tokens: int, loss_config: LossConfig, chunk: int | str | None) -> None:
+def row_backward(model, row, num_tokens: int, loss_config: LossConfig, chunk: int | str | None,
+                 fused: bool | None = None) -> None:
     """The trainer's micro-batch: tree-attention forward, the trainer's log-prob head (``row_logprobs``;
-    ``chunk`` is ``AsyncGRPOConfig.logprob_chunk_size``), GRPO loss on trained tokens, backward."""
+    ``chunk`` is ``AsyncGRPOConfig.logprob_chunk_size``; ``fused=False``: the reference head, else the trainer's), GRPO loss on
+    trained tokens, backward."""
     chunk_size = AsyncGRPOConfig(logprob_chunk_size=chunk).resolved_logprob_chunk_size(row.num_trained, vocab_size(model))
-    head = row_logprobs(model, row, 1.0, top_ids=row.sampler_top_ids.clamp(min=0), chunk_size=chunk_size)
+    head = row_logprobs(model, row, 1.0, top_ids=row.sampler_top_ids.clamp(min=0), chunk_size=chunk_size, fused=fused)
     if row.num_trained == 0:
         head.anchor.backward()
         return
@@ -126,7 +128,8 @@ def max_over_ranks(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
-def run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, attention, plan="auto") -> dict:
+def run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, attention, plan="auto",
+               fused=None) -> dict:
     world = dist.get_world_size()
     cpu_name = "split_emulated" if plan == "split" else "varlen_emulated"
     backend = ta.register_tree_attention(attention if device.type == "cuda" else cpu_name, device,
@@ -165,7 +168,7 @@ def run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, 
         synchronize(device)
         start = time.perf_counter()
         for row in rows:
-            row_backward(model, row, num_trained, loss_config, chunk)
+            row_backward(model, row, num_trained, loss_config, chunk, fused)
         synchronize(device)
         fb = time.perf_counter() - start
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -180,7 +183,8 @@ def run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, 
     fb, st = statistics.median(times_fb), statistics.median(times_step)
     result = {
         "token_budget": budget, "activation_checkpointing": ac, "compile": compiled, "attention_backend": backend,
-        "reshard_after_forward": reshard, "logprob_chunk": chunk, "world_size": world, "rows_per_rank": len(rows),
+        "reshard_after_forward": reshard, "logprob_chunk": chunk, "logprob_head": "reference" if fused is False else "default",
+        "world_size": world, "rows_per_rank": len(rows),
         "same_rows": args.same_rows,
         "forwarded_tokens_per_step": int(metrics["batch/forwarded_tokens_per_step"]),
         "trained_tokens_per_step": num_trained, "row_fill_frac": metrics["batch/row_fill_frac"],
@@ -298,8 +302,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen3-1.7b")
     ap.add_argument("--configs", default="16384:noac,16384:ac,32768:ac,65536:ac",
-                    help="budget:ac|noac[:pointwise|:layers][:keep][:chunkN|:chunkauto][:attn=NAME][:plan=NAME], "
-                         "comma-separated (keep: no reshard after forward; chunk: AsyncGRPOConfig.logprob_chunk_size; "
+                    help="budget:ac|noac[:pointwise|:layers][:keep][:chunkN|:chunkauto][:attn=NAME][:plan=NAME]"
+                         "[:reference], comma-separated (keep: no reshard after forward; chunk: "
+                         "AsyncGRPOConfig.logprob_chunk_size; reference: the log-prob head without fused_logprobs; "
                          "attn: AsyncGRPOConfig.attention_backend, else --attention-backend; plan: "
                          "AsyncGRPOConfig.tree_attention_plan, else auto)")
     ap.add_argument("--attention-backend", default="auto", help="tree attention backend (AsyncGRPOConfig names)")
@@ -356,7 +361,8 @@ def main() -> None:
         plan = next((p[5:] for p in parts[2:] if p.startswith("plan=")), "auto")
         args.gather = gather and not any("weight_gather" in r for r in report["results"])
         try:
-            result = run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, attention, plan)
+            result = run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, attention, plan,
+                                False if "reference" in parts[2:] else None)
         except Exception as exc:  # noqa: BLE001 - an OOM or a compile failure is a result too
             result = {"token_budget": budget, "activation_checkpointing": ac, "compile": compiled,
                       "attention_backend": attention, "reshard_after_forward": reshard, "logprob_chunk": chunk,

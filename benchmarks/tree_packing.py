@@ -40,7 +40,9 @@ import torch.utils.checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from grpo_core.config import AUTO_CHUNK_LOGITS  # noqa: E402
 from grpo_core.models import tree_attention as ta  # noqa: E402
+from grpo_core.models.logprob_head import row_logprobs, vocab_size  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
 from grpo_core.rollout.types import RolloutSample  # noqa: E402
 from bench_io import write_report  # noqa: E402
@@ -111,10 +113,30 @@ def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     return logits.gather(-1, targets[:, None])[:, 0] - logits.logsumexp(-1)
 
 
+TRAINER_HEADS = {  # name -> (fused, chunked): the trainer's own head (row_logprobs), dense or in chunks
+    "fused": (True, False), "fused_chunked": (True, True),
+    "reference": (False, False), "reference_chunked": (False, True),
+}
+"""The trainer's log-prob head: ``fused`` (``fused_logprobs``, the default) or ``reference`` (autograd through
+``grpo_core.loss``); dense (the default at 16k rows) or ``_chunked`` (``AUTO_CHUNK_LOGITS`` per chunk, as
+``logprob_chunk_size="auto"`` takes above 2^32 logits)."""
+
+
 def row_loss(model, row, total_trained: int, head: str = "full", chunk: int = 4096) -> torch.Tensor:
     """GRPO-like loss of one row. ``full``: the model's own head on the trained positions
     (``logits_to_keep``), fp32 log-softmax of ``[T, V]`` logits. ``chunked``: the same log-probs
-    ``chunk`` trained tokens at a time, recomputed in backward, so ``[T, V]`` logits never exist."""
+    ``chunk`` trained tokens at a time, recomputed in backward, so ``[T, V]`` logits never exist. ``none``:
+    no head, the decoder layers alone (a linear function of the trained positions' hidden states), to
+    tell the layers' share of a gap from the head's; its FLOP counts leave the head out. The names of
+    ``TRAINER_HEADS``: the trainer's ``row_logprobs``."""
+    if head == "none":
+        hidden = model.model(**row.model_inputs()).last_hidden_state[0, row.logit_index]
+        return -(hidden[:, 0].float() * row.advantages).sum() / total_trained
+    if head in TRAINER_HEADS:
+        fused, chunked = TRAINER_HEADS[head]
+        chunk_size = max(1, AUTO_CHUNK_LOGITS // vocab_size(model)) if chunked else None
+        logprobs = row_logprobs(model, row, 1.0, chunk_size=chunk_size, fused=fused).logprobs
+        return -(logprobs * row.advantages).sum() / total_trained
     if head == "full":
         out = model(**row.model_inputs(), logits_to_keep=row.logit_index)
         logprobs = torch.log_softmax(out.logits[0].float(), -1).gather(-1, row.target_ids[:, None])[:, 0]
@@ -323,25 +345,36 @@ def profile_step(model, rows, total_trained: int, head: str, top: int = 15) -> d
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         run_step(model, rows, total_trained, head)
         torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3
     per_kernel = collections.defaultdict(lambda: [0, 0.0])
+    spans = []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             per_kernel[e.name][0] += 1
             per_kernel[e.name][1] += e.time_range.elapsed_us() / 1e3
+            spans.append((e.time_range.start, e.time_range.end))
     total = sum(ms for _, ms in per_kernel.values())
+    busy_us, reach = 0.0, float("-inf")  # union of kernel spans: time the GPU ran anything
+    for start, end in sorted(spans):
+        busy_us += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
     kinds = collections.Counter()
     for name, (_, ms) in per_kernel.items():
         kinds[kernel_kind(name)] += ms
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top]
-    return {"kernel_ms": total,
+    # wall - busy is time the GPU waited for the host (launches, Python, graph breaks); the profiler's own
+    # overhead inflates it, so compare it between modes rather than read it as absolute
+    return {"kernel_ms": total, "busy_ms": busy_us / 1e3, "wall_ms": wall_ms, "kernels": len(spans),
             "by_kind_ms": dict(kinds.most_common()),
             "top": [{"kernel": n[:160], "calls": c, "ms": ms, "share": ms / total} for n, (c, ms) in ranked]}
 
 
 def print_profile(mode: str, prof: dict) -> None:
-    print(f"profile {mode}: {prof['kernel_ms']:.0f} ms of CUDA kernels; by kind: "
+    print(f"profile {mode}: {prof['kernel_ms']:.0f} ms of CUDA kernels ({prof['kernels']} launches), GPU busy "
+          f"{prof['busy_ms']:.0f} of {prof['wall_ms']:.0f} ms wall; by kind: "
           + ", ".join(f"{k} {ms:.0f}" for k, ms in prof["by_kind_ms"].items()), flush=True)
     for t in prof["top"]:
         print(f"  {t['ms']:8.1f} ms {t['share']:6.1%} {t['calls']:6d}x  {t['kernel'][:110]}", flush=True)
@@ -352,7 +385,9 @@ def main() -> None:
     ap.add_argument("--models", default="qwen3-0.6b,qwen3-1.7b")
     ap.add_argument("--token-budget", type=int, default=16384)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--heads", default="full,chunked", help="loss heads to time (see row_loss)")
+    ap.add_argument("--heads", default="full,chunked",
+                    help="loss heads to time (row_loss: full, chunked, none (layers only), and the trainer's: "
+                         + ", ".join(TRAINER_HEADS) + ")")
     ap.add_argument("--backend", default="auto",
                     help="tree attention backend(s), comma-separated (AsyncGRPOConfig.attention_backend names): "
                          "each workload is timed with each, side by side")
@@ -367,7 +402,8 @@ def main() -> None:
                          "gather): each workload is timed with each, side by side")
     ap.add_argument("--workloads", default=None, help="comma-separated workload names (default: all)")
     ap.add_argument("--profile", default=None,
-                    help="workload name: after timing it, profile one step of each mode (CUDA kernels)")
+                    help="workload name(s), comma-separated: after timing each, profile one step of each mode "
+                         "(CUDA kernels, GPU busy against wall time)")
     ap.add_argument("--compile-layers", action="store_true",
                     help="torch.compile each decoder layer (dynamic shapes), as the trainer's compile_mode='layers'; "
                          "skips the exactness check (it would compile the sdpa path too)")
@@ -471,6 +507,8 @@ def main() -> None:
                 timed = time_modes(model, modes, args.repeats, device, head)
                 res = {m: dict(meta[m]) for m in modes}
                 for mode, (median, all_times, peak) in timed.items():
+                    if head == "none":
+                        res[mode]["flops"] -= res[mode]["flop_parts"]["head"]
                     res[mode].update(time_s=median, times_s=all_times, peak_mem_gib=peak,
                                      trained_tok_per_s=res[mode]["trained_tokens"] / median,
                                      tflops=res[mode]["flops"] / median / 1e12)
@@ -485,7 +523,7 @@ def main() -> None:
                          "speedup_over_flop_ideal": speedup / flop_ratio,
                          "tree_over_flat_peak_mem": (res["tree"]["peak_mem_gib"] / res["flat"]["peak_mem_gib"]
                                                      if res["flat"]["peak_mem_gib"] else None), **res}
-                if w.name == args.profile and device.type == "cuda" and (regather == regather_settings[-1]
+                if w.name in (args.profile or "").split(",") and device.type == "cuda" and (regather == regather_settings[-1]
                                                                           or "split" in attention):
                     entry["profile"] = {m: profile_step(model, rows, trained, head)
                                         for m, (rows, trained) in modes.items()}

@@ -20,6 +20,7 @@ reductions, first order), so they differ by at most twice that.
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import numpy as np
@@ -200,7 +201,10 @@ def plain_loss(head) -> torch.Tensor:
     return head.logprobs.sum() + (head.top_logprobs * weights).sum()
 
 
-def test_row_logprobs_chunked_equal_dense_on_a_tree_row():
+@pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
+def test_row_logprobs_chunked_equal_dense_on_a_tree_row(fused):
+    """Dense and chunked, each with the reference functions and with the fused ones (``fused_logprobs``,
+    which the CPU does not take by default), against the reference dense head's error scale."""
     model = tiny_qwen3()
     packed = packed_row(VOCAB)
     assert packed.num_trained > 5 and packed.attention.kv_index is not None  # a real tree, several chunks
@@ -210,16 +214,21 @@ def test_row_logprobs_chunked_equal_dense_on_a_tree_row():
     runs = []
     for chunk in (None, 2):
         model.zero_grad(set_to_none=True)
-        head = row_logprobs(model, packed, 1.0, top_ids=packed.sampler_top_ids.clamp(min=0), chunk_size=chunk)
+        head = row_logprobs(model, packed, 1.0, top_ids=packed.sampler_top_ids.clamp(min=0), chunk_size=chunk,
+                            fused=fused)
         assert head.anchor is None  # the row trains tokens
         plain_loss(head).backward()
         runs.append((head.logprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     assert seen == [packed.num_trained, 0]  # the chunked run's head projected nothing itself
-    (lp0, g0), (lp1, g1) = runs
-    assert ((lp0 - lp1).abs() <= 2 * gamma(k, F64) * lam).all()
-    for name, grad in g0.items():
-        bound = 2 * gamma(k, F64) * magnitude[name]
-        assert ((grad - g1[name]).abs() <= bound).all(), (name, float(((grad - g1[name]).abs() / bound).max()))
+    model.zero_grad(set_to_none=True)
+    reference = row_logprobs(model, packed, 1.0, top_ids=packed.sampler_top_ids.clamp(min=0), fused=False)
+    plain_loss(reference).backward()
+    g_ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for lp1, g1 in runs:
+        assert ((reference.logprobs.detach() - lp1).abs() <= 2 * gamma(k, F64) * lam).all()
+        for name, grad in g_ref.items():
+            bound = 2 * gamma(k, F64) * magnitude[name]
+            assert ((grad - g1[name]).abs() <= bound).all(), (name, float(((grad - g1[name]).abs() / bound).max()))
 
 
 def test_chunked_head_refuses_models_that_rescale_logits():
@@ -317,10 +326,11 @@ def _two_rank_chunked_steps(rank: int, port: int, out_dir: str) -> None:
     num_tokens = sum(r.num_trained_tokens for r in one.rows)
     config = LossConfig.from_config(AsyncGRPOConfig())
 
-    def step(model, rows, chunk):
+    def step(model, rows, chunk, fused=False):
         for row in rows:
             packed = row.pack()
-            head = row_logprobs(model, packed, 1.0, top_ids=packed.sampler_top_ids.clamp(min=0), chunk_size=chunk)
+            head = row_logprobs(model, packed, 1.0, top_ids=packed.sampler_top_ids.clamp(min=0), chunk_size=chunk,
+                                fused=fused)
             inputs = LossInputs(logprobs=head.logprobs, sampler_logprobs=packed.sampler_logprobs,
                                 advantages=packed.advantages, top_logprobs=head.top_logprobs,
                                 sampler_top_logprobs=packed.sampler_top_logprobs, top_valid=packed.top_valid)
@@ -329,10 +339,10 @@ def _two_rank_chunked_steps(rank: int, port: int, out_dir: str) -> None:
         return {n: full(p.grad).clone() for n, p in model.named_parameters()}
 
     result = {"ref": step(tiny_model(), one.rows, None)}
-    for ac in (False, True):
+    for ac, fused in itertools.product((False, True), (False, True)):
         model = shard_policy(tiny_model(), FSDPSettings(activation_checkpointing=ac), torch.device("cpu"))
         assert all(hasattr(p, "full_tensor") for p in model.parameters()), "FSDP2 did not shard"
-        result[f"chunked_ac{int(ac)}"] = step(model, two.rows_for_rank(rank), 3)
+        result[f"chunked_ac{int(ac)}_fused{int(fused)}"] = step(model, two.rows_for_rank(rank), 3, fused)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -340,8 +350,10 @@ def _two_rank_chunked_steps(rank: int, port: int, out_dir: str) -> None:
 
 def test_two_fsdp_ranks_with_the_chunked_head_equal_one_process_with_the_dense_head(tmp_path, step_error_scale):  # noqa: F811
     """The chunked head projects inside the root unit's forward, with its gathered weight, and its
-    backward finds the weight gathered again (the root reshards after forward here); the step's gradients are the dense 1-process step's, within the bounds of tests/test_fsdp.py
-    (``step_error_scale``: the two differ only in the order of the step's sums)."""
+    backward finds the weight gathered again (the root reshards after forward here); the step's gradients are
+    the dense 1-process step's, within the bounds of tests/test_fsdp.py (``step_error_scale``: the two differ
+    only in the order of the step's sums). Both heads: the reference functions and ``fused_logprobs``, whose
+    backward uses the weight it saved in forward."""
     import torch.multiprocessing as mp
 
     from grpo_core.server import free_port
@@ -350,7 +362,8 @@ def test_two_fsdp_ranks_with_the_chunked_head_equal_one_process_with_the_dense_h
     k, magnitude = step_error_scale["k"], step_error_scale["grad"]
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
-        for variant in ("chunked_ac0", "chunked_ac1"):
+        assert len(result) == 5
+        for variant in (v for v in result if v != "ref"):
             for name, grad in result[variant].items():
                 bound = 2 * gamma(k) * magnitude[name]
                 gap = (grad.double() - result["ref"][name].double()).abs()

@@ -4,11 +4,16 @@
 micro-batch (``benchmarks/fsdp_mfu.py`` calls it too, so its figures are the trainer's):
 
 * ``chunk_size=None``: ``model(..., logits_to_keep=row.logit_index)`` gives ``[T, V]`` logits at the
-  positions that predict trained tokens, and ``grpo_core.loss.token_logprobs`` their log-probs;
+  positions that predict trained tokens, and ``fused_token_logprobs`` their log-probs;
 * ``chunk_size=c``: for the length of that one forward, the LM head is handed no positions, and
-  ``grpo_core.loss.head_token_logprobs`` projects and reduces the hidden states it was given ``c``
-  tokens at a time (recomputed in backward), so no ``[T, V]`` tensor exists. The model returns the
-  ``[1, T, 1 + N]`` log-probs (sampled token, then the top-N ids) in place of its logits.
+  ``fused_head_logprobs`` projects and reduces the hidden states it was given ``c`` tokens at a time
+  (recomputed in backward), so no ``[T, V]`` tensor exists. The model returns the ``[1, T, 1 + N]``
+  log-probs (sampled token, then the top-N ids) in place of its logits.
+
+Both are ``grpo_core.models.fused_logprobs``'s: the reference functions of ``grpo_core.loss``
+(``token_logprobs``, ``head_token_logprobs``) with the backward written out and compiled, on CUDA; elsewhere,
+and with ``fused=False``, the reference functions run (``fused_logprobs.fused_by_default``; the benchmarks
+time both).
 
 Why inside the forward, through hooks on the head: under FSDP2 the head's weight is gathered only
 while the root unit (embeddings, final norm, head) runs, and is freed after it; its backward gathers
@@ -27,6 +32,7 @@ import torch
 from torch import Tensor
 
 from grpo_core.loss import head_token_logprobs, token_logprobs
+from grpo_core.models.fused_logprobs import fused_by_default, fused_head_logprobs, fused_token_logprobs
 from grpo_core.packing.collator import PackedRow
 
 LOGIT_RESCALING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -104,18 +110,24 @@ def row_logprobs(
     top_ids: Tensor | None = None,
     candidate_masks: Tensor | None = None,
     chunk_size: int | None = None,
+    fused: bool | None = None,
 ) -> RowLogprobs:
-    """Forward ``row`` through ``model`` and return its trained tokens' log-probs (module docstring)."""
+    """Forward ``row`` through ``model`` and return its trained tokens' log-probs (module docstring);
+    ``fused``: None for ``fused_by_default`` of the row's device."""
+    if fused is None:
+        fused = fused_by_default(row.input_ids.device)
+    logits_logprobs = fused_token_logprobs if fused else token_logprobs
+    hidden_logprobs = fused_head_logprobs if fused else head_token_logprobs
     if chunk_size is None:
         logits = model(**row.model_inputs(), logits_to_keep=row.logit_index).logits[0]
-        logprobs, top = token_logprobs(logits, row.target_ids, temperature, top_ids=top_ids,
-                                       candidate_masks=candidate_masks)
+        logprobs, top = logits_logprobs(logits, row.target_ids, temperature, top_ids=top_ids,
+                                        candidate_masks=candidate_masks)
         # A row without trained tokens has [0, V] logits: their sum ties backward to the model for free.
         return RowLogprobs(logprobs, top, logits.sum() if row.num_trained == 0 else None)
 
     def logprobs_of(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        lp, top = head_token_logprobs(hidden[0], weight, row.target_ids, temperature, top_ids, candidate_masks,
-                                      chunk_size=chunk_size, head_bias=bias)
+        lp, top = hidden_logprobs(hidden[0], weight, row.target_ids, temperature, top_ids, candidate_masks,
+                                  chunk_size=chunk_size, head_bias=bias)
         return torch.cat([lp[:, None], top], 1)[None] if top is not None else lp[None, :, None]
 
     with _head_computes_logprobs(output_head(model), logprobs_of) as made:
