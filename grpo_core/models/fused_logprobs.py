@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -81,11 +82,16 @@ def chunk_grad(logits: Tensor, lse: Tensor, target_ids: Tensor, grad_target: Ten
 
 
 def fused_by_default(device: torch.device) -> bool:
-    """Whether the trainer's head takes this module's functions on ``device``: where they are compiled (CUDA).
+    """Whether the trainer's head takes this module's functions on ``device``: where they are compiled (CUDA,
+    with Triton for ``torch.compile`` to generate kernels with).
 
     Uncompiled, the written-out backward is slower than autograd's (0.70x at 512 tokens x 32k vocabulary on
     the CPU, ``benchmarks/logprob_head.py``): its comparisons with the column index cost a pass each."""
-    return device.type == "cuda"
+    if device.type != "cuda":
+        return False
+    from torch.utils._triton import has_triton  # private, but the check torch.compile itself makes
+
+    return has_triton()
 
 
 _compiled: dict[str, Callable] = {}
@@ -142,6 +148,7 @@ class _LogitsToLogprobs(torch.autograd.Function):
         return target, top
 
     @staticmethod
+    @once_differentiable  # a second derivative would need the softmax's own backward, not written here
     def backward(ctx, grad_target: Tensor | None, grad_top: Tensor | None):
         logits, lse, target_ids, top_ids, candidate_masks = ctx.saved_tensors
         _, grad_of = _kernels(logits.device)
@@ -182,6 +189,7 @@ class _HeadToLogprobs(torch.autograd.Function):
         return target, top
 
     @staticmethod
+    @once_differentiable  # a second derivative would need the softmax's own backward, not written here
     def backward(ctx, grad_target: Tensor | None, grad_top: Tensor | None):
         hidden, weight, bias, lse, target_ids, top_ids, candidate_masks = ctx.saved_tensors
         _, grad_of = _kernels(hidden.device)
