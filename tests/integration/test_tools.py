@@ -231,7 +231,10 @@ async def stream(loop: AsyncRolloutLoop, rows: list[dict[str, Any]], concurrency
     "since 2026-12-01 the tiny tools policy served by the fixture writes no well-formed calculator call in "
     "5 x 96 rollouts (its attempts are cut-off <tool_call> blocks: 'unterminated <tool_call>'), so no rollout "
     "is in flight at a call and the timing cannot be measured; seen in a fresh-clone CI run and twice here, "
-    "at 48 and 64 tokens; it passed in the CI run before. Cause not yet found: see the session note"))
+    "at 48 and 64 tokens; it passed in the CI run before. The model itself is sound (grpo_core.tiny.evaluate "
+    "--variant tools: well-formed calls in 12% of chats) and the trainer tests' own pushes give calls, so the "
+    "fixture's direct ProtocolWeightSync push looks like it leaves the server with part of the model: under "
+    "investigation"))
 def test_sleeping_tool_does_not_slow_other_rollouts(tools_policy_on_server, tools_tokenizer) -> None:  # noqa: ANN001
     """Rollouts that call no tool but are in flight when another rollout's tool starts sleeping take as
     long as their generation. The control runs the same tool on the event loop: each of them then
