@@ -195,7 +195,7 @@ class _HeadToLogprobs(torch.autograd.Function):
         _, grad_of = _kernels(hidden.device)
         grad_target, grad_top = _upstream(grad_target, grad_top, lse, top_ids)
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.zeros_like(hidden) if want_hidden else None
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None  # every row is written below
         grad_weight = grad_bias = None
         for rows in _chunks(hidden.shape[0], ctx.chunk_size):
             h = hidden[rows]
