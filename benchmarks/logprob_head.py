@@ -40,7 +40,9 @@ VARIANTS = {  # name -> (fused, chunked)
 def head_loss(hidden, weight, targets, top_ids, weights, fused: bool, chunk: int | None) -> torch.Tensor:
     if chunk is None:
         logprobs = fused_token_logprobs if fused else token_logprobs
-        lp, top = logprobs(F.linear(hidden, weight), targets, 1.0, top_ids)
+        # Fused, the logits' gradient takes their place, as the trainer's head (row_logprobs) runs it.
+        extra = {"overwrite_logits": True} if fused else {}
+        lp, top = logprobs(F.linear(hidden, weight), targets, 1.0, top_ids, **extra)
     else:
         logprobs = fused_head_logprobs if fused else head_token_logprobs
         lp, top = logprobs(hidden, weight, targets, 1.0, top_ids, chunk_size=chunk)

@@ -264,6 +264,22 @@ def exactness_check(model, device, dtype, vocab: int, seed: int = 1) -> dict:
     return result
 
 
+GATHERED = "-gathered"  # a plan name's suffix: level calls on gathered queries and keys
+
+
+def register_plan(name: str, plan: str, device: torch.device, attention_kernel: str | None) -> str:
+    """Register backend ``name`` with ``plan`` (``GATHERED`` suffix allowed) and return its label."""
+    from grpo_core.models import tree_split
+
+    gathered = plan.endswith(GATHERED)
+    plan = plan.removesuffix(GATHERED)
+    tree_split.set_level_windows(not gathered)
+    if name == "emulated":  # the CPU's stand-ins of a fused kernel, one per plan
+        name = {"split": "split_emulated", "auto": "split_or_gather_emulated"}.get(plan, "varlen_emulated")
+    label = ta.register_tree_attention(name, device, attention_kernel, plan)
+    return label + (" (levels gathered)" if gathered and plan != "gather" else "")
+
+
 def plan_check(row, shape: str, device: torch.device, dtype: torch.dtype, kernel: str, plans: list[str]) -> dict:
     """One attention call per plan on ``row``'s segments against an fp32 oracle (the gather plan with the
     emulated kernel, fp32 inputs): relative error norms of output and q/k/v gradients, per plan of backend
@@ -286,8 +302,9 @@ def plan_check(row, shape: str, device: torch.device, dtype: torch.dtype, kernel
     oracle = once(ta.BACKENDS["varlen_emulated"], torch.float32)
     results = {}
     for plan in plans:
-        label = ta.register_tree_attention(kernel, device, None, plan)
+        label = register_plan(kernel, plan, device, None)
         results[label] = once(ta._active, dtype)
+    tree_split.set_level_windows(True)
     if "split" in plans:
         fused, tree_split._merge_kernel = tree_split._merge_kernel, False  # PyTorch ops for the merge
         try:
@@ -399,7 +416,9 @@ def main() -> None:
                          "side by side")
     ap.add_argument("--plan", default="auto",
                     help="tree attention plan(s), comma-separated (AsyncGRPOConfig.tree_attention_plan: auto, split, "
-                         "gather): each workload is timed with each, side by side")
+                         "gather): each workload is timed with each, side by side; 'split-gathered' and "
+                         "'auto-gathered' run the split plan's level calls on gathered queries and keys even where "
+                         "the kernel reads the row in place (tree_split.set_level_windows(False))")
     ap.add_argument("--workloads", default=None, help="comma-separated workload names (default: all)")
     ap.add_argument("--profile", default=None,
                     help="workload name(s), comma-separated: after timing each, profile one step of each mode "
@@ -425,12 +444,10 @@ def main() -> None:
     wanted = args.backend.split(",") if device.type == "cuda" else ["emulated"]
     plans = args.plan.split(",")
     for p in plans:
-        ta._check_plan(p)
+        ta._check_plan(p.removesuffix(GATHERED))
 
     def register(name: str, plan: str) -> str:
-        if name == "emulated":  # the CPU's stand-ins of a fused kernel, one per plan
-            name = {"split": "split_emulated", "auto": "split_or_gather_emulated"}.get(plan, "varlen_emulated")
-        return ta.register_tree_attention(name, device, args.attention_kernel, plan)
+        return register_plan(name, plan, device, args.attention_kernel)
 
     backends = [register(b, p) for b in wanted for p in plans]  # each one's probe
     backend = register(wanted[0], plans[0])

@@ -7,8 +7,10 @@
   and bias's gradients, one chunk and several;
 * bf16 logits: the same log-probs and a gradient within one bf16 rounding of the reference's (both round
   an fp32 gradient once);
+* the gradient written over the logits (``overwrite_logits``, as the trainer's dense head runs it): the same
+  gradients, the logits' storage reused, and a second reader of the logits refused by autograd;
 * an unused output, no token, bad arguments;
-* ``chunk_grad`` compiled by ``torch.compile`` (as on CUDA) equals it uncompiled.
+* ``chunk_grad`` and ``chunk_grad_into_logits`` compiled by ``torch.compile`` (as on CUDA) equal them uncompiled.
 
     .venv/bin/python -m pytest -q tests/test_fused_logprobs.py
 """
@@ -20,7 +22,13 @@ import torch
 import torch.nn.functional as F
 
 from grpo_core.loss import head_token_logprobs, token_logprobs
-from grpo_core.models.fused_logprobs import chunk_grad, chunk_stats, fused_head_logprobs, fused_token_logprobs
+from grpo_core.models.fused_logprobs import (
+    chunk_grad,
+    chunk_grad_into_logits,
+    chunk_stats,
+    fused_head_logprobs,
+    fused_token_logprobs,
+)
 from tests.test_logprob_head import assert_heads_agree, head_case, weighted
 
 
@@ -34,8 +42,9 @@ def _with_duplicate_and_outside_top_ids(top_ids, masks, targets):
     return top_ids
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
 @pytest.mark.parametrize("chunk", [None, 1, 4, 11, 20])
-def test_fused_logits_head_equals_the_reference(chunk):
+def test_fused_logits_head_equals_the_reference(chunk, overwrite):
     hidden, weight, bias, targets, top_ids, masks, scores = head_case()
     top_ids = _with_duplicate_and_outside_top_ids(top_ids, masks, targets)
     temperature = 0.7
@@ -43,8 +52,11 @@ def test_fused_logits_head_equals_the_reference(chunk):
     for fused in (False, True):
         h, w, b = (x.clone().requires_grad_() for x in (hidden, weight, bias))
         logits = F.linear(h, w, b)
-        logprobs = fused_token_logprobs if fused else token_logprobs
-        lp, top = logprobs(logits, targets, temperature, top_ids, masks, chunk_size=chunk)
+        if fused:
+            lp, top = fused_token_logprobs(logits, targets, temperature, top_ids, masks, chunk_size=chunk,
+                                           overwrite_logits=overwrite)
+        else:
+            lp, top = token_logprobs(logits, targets, temperature, top_ids, masks, chunk_size=chunk)
         weighted(lp, top, scores).backward()
         results.append((lp.detach(), top.detach(), h.grad, w.grad, b.grad))
     assert (~masks.gather(1, top_ids)).any()  # the case holds a top id outside its set
@@ -92,6 +104,31 @@ def test_bf16_logits_round_like_the_reference():
     assert ((g0.float() - g1.float()).abs() <= 2 * 2**-8 * g0.float().abs() + 1e-30).all()
 
 
+def test_the_gradient_written_over_the_logits():
+    hidden, weight, bias, targets, top_ids, masks, scores = head_case(t=7, seed=4)
+    logits = F.linear(hidden, weight, bias).requires_grad_()
+    seen = logits.detach().clone()
+    lp, top = fused_token_logprobs(logits.clone(), targets, 1.0, top_ids, masks)  # the control: a fresh buffer
+    weighted(lp, top, scores).backward()
+    control = logits.grad.clone()
+
+    owned = F.linear(hidden, weight, bias).requires_grad_()  # a leaf standing for the model's head output
+    source = owned * 1.0  # a non-leaf, as the head's output is
+    lp, top = fused_token_logprobs(source, targets, 1.0, top_ids, masks, overwrite_logits=True)
+    weighted(lp, top, scores).backward()
+    assert torch.equal(owned.grad, control)
+    assert torch.equal(source.detach(), control)  # the gradient took the logits' place
+    assert not torch.equal(seen, control)
+
+    # Another backward that saved the same logits and runs after this one is refused, not fed the gradient.
+    x = F.linear(hidden, weight, bias).requires_grad_()
+    source = x * 1.0
+    square = (source * source).sum()  # saves ``source``; created first, so its backward runs last
+    lp, _ = fused_token_logprobs(source, targets, 1.0, overwrite_logits=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (lp.sum() + square).backward()
+
+
 def test_an_unused_top_output_and_no_token():
     hidden, weight, bias, targets, top_ids, masks, scores = head_case(t=5)
     logits = F.linear(hidden, weight, bias).requires_grad_()
@@ -135,3 +172,6 @@ def test_compiled_chunk_arithmetic_equals_eager():
     lse = eager_stats[0]
     args = (logits, lse, targets, scores[0].float(), top_ids, scores[1].float(), masks, 0.8)
     assert torch.allclose(torch.compile(chunk_grad, dynamic=True)(*args), chunk_grad(*args), rtol=1e-5, atol=1e-6)
+    written = logits.clone()
+    torch.compile(chunk_grad_into_logits, dynamic=True)(written, *args[1:])
+    assert torch.allclose(written, chunk_grad(*args), rtol=1e-5, atol=1e-6)

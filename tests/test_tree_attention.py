@@ -152,12 +152,13 @@ def test_packed_equals_alone(kind, samples):
     assert (g1 - g2).norm() <= bound
 
 
-@pytest.mark.parametrize("plan", ["varlen_emulated", "split_emulated"])
+@pytest.mark.parametrize("plan", ["varlen_emulated", "split_emulated", "split_gathered_emulated"])
 @given(samples=sample_sets(vocab_max=VOCAB))
 @settings(max_examples=15, deadline=None)
 def test_fused_kernel_plans_equal_reference(plan, samples):
     """The fused-kernel plans with the kernel emulated: gather (K/V gathered along paths, one varlen call)
-    and split (a call per ancestor depth, merged by log-sum-exp)."""
+    and split (a call per ancestor depth, merged by log-sum-exp), its level calls reading the row in place
+    (windows) or gathered."""
     model, alone = MODELS["qwen3"]
     with torch.no_grad():
         ref, _ = packed_logprobs(model, samples, "reference")
@@ -253,7 +254,7 @@ def attention_error_scale(q, k, v, grad, mask, scale) -> list[torch.Tensor]:
     return [t.transpose(0, 1) for t in (out_mag, dq_mag, per_kv_head(dk_mag), per_kv_head(dv_mag))]
 
 
-@pytest.mark.parametrize("plan", ["varlen_emulated", "split_emulated"])
+@pytest.mark.parametrize("plan", ["varlen_emulated", "split_emulated", "split_gathered_emulated"])
 @given(samples=sample_sets(vocab_max=VOCAB))
 @settings(max_examples=15, deadline=None)
 def test_fused_kernel_plans_gradients_equal_reference(plan, samples):

@@ -44,12 +44,60 @@ def test_levels_cover_exactly_the_ancestor_pairs_of_the_mask():
                     seen.add((i, j))
 
 
+def test_level_windows_are_the_levels_rows():
+    """Each level's windows (a start and a length per sequence, as FlashAttention's seqused takes them) hold
+    exactly the row positions of its gathered queries and keys, in the same order, and never overlap."""
+    p = forked_row()
+    for lv in p.attention.levels:
+        assert lv.has_windows
+        for starts, lengths, index, cu in ((lv.q_starts, lv.q_lengths, lv.q_index, lv.cu_q),
+                                           (lv.k_starts, lv.k_lengths, lv.k_index, lv.cu_k)):
+            assert starts.dtype == lengths.dtype == torch.int32 and int(starts[-1]) == p.num_tokens
+            assert torch.equal(lengths.long(), torch.diff(cu.long()))
+            runs = [torch.arange(int(s), int(s) + int(n)) for s, n in zip(starts[:-1], lengths)]
+            assert torch.equal(torch.cat(runs), index)
+            assert all(int(s) + int(n) <= int(t) for s, n, t in zip(starts[:-1], lengths, starts[1:]))
+
+
+def test_a_layout_without_runs_has_no_windows():
+    """A subtree that is not one run of the row (another root between a root's children): that level runs
+    gathered; subtrees that are runs, whatever their children's order, keep their windows."""
+    (split,) = plan_levels([4, 2, 3, 2], [None, 0, None, 0])  # root 2 sits between root 0's two children
+    assert not split.has_windows and split.q_index.tolist() == [4, 5, 9, 10]
+    assert all(lv.has_windows for lv in plan_levels([4, 2, 3, 2], [None, 0, 0, 1]))
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_split_levels_in_place_and_gathered_agree(in_place):
+    """The two ways of running a level call give the same output and gradients (fp32: to rounding), and the
+    in-place one never reads a row outside its windows (the emulated kernel leaves NaN there)."""
+    p = forked_row()
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(p.num_tokens, h, 8, generator=gen) for h in (4, 2, 2))
+    grad = torch.randn(p.num_tokens, 4, 8, generator=gen)
+    results = []
+    for name in ("varlen_emulated", "split_emulated" if in_place else "split_gathered_emulated"):
+        xs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ta.BACKENDS[name].run(*xs, p.attention, 8**-0.5)
+        out.backward(grad)
+        results.append([out.detach()] + [x.grad for x in xs])
+    for got, want in zip(results[1], results[0]):
+        assert torch.isfinite(got).all() and torch.allclose(got, want, atol=1e-5)
+
+
+def test_a_kernel_without_windows_refuses_them():
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    q = torch.randn(3, 2, 8)
+    with pytest.raises(TypeError, match="no windows"):
+        EmulatedLSEKernel(in_place=False).forward(q, q, q, cu, cu, 3, 3, 0.3, False, used_q=cu[1:], used_k=cu[1:])
+
+
 def test_the_collators_levels_equal_those_derived_from_the_paths():
     meta = forked_row().attention
     derived = levels_from_paths(meta.cu_seq_q, meta.cu_seq_k, meta.kv_index)
     assert len(derived) == len(meta.levels)
     for a, b in zip(derived, meta.levels):
-        for name in ("q_index", "k_index", "cu_q", "cu_k"):
+        for name in ("q_index", "k_index", "cu_q", "cu_k", "q_starts", "q_lengths", "k_starts", "k_lengths"):
             assert torch.equal(getattr(a, name), getattr(b, name)), name
         assert (a.max_q, a.max_k) == (b.max_q, b.max_k)
 

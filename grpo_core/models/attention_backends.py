@@ -244,43 +244,54 @@ class AtenFlashLSE:
     output and LSE (backward): ``torch_varlen`` and ``aten_flash`` run this kernel."""
 
     name = "aten_flash"
+    in_place = False  # no per-sequence used lengths: the split plan gathers each level's queries and keys
 
     def __init__(self) -> None:
         self._fwd = torch.ops.aten._flash_attention_forward
         self._bwd = torch.ops.aten._flash_attention_backward
 
-    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, used_q=None, used_k=None):
+        _no_windows(used_q, used_k)
         out, lse = self._fwd(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)[:2]
         if lse.dim() != 2 or lse.shape[1] != q.shape[0]:
             raise BackendUnavailable(f"this PyTorch's varlen FlashAttention returns its LSE as {tuple(lse.shape)}, "
                                      f"not [heads, tokens] = [{q.shape[1]}, {q.shape[0]}]")
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, used_q=None, used_k=None):
+        _no_windows(used_q, used_k)
         # No dropout: the random-number state the backward takes is not read.
         rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
         unused = torch.empty(0, dtype=torch.uint64, device=q.device)
         return self._bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng, unused, scale=scale)
 
 
+def _no_windows(used_q, used_k) -> None:
+    if used_q is not None or used_k is not None:
+        raise TypeError("PyTorch's varlen FlashAttention takes no used lengths (in_place=False)")
+
+
 class FlashAttnCuteLSE:
-    """FlashAttention-4's forward (``return_lse=True``) and backward entry points."""
+    """FlashAttention-4's forward (``return_lse=True``) and backward entry points. Its ``seqused_q/k`` make a
+    sequence a window of the tensors, so the split plan's level calls read the row in place."""
 
     name = "flash_attn_cute"
+    in_place = True
 
     def __init__(self) -> None:
         from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd  # the flash-attn-4 package
 
         self._fwd, self._bwd = _flash_attn_fwd, _flash_attn_bwd
 
-    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
-        out, lse = self._fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-                             softmax_scale=scale, causal=causal, return_lse=True)[:2]
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, used_q=None, used_k=None):
+        out, lse = self._fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k,
+                             max_seqlen_q=max_q, max_seqlen_k=max_k, softmax_scale=scale, causal=causal,
+                             return_lse=True)[:2]
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, used_q=None, used_k=None):
         return tuple(self._bwd(q, k, v, out, dout, lse, scale, causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                               max_seqlen_q=max_q, max_seqlen_k=max_k)[:3])
+                               seqused_q=used_q, seqused_k=used_k, max_seqlen_q=max_q, max_seqlen_k=max_k)[:3])
 
 
 LSE_KERNELS: dict[str, Callable[[], object]] = {

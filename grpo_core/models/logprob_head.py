@@ -116,12 +116,15 @@ def row_logprobs(
     ``fused``: None for ``fused_by_default`` of the row's device."""
     if fused is None:
         fused = fused_by_default(row.input_ids.device)
-    logits_logprobs = fused_token_logprobs if fused else token_logprobs
     hidden_logprobs = fused_head_logprobs if fused else head_token_logprobs
     if chunk_size is None:
         logits = model(**row.model_inputs(), logits_to_keep=row.logit_index).logits[0]
-        logprobs, top = logits_logprobs(logits, row.target_ids, temperature, top_ids=top_ids,
-                                        candidate_masks=candidate_masks)
+        if fused:  # the logits are this function's own: their gradient may take their place
+            logprobs, top = fused_token_logprobs(logits, row.target_ids, temperature, top_ids=top_ids,
+                                                 candidate_masks=candidate_masks, overwrite_logits=True)
+        else:
+            logprobs, top = token_logprobs(logits, row.target_ids, temperature, top_ids=top_ids,
+                                           candidate_masks=candidate_masks)
         # A row without trained tokens has [0, V] logits: their sum ties backward to the model for free.
         return RowLogprobs(logprobs, top, logits.sum() if row.num_trained == 0 else None)
 

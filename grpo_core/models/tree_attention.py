@@ -214,6 +214,9 @@ BACKENDS: dict[str, Backend] = {
     "reference": Backend("reference", _reference, needs_cuda=False),
     "varlen_emulated": _gather_backend("varlen_emulated", _emulated_kernel, repeat_kv=False, needs_cuda=False),
     "split_emulated": _split_backend("split_emulated", EmulatedLSEKernel(), needs_cuda=False),
+    # The split plan as kernels without windows run it (each level's queries and keys gathered).
+    "split_gathered_emulated": _split_backend("split_gathered_emulated", EmulatedLSEKernel(in_place=False),
+                                              needs_cuda=False),
 }
 BACKENDS["split_or_gather_emulated"] = _per_row_backend(
     "split_or_gather_emulated", BACKENDS["split_emulated"], BACKENDS["varlen_emulated"])

@@ -25,9 +25,13 @@ output and its LSE, nothing of gathered length. The kernels need two entry point
 the LSE and backward taking output and LSE (``LSEKernel``); ``attention_backends.load_lse_kernel`` loads
 them where a backend has them.
 
-The row layout is the collator's, depth-first; the level calls gather their queries and ancestor keys
-(each token at most once per level) and scatter their results back. Levels are planned on the host
-with the row (``plan_levels``), so running them needs no device-to-host read.
+The row layout is the collator's, depth-first, so a subtree is one run of the row: ancestor ``a``'s
+descendants follow its own tokens contiguously. A kernel that takes each sequence as a window of the row
+(a start and a used length: FlashAttention's ``seqused``, ``LSEKernel.in_place``) runs a level call on the
+row's q, k, v as they are; its output, LSE and gradients come back at row positions and are merged or added
+there. Other kernels get the level's queries and keys gathered (each token at most once per level) and their
+results scattered back. Levels are planned on the host with the row (``plan_levels``), so running them
+needs no device-to-host read.
 """
 
 from __future__ import annotations
@@ -45,7 +49,12 @@ class AncestorLevel:
     """One level call: the queries below every depth-``d`` ancestor against that ancestor's keys.
 
     ``A`` ancestors with descendants; sequence ``a`` pairs ``q_index[cu_q[a]:cu_q[a+1]]`` (row positions
-    of every query below ancestor ``a``) with ``k_index[cu_k[a]:cu_k[a+1]]`` (ancestor ``a``'s own tokens)."""
+    of every query below ancestor ``a``) with ``k_index[cu_k[a]:cu_k[a+1]]`` (ancestor ``a``'s own tokens).
+
+    The same sequences as windows of the row, for kernels that read them in place: the queries of sequence
+    ``a`` are row positions ``q_starts[a] : q_starts[a] + q_lengths[a]``, its keys ``k_starts[a] : k_starts[a]
+    + k_lengths[a]`` (``*_starts`` end with the row's length, as varlen offsets do). None where a sequence's
+    queries are not one run of the row (a layout other than depth-first)."""
 
     q_index: torch.Tensor  # int64 [Qd]
     k_index: torch.Tensor  # int64 [Kd]
@@ -53,11 +62,20 @@ class AncestorLevel:
     cu_k: torch.Tensor  # int32 [A + 1]
     max_q: int
     max_k: int
+    q_starts: torch.Tensor | None = None  # int32 [A + 1]
+    q_lengths: torch.Tensor | None = None  # int32 [A]
+    k_starts: torch.Tensor | None = None  # int32 [A + 1]
+    k_lengths: torch.Tensor | None = None  # int32 [A]
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> AncestorLevel:
-        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
         return AncestorLevel(move(self.q_index), move(self.k_index), move(self.cu_q), move(self.cu_k),
-                             self.max_q, self.max_k)
+                             self.max_q, self.max_k, move(self.q_starts), move(self.q_lengths),
+                             move(self.k_starts), move(self.k_lengths))
+
+    @property
+    def has_windows(self) -> bool:
+        return self.q_starts is not None
 
     @property
     def num_pairs(self) -> int:
@@ -88,11 +106,22 @@ def plan_levels(seg_lens: Sequence[int], parents: Sequence[int | None]) -> tuple
         q_parts = [np.arange(offsets[g], offsets[g + 1]) for a in heads for g in below[a]]
         q_lens = [sum(seg_lens[g] for g in below[a]) for a in heads]
         k_lens = [seg_lens[a] for a in heads]
+        # Windows: each ancestor's descendants one run of the row (always so depth-first), runs in row order.
+        q_first = [int(offsets[below[a][0]]) for a in heads]
+        runs = all(offsets[g + 1] == offsets[h] for a in heads for g, h in zip(below[a], below[a][1:]))
+        ordered = all(q_first[i] + q_lens[i] <= q_first[i + 1] for i in range(len(heads) - 1))
+        windows = {}
+        if runs and ordered:
+            total = int(offsets[-1])
+            as_int32 = lambda x: torch.as_tensor(np.asarray(x, dtype=np.int64), dtype=torch.int32)  # noqa: E731
+            windows = dict(q_starts=as_int32([*q_first, total]), q_lengths=as_int32(q_lens),
+                           k_starts=as_int32([*(int(offsets[a]) for a in heads), total]), k_lengths=as_int32(k_lens))
         levels.append(AncestorLevel(
             q_index=torch.as_tensor(np.concatenate(q_parts), dtype=torch.int64),
             k_index=torch.as_tensor(np.concatenate([np.arange(offsets[a], offsets[a + 1]) for a in heads]),
                                     dtype=torch.int64),
             cu_q=_int32_cumsum(q_lens), cu_k=_int32_cumsum(k_lens), max_q=max(q_lens), max_k=max(k_lens),
+            **windows,
         ))
     return tuple(levels)
 
@@ -120,23 +149,40 @@ class LSEKernel(Protocol):
     """A varlen attention kernel with its LSE: ``forward`` and a ``backward`` that takes output and LSE.
 
     Shapes: q ``[Tq, H, D]``, k/v ``[Tk, Hk, D]`` (``H`` a multiple of ``Hk``), lse fp32 ``[H, Tq]``.
-    ``causal``: bottom-right within each sequence (only used with equal q and k lengths here)."""
+    ``causal``: bottom-right within each sequence (only used with equal q and k lengths here).
+    ``in_place``: the entry points take ``used_q`` / ``used_k`` (int32 ``[A]``): sequence ``a`` is then
+    ``cu[a] : cu[a] + used[a]``, a window, and rows outside every window of the results are undefined."""
 
     name: str
+    in_place: bool
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                max_q: int, max_k: int, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]: ...
+                max_q: int, max_k: int, scale: float, causal: bool, used_q: torch.Tensor | None = None,
+                used_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, scale: float,
-                 causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+                 causal: bool, used_q: torch.Tensor | None = None, used_k: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+def _bounds(cu: torch.Tensor, used: torch.Tensor | None) -> list[tuple[int, int]]:
+    starts = cu.tolist()
+    ends = starts[1:] if used is None else [s + n for s, n in zip(starts, used.tolist())]
+    return list(zip(starts, ends))
 
 
 class EmulatedLSEKernel:
     """Both entry points in plain PyTorch, one sequence at a time, in fp32: the CPU test double of a
-    fused kernel's (the arithmetic of FlashAttention's forward and backward, without the tiling)."""
+    fused kernel's (the arithmetic of FlashAttention's forward and backward, without the tiling).
+
+    ``in_place``: windows (``used_q`` / ``used_k``) accepted, as FlashAttention's ``seqused``; rows outside
+    every window come back as NaN, so that a caller reading them fails its tests."""
 
     name = "emulated"
+
+    def __init__(self, in_place: bool = True):
+        self.in_place = in_place
 
     @staticmethod
     def _scores(q, k, scale, causal):
@@ -147,14 +193,25 @@ class EmulatedLSEKernel:
             s = s.masked_fill(~keep, float("-inf"))
         return s
 
-    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+    def _windows(self, cu_q, cu_k, used_q, used_k) -> list[tuple[int, int, int, int]]:
+        if (used_q is not None or used_k is not None) and not self.in_place:
+            raise TypeError("this kernel takes no windows (in_place=False)")
+        return [(*a, *b) for a, b in zip(_bounds(cu_q, used_q), _bounds(cu_k, used_k))]
+
+    @staticmethod
+    def _undefined(shape, windowed: bool, device) -> torch.Tensor:
+        return torch.full(shape, float("nan") if windowed else 0.0, dtype=torch.float32, device=device)
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, used_q=None, used_k=None):
         heads, group = q.shape[1], q.shape[1] // k.shape[1]
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full((heads, q.shape[0]), float("-inf"), device=q.device)
-        cq, ck = cu_q.tolist(), cu_k.tolist()
-        for a in range(len(cq) - 1):
-            qs, qe, ks, ke = cq[a], cq[a + 1], ck[a], ck[a + 1]
-            if qe == qs or ke == ks:
+        windowed = used_q is not None
+        out = self._undefined(q.shape, windowed, q.device)
+        lse = torch.full((heads, q.shape[0]), float("nan") if windowed else float("-inf"), device=q.device)
+        for qs, qe, ks, ke in self._windows(cu_q, cu_k, used_q, used_k):
+            if qe == qs:
+                continue
+            if ke == ks:
+                out[qs:qe], lse[:, qs:qe] = 0.0, float("-inf")
                 continue
             kk, vv = (x[ks:ke].repeat_interleave(group, dim=1).float() for x in (k, v))
             s = self._scores(q[qs:qe], kk, scale, causal)
@@ -163,14 +220,14 @@ class EmulatedLSEKernel:
             lse[:, qs:qe] = seq_lse
         return out.to(q.dtype), lse
 
-    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, used_q=None, used_k=None):
         group = q.shape[1] // k.shape[1]
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-        cq, ck = cu_q.tolist(), cu_k.tolist()
-        for a in range(len(cq) - 1):
-            qs, qe, ks, ke = cq[a], cq[a + 1], ck[a], ck[a + 1]
+        windowed = used_q is not None
+        dq = self._undefined(q.shape, windowed, q.device)
+        dk = self._undefined(k.shape, windowed, q.device)
+        dv = self._undefined(v.shape, windowed, q.device)
+        for qs, qe, ks, ke in self._windows(cu_q, cu_k, used_q, used_k):
+            dq[qs:qe], dk[ks:ke], dv[ks:ke] = 0.0, 0.0, 0.0
             if qe == qs or ke == ks:
                 continue
             qq, do, oo = q[qs:qe].float(), dout[qs:qe].float(), out[qs:qe].float()
@@ -189,9 +246,12 @@ class EmulatedLSEKernel:
 
 # ---- the split attention ------------------------------------------------------------------------------
 def _merge_eager(acc: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, part_out: torch.Tensor,
-                 part_lse: torch.Tensor) -> None:
+                 part_lse: torch.Tensor, at_rows: bool = False) -> None:
     """Fold one call's result into the running output ``acc`` and LSE at ``rows`` (in place), the weights
-    and the sum in fp32, rounded once to ``acc``'s dtype."""
+    and the sum in fp32, rounded once to ``acc``'s dtype. ``at_rows``: the call's results are row-sized,
+    read at ``rows`` too (an in-place call), else compact (entry ``i`` belongs to ``rows[i]``)."""
+    if at_rows:
+        part_out, part_lse = part_out.index_select(0, rows), part_lse.index_select(1, rows)
     old = lse.index_select(1, rows)
     new = torch.logaddexp(old, part_lse)
     keep = torch.exp(old - new).transpose(0, 1).unsqueeze(-1)  # [Qd, H, 1]
@@ -221,42 +281,106 @@ def _triton_merge():
         return None
 
     @triton.jit
-    def merge(acc, lse, rows, part, part_lse, n_heads, n_rows_total, n_rows, dim,
-              BLOCK_D: tl.constexpr):  # noqa: N803 - Triton's constexpr spelling
+    def merge(acc, lse, rows, part, part_lse, n_heads, n_rows_total, n_part_rows, dim,
+              BLOCK_D: tl.constexpr, AT_ROWS: tl.constexpr):  # noqa: N803 - Triton's constexpr spelling
         i = tl.program_id(0)  # the i-th merged query
         h = tl.program_id(1)  # its head
         r = tl.load(rows + i)
+        p = r if AT_ROWS else i  # where the call's result for this query is
         lo = tl.load(lse + h * n_rows_total + r)
-        lp = tl.load(part_lse + h * n_rows + i)
+        lp = tl.load(part_lse + h * n_part_rows + p)
         m = tl.maximum(lo, lp)
         new = m + tl.log(tl.exp(lo - m) + tl.exp(lp - m))
         d = tl.arange(0, BLOCK_D)
         inside = d < dim
         a_ptr = acc + (r * n_heads + h) * dim + d
         x = tl.load(a_ptr, mask=inside).to(tl.float32)
-        y = tl.load(part + (i * n_heads + h) * dim + d, mask=inside).to(tl.float32)
+        y = tl.load(part + (p * n_heads + h) * dim + d, mask=inside).to(tl.float32)
         out = x * tl.exp(lo - new) + y * tl.exp(lp - new)
         tl.store(a_ptr, out.to(acc.dtype.element_ty), mask=inside)
         tl.store(lse + h * n_rows_total + r, new)
 
-    def run(acc, lse, rows, part_out, part_lse):
-        n_rows, heads, dim = part_out.shape
+    def run(acc, lse, rows, part_out, part_lse, at_rows):
+        n_rows = rows.shape[0]
+        _, heads, dim = part_out.shape
         if n_rows == 0:
             return
         merge[(n_rows, heads)](acc, lse, rows, part_out.contiguous(), part_lse.contiguous(), heads, acc.shape[0],
-                               n_rows, dim, BLOCK_D=triton.next_power_of_2(dim))
+                               part_out.shape[0], dim, BLOCK_D=triton.next_power_of_2(dim), AT_ROWS=at_rows)
 
     _merge_kernel = run
     return run
 
 
 def _merge(acc: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, part_out: torch.Tensor,
-           part_lse: torch.Tensor) -> None:
+           part_lse: torch.Tensor, at_rows: bool = False) -> None:
     fused = _triton_merge() if acc.is_cuda else None
     if fused is not None and acc.is_contiguous() and lse.is_contiguous():
-        fused(acc, lse, rows, part_out, part_lse)
+        fused(acc, lse, rows, part_out, part_lse, at_rows)
     else:
-        _merge_eager(acc, lse, rows, part_out, part_lse)
+        _merge_eager(acc, lse, rows, part_out, part_lse, at_rows)
+
+
+_add_rows_kernel = None
+
+
+def _triton_add_rows():
+    """``dst[rows] += src[rows]`` as one Triton kernel (rows are distinct: no atomics), or None without Triton.
+
+    ``index_add_`` of a gathered copy would read ``src`` twice and add with atomics; at a packing ratio of ~6
+    that pair of kernels for the level calls' dQ, dK and dV was about 3% of a tree row's step on an H200."""
+    global _add_rows_kernel
+    if _add_rows_kernel is not None:
+        return _add_rows_kernel or None
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        _add_rows_kernel = False
+        return None
+
+    @triton.jit
+    def add_rows(dst, src, rows, width, BLOCK: tl.constexpr):  # noqa: N803 - Triton's constexpr spelling
+        r = tl.load(rows + tl.program_id(0)).to(tl.int64)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = j < width
+        x = tl.load(dst + r * width + j, mask=inside).to(tl.float32)
+        y = tl.load(src + r * width + j, mask=inside).to(tl.float32)
+        tl.store(dst + r * width + j, (x + y).to(dst.dtype.element_ty), mask=inside)
+
+    def run(dst, rows, src):
+        if rows.shape[0] == 0:
+            return
+        width = dst[0].numel()
+        block = min(1024, triton.next_power_of_2(width))
+        add_rows[(rows.shape[0], triton.cdiv(width, block))](dst, src, rows, width, BLOCK=block)
+
+    _add_rows_kernel = run
+    return run
+
+
+def _add_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[rows] += src[rows]`` in place (``src`` row-sized, as an in-place call's gradients are), the sum in
+    fp32 and rounded once to ``dst``'s dtype."""
+    fused = _triton_add_rows() if dst.is_cuda else None
+    if fused is not None and dst.is_contiguous() and src.is_contiguous():
+        fused(dst, rows, src)
+    else:
+        dst.index_add_(0, rows, src.index_select(0, rows).to(dst.dtype))
+
+
+_level_windows = True
+
+
+def set_level_windows(on: bool) -> None:
+    """Level calls read the row in place where the kernel takes windows (``on``, the default), or always
+    gathered (``benchmarks/tree_packing.py`` times the two side by side)."""
+    global _level_windows
+    _level_windows = bool(on)
+
+
+def _in_place(kernel: LSEKernel, level: AncestorLevel) -> bool:
+    return _level_windows and getattr(kernel, "in_place", False) and level.has_windows
 
 
 class _SplitTreeAttention(torch.autograd.Function):
@@ -274,6 +398,11 @@ class _SplitTreeAttention(torch.autograd.Function):
             out = out.float() if len(levels) > 1 else out.contiguous()
             lse = lse.contiguous().clone()
             for lv in levels:
+                if _in_place(kernel, lv):
+                    part_out, part_lse = kernel.forward(q, k, v, lv.q_starts, lv.k_starts, lv.max_q, lv.max_k, scale,
+                                                        False, used_q=lv.q_lengths, used_k=lv.k_lengths)
+                    _merge(out, lse, lv.q_index, part_out, part_lse, at_rows=True)
+                    continue
                 part_out, part_lse = kernel.forward(
                     q.index_select(0, lv.q_index), k.index_select(0, lv.k_index), v.index_select(0, lv.k_index),
                     lv.cu_q, lv.cu_k, lv.max_q, lv.max_k, scale, False)
@@ -294,6 +423,13 @@ class _SplitTreeAttention(torch.autograd.Function):
             dk, dv = dk.contiguous(), dv.contiguous()
             for lv in levels:
                 qi, ki = lv.q_index, lv.k_index
+                if _in_place(kernel, lv):
+                    part = kernel.backward(dout, q, k, v, out, lse, lv.q_starts, lv.k_starts, lv.max_q, lv.max_k,
+                                           scale, False, used_q=lv.q_lengths, used_k=lv.k_lengths)
+                    _add_rows(dq, qi, part[0])
+                    _add_rows(dk, ki, part[1])
+                    _add_rows(dv, ki, part[2])
+                    continue
                 part = kernel.backward(dout.index_select(0, qi), q.index_select(0, qi), k.index_select(0, ki),
                                        v.index_select(0, ki), out.index_select(0, qi), lse.index_select(1, qi),
                                        lv.cu_q, lv.cu_k, lv.max_q, lv.max_k, scale, False)
