@@ -23,9 +23,9 @@ from them. Two entry points:
   at a time; no ``[T, V]`` tensor exists, and backward recomputes each chunk's logits (one more head
   matmul, as the reference's checkpointed chunks do) and adds the chunks' weight gradients.
 
-The per-chunk arithmetic (``chunk_stats``, ``chunk_grad``) is plain tensor code; on CUDA it is compiled
-(``torch.compile``), which fuses each into about one read of the chunk's logits, plus one write of the
-gradient. Rounding follows the reference: the normaliser and the gradient in fp32 (fp64 stays fp64), the
+The per-chunk arithmetic (``chunk_stats``, ``chunk_grad``) is plain tensor code; on CUDA the statistics are
+compiled (``torch.compile``), one read of the chunk's logits, and the gradient is ``chunk_grad`` as a Triton
+kernel (``logprob_grad_triton``), one read and one write. Rounding follows the reference: the normaliser and the gradient in fp32 (fp64 stays fp64), the
 gradient rounded once to the logits' dtype.
 """
 
@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+
+from grpo_core.models import logprob_grad_triton
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -106,15 +108,28 @@ def chunk_grad_into_logits(logits: Tensor, lse: Tensor, target_ids: Tensor, grad
 
 
 def _kernels(device: torch.device) -> tuple[Callable, Callable, Callable]:
-    """``chunk_stats``, ``chunk_grad`` and ``chunk_grad_into_logits``, compiled on CUDA (one fused pass each),
-    as written elsewhere."""
+    """``chunk_stats``, ``chunk_grad`` and ``chunk_grad_into_logits`` as they run on ``device``: on CUDA the
+    statistics compiled (one fused pass) and the gradient by the Triton kernel of ``logprob_grad_triton``
+    (compiled ``chunk_grad`` where that kernel does not take the logits), as written elsewhere."""
     if device.type != "cuda":
         return chunk_stats, chunk_grad, chunk_grad_into_logits
     if not _compiled:
         _compiled["stats"] = torch.compile(chunk_stats, dynamic=True)
         _compiled["grad"] = torch.compile(chunk_grad, dynamic=True)
         _compiled["grad_into"] = torch.compile(chunk_grad_into_logits, dynamic=True)
-    return _compiled["stats"], _compiled["grad"], _compiled["grad_into"]
+
+    def grad(logits: Tensor, *args) -> Tensor:
+        if logprob_grad_triton.available(logits):
+            return logprob_grad_triton.triton_chunk_grad(torch.empty_like(logits), logits, *args)
+        return _compiled["grad"](logits, *args)
+
+    def grad_into(logits: Tensor, *args) -> None:
+        if logprob_grad_triton.available(logits):
+            logprob_grad_triton.triton_chunk_grad(logits, logits, *args)
+        else:
+            _compiled["grad_into"](logits, *args)
+
+    return _compiled["stats"], grad, grad_into
 
 
 def _check(temperature: float, candidate_masks: Tensor | None, chunk_size: int | None) -> None:
