@@ -95,6 +95,15 @@ def test_chat_template_layout(tokenizer) -> None:  # noqa: ANN001
     assert text == render_chat(messages, add_generation_prompt=True)
 
 
+def test_the_calculator_tool_renders_the_schema_the_model_was_trained_on() -> None:
+    """A rollout renders a tool's schema from its docstring and hints; for ``calculator`` that must be the
+    trained ``CALCULATOR_SCHEMA`` exactly (shown a "return" entry it never saw, the tools variant wrote
+    malformed calls in most rollouts)."""
+    from grpo_core.rollout.tool_calls import ToolRegistry
+
+    assert ToolRegistry([tasks.calculator]).schemas() == [tasks.CALCULATOR_SCHEMA]
+
+
 def test_chat_template_tools(tokenizer) -> None:  # noqa: ANN001
     conv = tasks.tool_conversation(tasks.Problem(7, "+", 5), template=0, system_prompt="S")
     # A second tool message must join the first in one user turn.

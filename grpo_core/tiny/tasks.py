@@ -139,12 +139,15 @@ def _eval_node(node: ast.AST) -> int:
     raise ValueError("only integers with + - * are supported")
 
 
-def calculator(expression: str) -> str:
+def calculator(expression: str):  # noqa: ANN201 - no return hint: see below
     """Evaluate an integer arithmetic expression.
 
     Args:
-        expression: An expression using integers and the operators +, - and *, such as "7 + 5".
+        expression: such as 7 + 5
     """
+    # The docstring and hints are the tool's schema as a rollout renders it (transformers' get_json_schema),
+    # and that must be CALCULATOR_SCHEMA, the one the tools variant was trained on: a return hint would add a
+    # "return" entry, and a tiny model shown a schema it never saw writes malformed calls (tests/test_tiny.py).
     # Never eval(): the expression comes from a sampled policy. Errors are returned as text so the
     # model sees them as the tool's answer instead of crashing the rollout.
     try:
@@ -153,6 +156,7 @@ def calculator(expression: str) -> str:
         return f"error: {err}"
 
 
+# What ``calculator``'s docstring and hints render to (tests/test_tiny.py checks they agree).
 CALCULATOR_SCHEMA: dict[str, Any] = {
     "type": "function",
     "function": {
