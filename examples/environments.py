@@ -17,7 +17,9 @@ class CalculatorEnv:
     def reset(self, solution: str, **columns: Any) -> None:
         self.solution, self.used = solution, False
 
-    def calculator(self, expression: str) -> str:
+    # No return hint: the schema a rollout renders from this docstring and these hints must be the one the
+    # tiny tools model was trained on (grpo_core.tiny.CALCULATOR_SCHEMA), or it writes malformed calls.
+    def calculator(self, expression: str):  # noqa: ANN201
         """Evaluate an integer arithmetic expression.
 
         Args:

@@ -102,6 +102,11 @@ def test_the_calculator_tool_renders_the_schema_the_model_was_trained_on() -> No
     from grpo_core.rollout.tool_calls import ToolRegistry
 
     assert ToolRegistry([tasks.calculator]).schemas() == [tasks.CALCULATOR_SCHEMA]
+    # The example environment's method too (examples/environment.yaml trains the tools model with it).
+    from examples.environments import CalculatorEnv
+    from grpo_core.rollout.agent import RolloutTools
+
+    assert RolloutTools([], CalculatorEnv()).schemas() == [tasks.CALCULATOR_SCHEMA]
 
 
 def test_chat_template_tools(tokenizer) -> None:  # noqa: ANN001

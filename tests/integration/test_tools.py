@@ -33,6 +33,7 @@ from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rewards import accuracy_reward
 from grpo_core.rollout.stages import AsyncRolloutLoop
 from grpo_core.rollout.types import RolloutSample
+from grpo_core.rollout.agent import RolloutTools
 from grpo_core.rollout.tool_calls import ToolRegistry
 from grpo_core.tiny import CALCULATOR_SCHEMA, arithmetic_dataset, build_tiny_model
 from grpo_core.tiny import calculator as tiny_calculator
@@ -69,7 +70,7 @@ class CalculatorEnv:
     def reset(self, solution: str, **_: Any) -> None:
         self.solution = solution
 
-    def calculator(self, expression: str) -> str:
+    def calculator(self, expression: str):  # noqa: ANN201 - no return hint: the schema must be CALCULATOR_SCHEMA
         """Evaluate an integer arithmetic expression.
 
         Args:
@@ -136,6 +137,10 @@ TEMPLATES = {"clean": None, "realign": COMPACT_ARGS_TEMPLATE, "fork": DROP_REASO
 def test_tool_rollouts_reach_the_trainer(vllm_server, tools_model_path, tools_tokenizer, tmp_path, kind) -> None:  # noqa: ANN001
     tokenizer = tools_tokenizer if TEMPLATES[kind] is None else with_template(tools_tokenizer, TEMPLATES[kind])
     tool_kwargs: dict[str, Any] = {"environment_factory": CalculatorEnv} if kind == "clean" else {"tools": [calculator]}
+    # The tiny policy calls the calculator only when shown the schema it was trained on; with another one
+    # groups without a call have no reward spread and are dropped, and the run waits for minutes.
+    assert RolloutTools([calculator] if kind != "clean" else [], CalculatorEnv() if kind == "clean" else None
+                        ).schemas() == [CALCULATOR_SCHEMA]
     data = arithmetic_dataset(num_train=64, num_eval=4)["train"]
     trainer = RecordingTrainer(
         tools_model_path, [called_calculator, accuracy_reward], train_dataset=data,
