@@ -139,8 +139,8 @@ def test_tool_rollouts_reach_the_trainer(vllm_server, tools_model_path, tools_to
     tool_kwargs: dict[str, Any] = {"environment_factory": CalculatorEnv} if kind == "clean" else {"tools": [calculator]}
     # The tiny policy calls the calculator only when shown the schema it was trained on; with another one
     # groups without a call have no reward spread and are dropped, and the run waits for minutes.
-    assert RolloutTools([calculator] if kind != "clean" else [], CalculatorEnv() if kind == "clean" else None
-                        ).schemas() == [CALCULATOR_SCHEMA]
+    shown = RolloutTools([], CalculatorEnv()) if kind == "clean" else RolloutTools([calculator])
+    assert shown.schemas() == [CALCULATOR_SCHEMA]
     data = arithmetic_dataset(num_train=64, num_eval=4)["train"]
     trainer = RecordingTrainer(
         tools_model_path, [called_calculator, accuracy_reward], train_dataset=data,
