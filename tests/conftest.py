@@ -2,8 +2,13 @@
 
 Every integration test that can share the vLLM server does: it is started with LoRA serving on
 (so LoRA tests need no second server), and every trainer pushes its own weights at start-up, so
-tests do not depend on what an earlier test left on the server. Servers are stopped by the
-process group they were started in, never by name.
+tests do not depend on what an earlier test left on the server. It listens on ``SESSION_SERVER_HOST``,
+a loopback address other than the trainers' own, so that every test also exercises the trainer's
+resolution of the address a server dials back (tests/integration/test_multi_node.py checks it).
+Servers are stopped by the process group they were started in, never by name.
+
+The run begins the tiny model builds and the session server's start in the background as soon as the
+tests are collected, and runs the unit tests first while they proceed (``tests/startup.py``).
 """
 
 from __future__ import annotations
@@ -20,9 +25,63 @@ import pytest
 import torch
 
 from grpo_core.server import VLLMServer, VLLMServerSpec, free_port
+from tests.startup import BACKGROUND, begin, order_items
+
+SERVER_LOGS = pytest.StashKey[Path]()
 
 SHARED_MAX_LORAS = 6
 SHARED_MAX_LORA_RANK = 16
+SESSION_SERVER_HOST = "127.0.0.2"
+
+
+def session_server(model: str, log_dir: Path) -> VLLMServer:
+    """The session's CPU vLLM server: gloo weight transfer, scale-out, LoRA serving, 20 log-probs."""
+    spec = VLLMServerSpec(
+        model=model,
+        host=SESSION_SERVER_HOST,
+        max_model_len=512,
+        enable_lora=True,
+        max_loras=SHARED_MAX_LORAS,
+        max_lora_rank=SHARED_MAX_LORA_RANK,
+        max_logprobs=20,
+    )
+    return VLLMServer(spec, log_dir / "shared")
+
+
+# Fixtures that cost minutes of start-up on two cores (a built tiny model, a real server): a test that uses
+# any of them is marked ``startup``, and the fast tier (``bash scripts/test.sh --fast``) leaves it out.
+STARTUP_FIXTURES = frozenset({"tiny_model_path", "vllm_server", "mlflow_server", "prefect", "server_logs"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if STARTUP_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.startup)
+    order_items(items)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
+    logs = session.config._tmp_path_factory.mktemp("server-logs")
+
+    def start() -> VLLMServer:
+        from grpo_core.tiny import build_tiny_model
+
+        return session_server(str(build_tiny_model()), logs).start(timeout_s=900)
+
+    session.config.stash[SERVER_LOGS] = logs
+    begin(session.items, start)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # The session server may have been started for tests that were then deselected or not reached.
+    if BACKGROUND.has("server"):
+        try:
+            BACKGROUND.result("server", timeout_s=0).stop()
+        except Exception:  # noqa: BLE001 - not started, or failed: nothing to stop
+            pass
+    BACKGROUND.shutdown()
 
 
 @pytest.fixture(scope="session")
@@ -33,23 +92,17 @@ def tiny_model_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def server_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("server-logs")
+def server_logs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return request.config.stash.get(SERVER_LOGS, None) or tmp_path_factory.mktemp("server-logs")
 
 
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model_path: str, server_logs: Path):
-    """One CPU vLLM server for the session: gloo weight transfer, scale-out, LoRA serving."""
-    spec = VLLMServerSpec(
-        model=tiny_model_path,
-        max_model_len=512,
-        enable_lora=True,
-        max_loras=SHARED_MAX_LORAS,
-        max_lora_rank=SHARED_MAX_LORA_RANK,
-        max_logprobs=20,
-    )
-    server = VLLMServer(spec, server_logs / "shared")
-    server.start(timeout_s=900)
+    """The session's server, started in the background at collection (or here when that did not run)."""
+    if BACKGROUND.has("server"):
+        server = BACKGROUND.result("server", timeout_s=1800)
+    else:
+        server = session_server(tiny_model_path, server_logs).start(timeout_s=900)
     # From here on the server's CPU worker shares the cores with trainers in this process; OpenMP
     # threads on the same cores stall each other (see LocalProvisioner.training_env), so the
     # trainers take half of them, as the flow's do.
@@ -156,3 +209,7 @@ def prefect(tmp_path_factory):
         time.sleep(1)
     yield api, env, server
     server.stop()
+
+
+# Where the suite's time goes, per test file (printed at the end of every run; see tests/suite_timing.py).
+pytest_plugins = ["tests.suite_timing"]

@@ -11,12 +11,12 @@ the tests measure that gap on the server as it loaded the checkpoint, and hold e
   loading from disk gave); after pushing changed weights, the server follows the trainer within
   the measured bf16 gap, also when only the short-convolution weights changed;
 * the VLM's sync carries no tensor under the vision tower's names (recorded on the wire);
-* (``slow``) each variant learns the arithmetic task on its server: the mean reward of the last
-  10% of steps beats the first 10% by ``MARGIN``.
+* (``long``) each variant, as users get it, learns the arithmetic task on its server: the mean reward
+  of the last 10% of steps beats the first 10% by ``MARGIN``.
 
-Cost on a quiet 2-core machine: one server start per variant (~1.5 min), the sync checks ~20 s per
-variant, each learning run ~N min (see the README's test section). The tiny builds are cached; the
-first build of the hybrid warms up for a few minutes (the VLM reuses its language model).
+The sync checks hold for any weights, so they run on the variants with a short warm-up
+(``tests/tiny_variants.py``), built in the background while the unit tests run; both variants'
+servers start side by side. The learning runs build and serve the tuned variants.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,8 @@ from grpo_core.models.serving import model_server_options
 from grpo_core.rollout.client import VLLMControlClient
 from grpo_core.server import ServerOptions, VLLMServer, VLLMServerSpec
 from grpo_core.tiny import build_tiny_model
+from tests.startup import BACKGROUND
+from tests.tiny_variants import build_check_variant
 
 pytestmark = pytest.mark.integration
 
@@ -57,18 +61,56 @@ class Served:
         return self.server.base_url
 
 
-@pytest.fixture(scope="module", params=VARIANTS)
-def served(request: pytest.FixtureRequest, server_logs: Path) -> Iterator[Served]:
-    """A CPU server for one variant, with the options its model asks for (as the flow's server_spec)."""
-    path = str(build_tiny_model(variant=request.param))
-    config = AsyncGRPOConfig(output_dir=str(server_logs / "unused"))
+def start_served(variant: str, path: str, log_dir: Path) -> Served:
+    """A CPU server for one variant with the options its model asks for (as the flow's server_spec)."""
+    config = AsyncGRPOConfig(output_dir=str(log_dir / "unused"))
     spec = VLLMServerSpec.for_run(path, config, model_server_options(path, ServerOptions(), cuda=False))
-    server = VLLMServer(spec, server_logs / request.param).start(timeout_s=900)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the server's worker takes the other core
-    yield Served(request.param, path, spec, server)
-    torch.set_num_threads(threads)
-    server.stop()
+    return Served(variant, path, spec, VLLMServer(spec, log_dir / variant).start(timeout_s=900))
+
+
+@contextmanager
+def serving(paths: dict[str, str], log_dir: Path) -> Iterator[dict[str, Served]]:
+    """Both variants' servers, started side by side (each start is mostly waiting on its own processes)."""
+    with ThreadPoolExecutor(len(paths)) as pool:
+        futures = {v: pool.submit(start_served, v, path, log_dir) for v, path in paths.items()}
+    started = {v: f.result() for v, f in futures.items() if f.exception() is None}
+    try:
+        for f in futures.values():
+            if f.exception() is not None:
+                raise f.exception()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the servers' workers take the other core
+        yield started
+        torch.set_num_threads(threads)
+    finally:
+        for served in started.values():
+            served.server.stop()
+
+
+@pytest.fixture(scope="module")
+def check_servers(server_logs: Path) -> Iterator[dict[str, Served]]:
+    """The variants as the checks build them (a short warm-up: tests/tiny_variants.py), each served."""
+    if BACKGROUND.has("build:hybrid"):
+        BACKGROUND.result("build:hybrid", timeout_s=1800)
+    with serving({v: str(build_check_variant(v)) for v in VARIANTS}, server_logs / "check") as servers:
+        yield servers
+
+
+@pytest.fixture(params=VARIANTS)
+def served(request: pytest.FixtureRequest, check_servers: dict[str, Served]) -> Served:
+    return check_servers[request.param]
+
+
+@pytest.fixture(scope="module")
+def tuned_servers(server_logs: Path) -> Iterator[dict[str, Served]]:
+    """The variants as users get them (``tiny:<variant>``, the tuned warm-up), for the learning runs."""
+    with serving({v: str(build_tiny_model(variant=v)) for v in VARIANTS}, server_logs / "tuned") as servers:
+        yield servers
+
+
+@pytest.fixture(params=VARIANTS)
+def served_tuned(request: pytest.FixtureRequest, tuned_servers: dict[str, Served]) -> Served:
+    return tuned_servers[request.param]
 
 
 def test_server_options_come_from_the_model(served: Served) -> None:
@@ -221,7 +263,8 @@ MARGIN = 0.15
 
 @pytest.mark.long
 @pytest.mark.slow
-def test_variant_learns_on_its_server(served: Served, tmp_path: Path) -> None:
+def test_variant_learns_on_its_server(served_tuned: Served, tmp_path: Path) -> None:
+    served = served_tuned
     from flows.cli import DEMO_TRAINER
     from grpo_core.rewards import accuracy_reward, format_reward
     from grpo_core.tiny import arithmetic_dataset

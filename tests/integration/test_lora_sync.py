@@ -4,7 +4,8 @@
 a merged sync the base name's log-probs do; (b) the registered versions never exceed the window and
 an old-version request in flight during syncs completes under its version; (c) the rollout loop
 names the newest adapter and its samples carry that version; (d) the start-up checks fail with the
-restart command when ``--max-loras`` or ``--max-lora-rank`` is too small (a second, small server).
+restart command when ``--max-loras`` or ``--max-lora-rank`` is too small (the shared server's limits against a
+larger adapter and a longer version window).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from grpo_core.distributed import DistInfo
 from grpo_core.models.loading import load_policy
 from grpo_core.models.lora import apply_lora
 from grpo_core.rollout.client import VLLMControlClient
-from grpo_core.server import VLLMServer, VLLMServerSpec
 from grpo_core.server_checks import ServerConfigError
 from grpo_core.sync.factory import SyncSetup, make_weight_sync
+from tests.conftest import SHARED_MAX_LORA_RANK, SHARED_MAX_LORAS
 
 pytestmark = pytest.mark.integration
 
@@ -328,41 +329,34 @@ def test_rollout_samples_carry_the_adapter_version_they_were_sampled_from(vllm_s
 
 
 # ---- (d) start-up checks -----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def small_lora_server(tiny_model_path, server_logs):
-    """A second server whose LoRA limits are too small: only the start-up check test needs it."""
-    spec = VLLMServerSpec(model=tiny_model_path, enable_lora=True, max_loras=2, max_lora_rank=8)
-    server = VLLMServer(spec, server_logs / "small-lora")
-    server.start(timeout_s=900)
-    yield server
-    server.stop()
-
-
-def test_startup_checks_name_the_flags_and_the_restart_command(small_lora_server, tiny_model_path, tmp_path):
-    url = small_lora_server.base_url
+def test_startup_checks_name_the_flags_and_the_restart_command(vllm_server, tiny_model_path, tmp_path):
+    # The session server's limits (--max-lora-rank 16, --max-loras 6) against an adapter and a version
+    # window that each exceed one of them.
+    url = vllm_server.base_url
     control = VLLMControlClient(url)
     try:
-        # Rank 16 adapter, window fits (max_staleness 0 needs 2 adapters).
+        # Rank 32 adapter, window fits (max_staleness 0 needs 2 adapters).
         args = lora_args(url, tmp_path, max_staleness=0)
+        with pytest.raises(ServerConfigError) as err:
+            make_weight_sync(trainer_of(lora_policy(tiny_model_path, r=32), tiny_model_path, args, r=32), control)
+        message = str(err.value)
+        assert f"--max-lora-rank {SHARED_MAX_LORA_RANK} is below the adapter's rank 32" in message
+        assert f"--max-loras {SHARED_MAX_LORAS} is below" not in message
+        assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" in message and "--max-lora-rank 32" in message
+
+        # Rank 16 fits, the window does not (max_staleness 5 needs 7 adapters).
+        args = lora_args(url, tmp_path, max_staleness=SHARED_MAX_LORAS - 1)
         with pytest.raises(ServerConfigError) as err:
             make_weight_sync(trainer_of(lora_policy(tiny_model_path, r=16), tiny_model_path, args, r=16), control)
         message = str(err.value)
-        assert "--max-lora-rank 8 is below the adapter's rank 16" in message
-        assert "--max-loras 2 is below" not in message
-        assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" in message and "--max-lora-rank 16" in message
-
-        # Rank 8 fits, the window does not (max_staleness 1 needs 3 adapters).
-        args = lora_args(url, tmp_path, max_staleness=1)
-        with pytest.raises(ServerConfigError) as err:
-            make_weight_sync(trainer_of(lora_policy(tiny_model_path, r=8), tiny_model_path, args, r=8), control)
-        message = str(err.value)
-        assert "--max-loras 2 is below max_staleness + 2 = 3" in message
-        assert "--max-lora-rank 8 is below" not in message
-        assert "--max-loras 3" in message and f"--model {tiny_model_path}" in message
+        window = SHARED_MAX_LORAS + 1
+        assert f"--max-loras {SHARED_MAX_LORAS} is below max_staleness + 2 = {window}" in message
+        assert f"--max-lora-rank {SHARED_MAX_LORA_RANK} is below" not in message
+        assert f"--max-loras {window}" in message and f"--model {tiny_model_path}" in message
 
         # Asked for merged sync, the limits do not matter.
-        args = lora_args(url, tmp_path, max_staleness=1, lora_sync_mode="merged")
-        sync = make_weight_sync(trainer_of(lora_policy(tiny_model_path, r=16), tiny_model_path, args, r=16), control)
+        args = lora_args(url, tmp_path, max_staleness=SHARED_MAX_LORAS - 1, lora_sync_mode="merged")
+        sync = make_weight_sync(trainer_of(lora_policy(tiny_model_path, r=32), tiny_model_path, args, r=32), control)
         assert sync.mode == "merged"
         sync.close()
     finally:

@@ -1,7 +1,7 @@
-"""The multi-host settings (issue 15), shown on one machine with loopback addresses as hosts.
+"""The multi-host settings, shown on one machine with loopback addresses as hosts.
 
-One CPU vLLM server of the tiny model is started for this module, bound to 127.0.0.2 (not the
-session server's 127.0.0.1), and every test here uses it:
+The session's CPU vLLM server of the tiny model is bound to 127.0.0.2 (``SESSION_SERVER_HOST`` in
+tests/conftest.py), not the 127.0.0.1 the trainers use, and every test here uses it:
 
 (a) **Default rendezvous address.** A trainer given no ``weight_transfer_address`` builds its weight
 sync the trainer's way (``make_weight_sync``): the address the server dials back is the one the
@@ -25,10 +25,8 @@ rank and process group, and rank 0's weight sync dials the server on 127.0.0.2.
 this gloo server, before any weight moves, with a message naming both backends and the command
 that starts a matching server.
 
-Cost, measured in two passing runs on the 2-core development machine while other sessions ran their
-own vLLM servers and suites beside it (load average 7-23): the module's server start 155-541 s,
-(a) 24-39 s, (b) 87-154 s (two torchrun nodes, 2 steps, a checkpoint), (c) 2-3 s; the module
-4.6-12.4 min in all, of which everything but the server start is 2.0-3.4 min.
+Cost on the 2-core machine: no server start of its own (the session's); (a) ~25 s, (b) ~90 s (two
+torchrun nodes, 2 steps, a checkpoint), (c) ~3 s.
 
     .venv/bin/python -m pytest -m integration tests/integration/test_multi_node.py
 """
@@ -48,12 +46,13 @@ import torch
 
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rollout.client import VLLMControlClient
-from grpo_core.server import VLLMServer, VLLMServerSpec, free_port
+from grpo_core.server import free_port
+from tests.conftest import SESSION_SERVER_HOST
 from tests.integration.test_async_loop import server_logprobs, trainer_logprobs
 
 pytestmark = pytest.mark.integration
 
-SECOND_HOST = "127.0.0.2"
+SECOND_HOST = SESSION_SERVER_HOST
 STEPS = 2
 NODE_TIMEOUT_S = 600.0
 TOKENS = list(range(5, 37))
@@ -64,17 +63,10 @@ SAME_WEIGHTS = 1e-4
 
 
 @pytest.fixture(scope="module")
-def second_host_server(tiny_model_path, tmp_path_factory):
-    """A CPU vLLM server of the tiny model on 127.0.0.2, stopped by its process group at the end."""
-    spec = VLLMServerSpec(model=tiny_model_path, host=SECOND_HOST, max_model_len=512, max_logprobs=20)
-    server = VLLMServer(spec, tmp_path_factory.mktemp("second-host-server"))
-    server.start(timeout_s=900)
-    # The server's CPU worker shares the cores with the in-process trainer (see tests/conftest.py).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, torch.get_num_threads() // 2))
-    yield server
-    torch.set_num_threads(threads)
-    server.stop()
+def second_host_server(vllm_server):
+    """The session server, which listens on a loopback address other than the trainers' 127.0.0.1."""
+    assert vllm_server.spec.host == SECOND_HOST
+    return vllm_server
 
 
 def routed_source_address(host: str, port: int) -> str:
