@@ -1,18 +1,19 @@
 """An external vLLM server killed and restarted on the same port mid-run (``server.managed: false``).
 
-The test starts its own CPU vLLM server on a fixed port and runs a trainer against it; once the run
-trains samples drawn after its first push, a thread kills the server's process group with SIGKILL
-and starts a new server on the same port, from outside the trainer, while a poller records the
-server's ``/weight_info`` throughout. The new server comes back on its disk weights under the weight
-version ``"default"``.
+The test runs a trainer against the session's CPU vLLM server; once the run trains samples drawn after
+its first push, a thread kills the server's process group with SIGKILL and starts it again with the
+same command on the same port, from outside the trainer, while a poller records the server's
+``/weight_info`` throughout. The new server comes back on its disk weights under the weight version
+``"default"``, and it stays the session's server for the tests after this one (every trainer pushes
+its own weights when it starts).
 
 It must show: the run finishes; the restarted server reported ``"default"`` until the trainer pushed
 again; no trained sample carries a version the trainer never pushed (the ledger lists each step's
 sample versions, so a ``"default"`` sample would appear as -1); the re-push is logged (the trainer's
 log, ``sync/server_restarts`` in MLflow and the ledger count the flow's summary reads).
 
-Cost: two vLLM starts of the tiny model (about 1-2 min each on an idle 2-core machine; 3-5 min
-each on a loaded one) and a 40-step run of a few seconds per step.
+Cost: one vLLM start of the tiny model (the restart: about 1-2 min on an idle 2-core machine, 3-5 min on
+a loaded one) and a 40-step run of a few seconds per step.
 
     .venv/bin/python -m pytest -q tests/integration/test_server_restart.py
 """
@@ -34,7 +35,7 @@ from grpo_core.checkpoint import ledger_summary, read_ledger
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rewards import accuracy_reward, format_reward
 from grpo_core.rollout.stages import UNKNOWN_VERSION
-from grpo_core.server import VLLMServer, VLLMServerSpec, free_port
+from grpo_core.server import VLLMServer
 from grpo_core.tiny import arithmetic_dataset
 from grpo_core.trainer import AsyncGRPOTrainer
 
@@ -75,6 +76,7 @@ class Restart:
     kill_after_step: int = 0
     killed_at: float = 0.0
     serving_again_at: float = 0.0
+    log_offset: int = 0
     error: BaseException | None = None
 
 
@@ -87,8 +89,7 @@ def fresh_samples_trained(output_dir: str) -> bool:
     return any(max(r["versions"], default=0) >= 1 for r in steps)
 
 
-def kill_and_restart(server: VLLMServer, spec: VLLMServerSpec, log_dir, trainer: AsyncGRPOTrainer,
-                     out: Restart, holder: list[VLLMServer]) -> None:
+def kill_and_restart(server: VLLMServer, trainer: AsyncGRPOTrainer, out: Restart) -> None:
     try:
         while not fresh_samples_trained(trainer.args.output_dir):
             time.sleep(0.2)
@@ -103,21 +104,17 @@ def kill_and_restart(server: VLLMServer, spec: VLLMServerSpec, log_dir, trainer:
         server.process.wait()
         out.killed_at = time.time()
         server.process = None
-        restarted = VLLMServer(spec, log_dir)  # the same port: the trainer's URL does not change
-        holder.append(restarted)
-        restarted.start(timeout_s=START_TIMEOUT_S)
+        out.log_offset = server.log_path.stat().st_size  # the restart appends to the same log
+        server.start(timeout_s=START_TIMEOUT_S)  # the same command and port: the trainer's URL does not change
         out.serving_again_at = time.time()
     except BaseException as exc:  # noqa: BLE001 - reported by the test
         out.error = exc
 
 
-def test_trainer_repushes_to_a_restarted_external_server(tiny_model_path, mlflow_server, tmp_path, monkeypatch, caplog):
+def test_trainer_repushes_to_a_restarted_external_server(vllm_server, tiny_model_path, mlflow_server, tmp_path,
+                                                         monkeypatch, caplog):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
-    port = free_port()
-    spec = VLLMServerSpec(model=tiny_model_path, max_model_len=512, max_logprobs=20, port=port)
-    server = VLLMServer(spec, tmp_path / "server-1")
-    servers = [server]
-    server.start(timeout_s=START_TIMEOUT_S)
+    server = vllm_server
     config = AsyncGRPOConfig(
         output_dir=str(tmp_path / "run"), vllm_server_base_url=server.base_url, report_to="mlflow",
         run_name="server-restart", max_steps=MAX_STEPS, learning_rate=1e-4, num_generations=4,
@@ -134,8 +131,7 @@ def test_trainer_repushes_to_a_restarted_external_server(tiny_model_path, mlflow
     poller = VersionPoller(server.base_url)
     restart = Restart()
     threads = [threading.Thread(target=poller.run, daemon=True),
-               threading.Thread(target=kill_and_restart, args=(server, spec, tmp_path / "server-2", trainer, restart, servers),
-                                daemon=True)]
+               threading.Thread(target=kill_and_restart, args=(server, trainer, restart), daemon=True)]
     caplog.set_level(logging.INFO, logger="grpo_core")
     try:
         for thread in threads:
@@ -145,9 +141,7 @@ def test_trainer_repushes_to_a_restarted_external_server(tiny_model_path, mlflow
         train_s = time.monotonic() - started
     finally:
         poller.stop()
-        threads[1].join(timeout=10)
-        for s in servers:
-            s.stop()
+        threads[1].join(timeout=START_TIMEOUT_S if server.process is None else 10)
     assert restart.error is None, f"the restart from outside failed: {restart.error}"
     print(f"trained {len(history)} steps in {train_s:.0f} s; killed after step {restart.kill_after_step}; the server "
           f"was down {restart.serving_again_at - restart.killed_at:.0f} s")
@@ -182,7 +176,9 @@ def test_trainer_repushes_to_a_restarted_external_server(tiny_model_path, mlflow
     summary = ledger_summary(config.output_dir)
     assert summary["server_restarts"] == 1  # what the flow's summary reports
     # Generations the restarted server finished before the re-push paused it: wholly on disk weights.
-    log_lines = (tmp_path / "server-2" / "vllm_server.log").read_text(errors="replace").splitlines()
+    with open(server.log_path, "rb") as log:
+        log.seek(restart.log_offset)
+        log_lines = log.read().decode(errors="replace").splitlines()
     first_pause = next(i for i, line in enumerate(log_lines) if "POST /pause" in line)
     on_disk_weights = sum('"POST /inference/v1/generate' in line for line in log_lines[:first_pause])
     print(f"restarted server: {on_disk_weights} generations finished on its disk weights before the re-push; "
