@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from grpo_core.server import VLLMServer, VLLMServerSpec, free_port
+from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec, free_port
 
 SHARED_MAX_LORAS = 6
 SHARED_MAX_LORA_RANK = 16

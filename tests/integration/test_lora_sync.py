@@ -20,13 +20,13 @@ import torch
 from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
 
 from grpo_core.config import AsyncGRPOConfig
-from grpo_core.distributed import DistInfo
 from grpo_core.models.loading import load_policy
 from grpo_core.models.lora import apply_lora
-from grpo_core.rollout.client import VLLMControlClient
-from grpo_core.server import VLLMServer, VLLMServerSpec
-from grpo_core.server_checks import ServerConfigError
 from grpo_core.sync.factory import SyncSetup, make_weight_sync
+from grpo_core.training.distributed import DistInfo
+from grpo_core.vllm_server.checks import ServerConfigError
+from grpo_core.vllm_server.control import VLLMControlClient
+from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec
 
 pytestmark = pytest.mark.integration
 
