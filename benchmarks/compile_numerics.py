@@ -50,13 +50,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fsdp_mfu import SHAPES, build_model, lengths, make_samples  # noqa: E402 - the MFU benchmark's workload
 
 from grpo_core.config import AsyncGRPOConfig  # noqa: E402
-from grpo_core.distributed import DistInfo, init_distributed  # noqa: E402
-from grpo_core.loss import LossConfig, LossInputs, grpo_loss  # noqa: E402
-from grpo_core.models import tree_attention as ta  # noqa: E402
+from grpo_core.models.attention import tree as ta  # noqa: E402
 from grpo_core.models.fsdp import FSDPSettings, full_value, shard_policy  # noqa: E402
-from grpo_core.models.logprob_head import row_logprobs  # noqa: E402
+from grpo_core.packing.collator import pack_row  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
-from grpo_core.perf import synchronize  # noqa: E402
+from grpo_core.training.distributed import DistInfo, init_distributed  # noqa: E402
+from grpo_core.training.forward import row_logprobs  # noqa: E402
+from grpo_core.training.loss import LossConfig, LossInputs, grpo_loss  # noqa: E402
+from grpo_core.training.perf import synchronize  # noqa: E402
 from bench_io import write_report  # noqa: E402
 
 CANDIDATES = (("eager", "none"), ("eager_repeat", "none"), ("pointwise", "pointwise"), ("layers", "layers"))
@@ -71,7 +72,7 @@ def plan_rows(args, device: torch.device):
     budget = 256 if args.smoke else args.budget
     samples = make_samples(8 * args.rows, 8, *lengths(args, budget), SHAPES[shape]["vocab_size"], seed=budget)
     plan = plan_step(samples, world_size=1, gradient_accumulation_steps=args.rows, token_budget=budget)
-    rows = [r.pack().to(device) for r in plan.rows]
+    rows = [pack_row(r).to(device) for r in plan.rows]
     return rows, sum(r.num_trained_tokens for r in plan.rows), plan.metrics()
 
 

@@ -9,7 +9,7 @@ core. A trainer whose forward/backward takes longer than alone while its own CPU
 waiting for a core; one whose CPU time grows is doing more work (or spinning).
 
 Placements (``--placements``): ``none`` (as the flow ran before: nothing pinned) and the names in
-``grpo_core.cpu_placement`` (``embedded``: the trainer alone on its core(s), the server and the rollout worker on
+``grpo_core.vllm_server.cpu_placement`` (``embedded``: the trainer alone on its core(s), the server and the rollout worker on
 the rest).
 
     .venv/bin/python benchmarks/cpu_share.py --steps 30 --out benchmarks/results/cpu_share.json
@@ -158,7 +158,7 @@ def run_contender(name: str, spec: dict[str, Any], work: Path, sampler: Sampler,
     cmd = [peer_trl._python_for(name), str(ROOT / "benchmarks" / "peer_trl.py"), "--contender", name, "--spec",
            str(spec_path), "--out", str(out)]
     env = {**peer_trl._contender_env(name), **env_extra}
-    from grpo_core.cpu_placement import forked_on
+    from grpo_core.vllm_server.cpu_placement import forked_on
 
     with open(work / f"{name}.log", "wb") as log, forked_on(trainer_cores):
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
@@ -213,9 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_share.json"))
     args = parser.parse_args(argv)
 
-    from grpo_core.cpu_placement import embedded_placement
-    from grpo_core.server import VLLMServer, VLLMServerSpec
     from grpo_core.tiny import build_tiny_model
+    from grpo_core.vllm_server.cpu_placement import embedded_placement
+    from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec
 
     model_path = str(build_tiny_model())
     spec = {"model_path": model_path, "steps": args.steps, "snapshot_steps": [], "num_train": 2000, "num_eval": 16,

@@ -3,11 +3,11 @@
 Each configuration (token budget, activation checkpointing, pointwise compile) trains the same way
 the trainer does: the policy is sharded by ``grpo_core.models.fsdp.shard_policy`` (bf16 compute,
 fp32 master weights, fp32 gradient sums), every rank forwards its planned row of each micro-batch
-through tree attention, the GRPO loss of ``grpo_core.loss`` is backpropagated, then gradients are
+through tree attention, the GRPO loss of ``grpo_core.training.loss`` is backpropagated, then gradients are
 clipped and AdamW steps. Reported per configuration (medians over the timed steps):
 
 * MFU on the forward+backward time base and on the full step (optimizer included), with the FLOP
-  formula of ``grpo_core.perf`` over the rows actually planned, against the device's dense bf16 peak;
+  formula of ``grpo_core.training.perf`` over the rows actually planned, against the device's dense bf16 peak;
 * forwarded tokens per second, and peak allocated device memory against ``token_budget``.
 
 Then one full weight-sync gather: every parameter gathered with ``full_tensor()`` one decoder layer
@@ -39,16 +39,18 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from grpo_core.distributed import init_distributed  # noqa: E402
 from grpo_core.config import AsyncGRPOConfig  # noqa: E402
-from grpo_core.loss import LossConfig, LossInputs, grpo_loss, token_logprobs  # noqa: E402
-from grpo_core.models import tree_attention as ta  # noqa: E402
+from grpo_core.models.attention import tree as ta  # noqa: E402
 from grpo_core.models.fsdp import FSDPSettings, iter_full_layers, shard_policy  # noqa: E402
-from grpo_core.models.logprob_head import row_logprobs, vocab_size  # noqa: E402
-from grpo_core.distributed import DistInfo  # noqa: E402
+from grpo_core.models.head.lm_head import vocab_size  # noqa: E402
+from grpo_core.models.head.reference import token_logprobs  # noqa: E402
+from grpo_core.packing.collator import pack_row  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
-from grpo_core.perf import ModelFlops, device_peak_flops, synchronize  # noqa: E402
 from grpo_core.rollout.types import RolloutSample  # noqa: E402
+from grpo_core.training.distributed import DistInfo, init_distributed  # noqa: E402
+from grpo_core.training.forward import row_logprobs  # noqa: E402
+from grpo_core.training.loss import LossConfig, LossInputs, grpo_loss  # noqa: E402
+from grpo_core.training.perf import ModelFlops, device_peak_flops, synchronize  # noqa: E402
 from bench_io import write_report  # noqa: E402
 
 SHAPES = {  # Qwen3 dense shapes (config.json of the public checkpoints)
@@ -152,7 +154,7 @@ def run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, 
     plan_world = 1 if args.same_rows else world
     plan = plan_step(samples, world_size=plan_world, gradient_accumulation_steps=args.rows_per_rank, token_budget=budget)
     plan_s = time.perf_counter() - t0
-    rows = [r.pack().to(device) for r in plan.rows_for_rank(0 if args.same_rows else info.rank)]
+    rows = [pack_row(r).to(device) for r in plan.rows_for_rank(0 if args.same_rows else info.rank)]
     all_rows = plan.rows * (world // plan_world)
     num_trained = sum(r.num_trained_tokens for r in all_rows)
     step_flops = flops_model.rows_flops(all_rows)
@@ -211,7 +213,7 @@ def compile_check(args, shape, device, info, budget: int, mode: str) -> dict:
     """Loss and gradients of one step's first row: eager twice (the kernels' own noise) vs compiled."""
     samples = make_samples(8, 8, *lengths(args, budget), SHAPES[shape]["vocab_size"], seed=budget)
     plan = plan_step(samples, world_size=dist.get_world_size(), gradient_accumulation_steps=1, token_budget=budget)
-    row = plan.rows_for_rank(info.rank)[0].pack().to(device)
+    row = pack_row(plan.rows_for_rank(info.rank)[0]).to(device)
     trained = sum(r.num_trained_tokens for r in plan.rows)
     runs = []
     for compiled in ("none", "none", mode):
@@ -268,9 +270,9 @@ def feed_cost(world: int, budget: int, rows_per_rank: int) -> dict:
     """What ``StepFeed`` ships per step: pickled bytes, pickle/unpickle and trie-rebuild time (CPU only)."""
     import pickle
 
-    from grpo_core.collector import StepBatch
-    from grpo_core.distributed import rebuild_batch, step_message
     from grpo_core.packing.planner import Planner
+    from grpo_core.training.collector import StepBatch
+    from grpo_core.training.distributed import rebuild_batch, step_message
 
     class Args:
         smoke = False
@@ -304,7 +306,7 @@ def main() -> None:
     ap.add_argument("--configs", default="16384:noac,16384:ac,32768:ac,65536:ac",
                     help="budget:ac|noac[:pointwise|:layers][:keep][:chunkN|:chunkauto][:attn=NAME][:plan=NAME]"
                          "[:reference], comma-separated (keep: no reshard after forward; chunk: "
-                         "AsyncGRPOConfig.logprob_chunk_size; reference: the log-prob head without fused_logprobs; "
+                         "AsyncGRPOConfig.logprob_chunk_size; reference: the reference log-prob head, not the fused one; "
                          "attn: AsyncGRPOConfig.attention_backend, else --attention-backend; plan: "
                          "AsyncGRPOConfig.tree_attention_plan, else auto)")
     ap.add_argument("--attention-backend", default="auto", help="tree attention backend (AsyncGRPOConfig names)")

@@ -1,6 +1,6 @@
 """The backward of a tree row's K/V gather: summing the gradient copies of shared rows in fp32, three ways.
 
-A tree row gathers its K/V along every root-to-segment path (``tree_gather._GatherRows``): ``K``
+A tree row gathers its K/V along every root-to-segment path (``models.attention.gather._GatherRows``): ``K``
 gathered rows from ``U`` row positions, a prompt's rows copied once per path through it. Backward adds
 each copy's gradient back to its source row, in fp32 so that 16 copies round once, not 15 times.
 Timed side by side on one GPU, at the shape of the Qwen3-1.7B ratio-6 row of benchmarks/README.md

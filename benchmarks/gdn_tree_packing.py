@@ -3,7 +3,7 @@
 The same comparison as ``benchmarks/tree_packing.py`` (same workloads, planner and loss heads), on a
 hybrid of 3 Gated DeltaNet layers to 1 attention layer at about 2B parameters with random weights.
 In a tree row every Gated DeltaNet segment starts from its parent's final state and its short
-convolution reads its parent's last tokens (``grpo_core.models.gated_delta``); segments of one depth
+convolution reads its parent's last tokens (``grpo_core.models.attention.gated_delta``); segments of one depth
 run as one varlen call of the selected backend.
 
 Modes: ``fwd`` times forward passes only (no graph kept); ``fwd+bwd`` adds the backward pass and
@@ -36,9 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import tree_packing as tp  # noqa: E402
 
-from grpo_core.models import gated_delta as gd  # noqa: E402
-from grpo_core.models import tree_attention as ta  # noqa: E402
-from grpo_core.models.hybrid import install_gated_delta  # noqa: E402
+from grpo_core.models.attention import gated_delta as gd  # noqa: E402
+from grpo_core.models.attention import tree as ta  # noqa: E402
+from grpo_core.models.attention.hybrid import install_gated_delta  # noqa: E402
+from grpo_core.packing.collator import pack_row  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
 from bench_io import write_report  # noqa: E402
 
@@ -170,7 +171,7 @@ def main() -> None:
         for mode in ("flat", "tree"):
             plan = plan_step(samples, world_size=1, gradient_accumulation_steps=10**6, token_budget=budget,
                              flat=mode == "flat")
-            rows = [r.pack().to(device) for r in plan.rows]
+            rows = [pack_row(r).to(device) for r in plan.rows]
             assert not plan.leftover and plan.dropped_too_long == 0
             trained = sum(r.num_trained for r in rows)
             modes[mode] = (rows, trained)

@@ -1,5 +1,5 @@
-"""The trainer's log-prob head alone: fused (``grpo_core.models.fused_logprobs``) against the reference
-(autograd through ``grpo_core.loss``), dense and in chunks, side by side in one run.
+"""The trainer's log-prob head alone: fused (``grpo_core.models.head.fused``) against the reference
+(autograd through ``grpo_core.training.loss``), dense and in chunks, side by side in one run.
 
 One row's trained tokens: hidden states ``[T, d]`` and an LM head ``[V, d]`` (bf16 on the GPU), the log-probs of
 sampled ids (and optionally of ``N`` top ids), a GRPO-like weighted sum, backward to hidden and weight. Per
@@ -27,8 +27,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from grpo_core.config import AUTO_CHUNK_LOGITS  # noqa: E402
-from grpo_core.loss import head_token_logprobs, token_logprobs  # noqa: E402
-from grpo_core.models.fused_logprobs import fused_head_logprobs, fused_token_logprobs  # noqa: E402
+from grpo_core.models.head.fused import fused_head_logprobs, fused_token_logprobs  # noqa: E402
+from grpo_core.models.head.reference import head_token_logprobs, token_logprobs  # noqa: E402
 from bench_io import write_report  # noqa: E402
 
 VARIANTS = {  # name -> (fused, chunked)

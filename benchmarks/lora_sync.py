@@ -40,11 +40,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from grpo_core.config import AsyncGRPOConfig  # noqa: E402
-from grpo_core.distributed import DistInfo  # noqa: E402
 from grpo_core.models.loading import load_policy  # noqa: E402
 from grpo_core.models.lora import adapter_state, apply_lora  # noqa: E402
-from grpo_core.rollout.client import VLLMControlClient  # noqa: E402
 from grpo_core.sync.factory import SyncSetup, make_weight_sync  # noqa: E402
+from grpo_core.training.distributed import DistInfo  # noqa: E402
+from grpo_core.vllm_server.control import VLLMControlClient  # noqa: E402
 from bench_io import write_report  # noqa: E402
 
 SEVEN_B = dict(  # Qwen2.5-7B config.json
@@ -189,8 +189,8 @@ def main() -> None:
     # A terminated run still stops the server it started (its process group outlives us otherwise).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    from grpo_core.server import VLLMServer, VLLMServerSpec
     from grpo_core.tiny import build_tiny_model
+    from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec
 
     model_path = str(build_tiny_model())
     work = tempfile.mkdtemp(prefix="lora-sync-bench-")

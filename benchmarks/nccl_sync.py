@@ -217,7 +217,7 @@ def bandwidth(comm: Any, url: str, nbytes: int, iters: int, device: torch.device
 
 def run_trainer(args) -> None:
     from grpo_core.models.fsdp import FSDPSettings, shard_policy
-    from grpo_core.rollout.client import VLLMControlClient
+    from grpo_core.vllm_server.control import VLLMControlClient
 
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     if args.smoke:

@@ -15,7 +15,7 @@ with one sampler for all (``grpo_core.tiny.evaluate.sampled_eval``: temperature 
 ``max_completion_length`` new tokens, the same seed), so accuracy is plotted against each run's own wall
 clock (from ``train()`` to the end of the step). A contender that cannot run on this CPU build is
 reported with the exact error that stopped it. The server and our contenders share the cores as the flow's
-local provisioner places them (``grpo_core.cpu_placement``; on two cores our trainer alone on core 1, the server
+local provisioner places them (``grpo_core.vllm_server.cpu_placement``; on two cores our trainer alone on core 1, the server
 and the rollout worker on core 0); ``--cpu-placement off`` leaves them to the scheduler.
 
     bash benchmarks/peer_trl_env.sh
@@ -241,9 +241,9 @@ class GlooWeightTransfer:
         self.version = 0
 
     def init_weight_transfer(self) -> None:
-        from grpo_core.rollout.client import VLLMControlClient
         from grpo_core.sync.protocol import ProtocolWeightSync
         from grpo_core.sync.source import ModelWeightSource
+        from grpo_core.vllm_server.control import VLLMControlClient
 
         self.control = VLLMControlClient(self.base_url, timeout=600)
         self.sync = ProtocolWeightSync(self.control, ModelWeightSource(self.model), backend="gloo")
@@ -318,7 +318,7 @@ def run_trl_async(spec: dict[str, Any], out: Path) -> dict[str, Any]:
 def _trl_async_probes(spec: dict[str, Any]) -> list[dict[str, str]]:
     import threading
 
-    from grpo_core.server import free_port
+    from grpo_core.vllm_server.process import free_port
 
     probes = []
     # 1. The trainer side of TRL's default transfer, exactly as WeightTransferClient.init_weight_transfer calls it.
@@ -408,7 +408,7 @@ def _contender_env(name: str, placement: Any = None) -> dict[str, str]:
         if placement is not None:
             env.update(placement.trainer_environment())
     if name == "trl_sync":
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # as the server gets (grpo_core.server.ServerOptions.kv_cache_gib)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # as the server gets (grpo_core.vllm_server.process.ServerOptions.kv_cache_gib)
     return env
 
 
@@ -416,7 +416,7 @@ def run_one(name: str, spec: dict[str, Any], work: Path, round_index: int, timeo
             placement: Any = None) -> dict[str, Any]:
     """One contender in a subprocess; ours start on the placement's trainer cores, as the flow starts a trainer
     beside a CPU server it placed (TRL's are never placed: its synchronous trainer uses no server)."""
-    from grpo_core.cpu_placement import forked_on
+    from grpo_core.vllm_server.cpu_placement import forked_on
 
     placement = placement if name.startswith("ours") else None
     spec_path = work / "spec.json"
@@ -659,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per contender run")
     parser.add_argument("--cpu-placement", choices=("auto", "off"), default="auto",
                         help="split the cores between our trainer and the server it starts, as the flow does "
-                             "(grpo_core.cpu_placement; never with --server-url)")
+                             "(grpo_core.vllm_server.cpu_placement; never with --server-url)")
     parser.add_argument("--out", default=str(RESULTS / "peer_trl.json"))
     parser.add_argument("--plot", default=str(RESULTS / "peer_trl.png"))
     parser.add_argument("--table", help="print the README table of this result file and exit")
@@ -681,8 +681,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(n in ON_TRL_ENV for n in names):
         subprocess.run(["bash", str(ROOT / "benchmarks" / "peer_trl_env.sh")], check=True)
 
-    from grpo_core.server import VLLMServer, VLLMServerSpec
     from grpo_core.tiny import build_tiny_model
+    from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec
 
     model_path = str(build_tiny_model())
     snapshot_steps = sorted({*range(args.eval_every, args.steps + 1, args.eval_every), args.steps})
@@ -699,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
         elif any(n in NEEDS_SERVER for n in names):
             import torch
 
-            from grpo_core.cpu_placement import resolve_placement
+            from grpo_core.vllm_server.cpu_placement import resolve_placement
 
             placement = resolve_placement(args.cpu_placement, cuda=torch.cuda.is_available(), server_started_here=True)
             print(f"[peer_trl] cpu placement: {placement.describe() if placement else 'none'}", flush=True)

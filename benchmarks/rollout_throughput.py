@@ -120,7 +120,8 @@ async def run_shape(base_url: str, prompts: list[list[int]], shape: dict[str, An
     """Generate ``completions`` completions keeping ``in_flight`` in flight; tokens, wall and client CPU."""
     import httpx
 
-    from grpo_core.rollout.client import VLLMGenerateClient, parse_generate_choice
+    from grpo_core.rollout.generation import VLLMGenerateClient
+    from grpo_core.vllm_server.replies import parse_generate_choice
 
     client = VLLMGenerateClient(base_url, max_connections=1024, coalesce=shape.get("coalesce", False))
     raw = httpx.AsyncClient(base_url=base_url, timeout=600, limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024))
@@ -337,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.completions, args.rounds, args.reps = 256, 1, 4
 
-    from grpo_core.server import VLLMServer, VLLMServerSpec
     from grpo_core.tiny import build_tiny_model
+    from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec
 
     model_path = str(build_tiny_model())
     prompts = prompt_ids(model_path, 512)

@@ -43,13 +43,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from grpo_core.collector import StepBatch  # noqa: E402
 from grpo_core.config import AsyncGRPOConfig  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
 from grpo_core.rewards import accuracy_reward  # noqa: E402
-from grpo_core.rollout.stages import AsyncRolloutLoop  # noqa: E402
 from grpo_core.rollout.scheduler import END_OF_DATA, RolloutScheduler  # noqa: E402
+from grpo_core.rollout.stages import AsyncRolloutLoop  # noqa: E402
 from grpo_core.rollout.types import GroupReport, RolloutSample  # noqa: E402
+from grpo_core.training.collector import StepBatch  # noqa: E402
 from bench_io import write_report  # noqa: E402
 
 NUM_TOP = (0, 8, 20)
@@ -83,7 +83,7 @@ def generate(rows: list[dict[str, Any]], num_top: int, tokenizer: Any, url: str,
 
 def fixed_length_rate(url: str, prompts: list[list[int]], num_top: int, max_tokens: int, concurrency: int) -> float:
     """Generated tokens per second for ``len(prompts)`` fixed-length requests, ``concurrency`` at a time."""
-    from grpo_core.rollout.client import VLLMGenerateClient
+    from grpo_core.rollout.generation import VLLMGenerateClient
 
     async def run() -> int:
         client = VLLMGenerateClient(url, timeout=600)
@@ -132,9 +132,9 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from grpo_core.server import VLLMServer, VLLMServerSpec
     from grpo_core.tiny import arithmetic_dataset, build_tiny_model
-    from grpo_core.trainer import AsyncGRPOTrainer
+    from grpo_core.training.trainer import AsyncGRPOTrainer
+    from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     model_path = str(build_tiny_model())

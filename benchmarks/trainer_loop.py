@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from grpo_core.config import AsyncGRPOConfig  # noqa: E402
 from grpo_core.rollout.scheduler import END_OF_DATA  # noqa: E402
 from grpo_core.sync.base import SyncStats  # noqa: E402
-from grpo_core.trainer import AsyncGRPOTrainer  # noqa: E402
+from grpo_core.training.trainer import AsyncGRPOTrainer  # noqa: E402
 from bench_io import write_report  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -98,7 +98,7 @@ def record(args) -> None:
     from grpo_core.rewards import accuracy_reward, format_reward
     from grpo_core.tiny import arithmetic_dataset, build_tiny_model
 
-    from grpo_core.server import VLLMServer, VLLMServerSpec
+    from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec
 
     model_path = build_tiny_model()
     with tempfile.TemporaryDirectory() as out:
@@ -153,8 +153,8 @@ class ReceiverSync:
     mode = "full"
 
     def __init__(self, model: torch.nn.Module, url: str, rank: int, device: torch.device, bucket_mb: float):
-        from grpo_core.rollout.client import VLLMControlClient
         from grpo_core.sync.address import parse_port_range
+        from grpo_core.vllm_server.control import VLLMControlClient
         from nccl_sync import HarnessSource, TorchSender
 
         self.url = url if rank == 0 else None

@@ -14,7 +14,7 @@ On the GPU (results under benchmarks/results/):
 On a CPU, a smoke run with a tiny model (no timing claims): ``--smoke``.
 
 ``--kv-regather off,on`` times tree rows with the gathered K/V saved for backward and re-gathered in
-backward (``tree_attention.set_kv_regather``), side by side (``break``: with ``--compile-layers``, also
+backward (``models.attention.gather.set_kv_regather``), side by side (``break``: with ``--compile-layers``, also
 in compiled layers, through a graph break); ``--plan gather,split`` times the two plans of fused-kernel
 tree attention side by side (``AsyncGRPOConfig.tree_attention_plan``; the re-gather settings apply to
 ``gather`` only); ``--profile ratio~6`` adds a CUDA-kernel
@@ -41,10 +41,12 @@ import torch.utils.checkpoint
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from grpo_core.config import AUTO_CHUNK_LOGITS  # noqa: E402
-from grpo_core.models import tree_attention as ta  # noqa: E402
-from grpo_core.models.logprob_head import row_logprobs, vocab_size  # noqa: E402
+from grpo_core.models.attention import tree as ta  # noqa: E402
+from grpo_core.models.head.lm_head import vocab_size  # noqa: E402
+from grpo_core.packing.collator import pack_row  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
 from grpo_core.rollout.types import RolloutSample  # noqa: E402
+from grpo_core.training.forward import row_logprobs  # noqa: E402
 from bench_io import write_report  # noqa: E402
 
 SHAPES = {  # Qwen3 dense shapes (config.json of the public checkpoints)
@@ -117,8 +119,8 @@ TRAINER_HEADS = {  # name -> (fused, chunked): the trainer's own head (row_logpr
     "fused": (True, False), "fused_chunked": (True, True),
     "reference": (False, False), "reference_chunked": (False, True),
 }
-"""The trainer's log-prob head: ``fused`` (``fused_logprobs``, the default) or ``reference`` (autograd through
-``grpo_core.loss``); dense (the default at 16k rows) or ``_chunked`` (``AUTO_CHUNK_LOGITS`` per chunk, as
+"""The trainer's log-prob head: ``fused`` (``models.head.fused``, the default) or ``reference`` (autograd through
+``grpo_core.training.loss``); dense (the default at 16k rows) or ``_chunked`` (``AUTO_CHUNK_LOGITS`` per chunk, as
 ``logprob_chunk_size="auto"`` takes above 2^32 logits)."""
 
 
@@ -224,7 +226,7 @@ def exactness_check(model, device, dtype, vocab: int, seed: int = 1) -> dict:
         for mode in ("tree", "flat"):
             plan = plan_step(samples, world_size=1, gradient_accumulation_steps=1, token_budget=10**6,
                              flat=mode == "flat")
-            row = plan.rows[0].pack().to(device)
+            row = pack_row(plan.rows[0]).to(device)
             logits = model(**row.model_inputs(), logits_to_keep=row.logit_index).logits[0]
             out[mode] = torch.log_softmax(logits.float(), -1).gather(-1, row.target_ids[:, None])[:, 0]
             if mode == "tree":
@@ -269,7 +271,7 @@ GATHERED = "-gathered"  # a plan name's suffix: level calls on gathered queries 
 
 def register_plan(name: str, plan: str, device: torch.device, attention_kernel: str | None) -> str:
     """Register backend ``name`` with ``plan`` (``GATHERED`` suffix allowed) and return its label."""
-    from grpo_core.models import tree_split
+    from grpo_core.models.attention import split as tree_split
 
     gathered = plan.endswith(GATHERED)
     plan = plan.removesuffix(GATHERED)
@@ -285,7 +287,7 @@ def plan_check(row, shape: str, device: torch.device, dtype: torch.dtype, kernel
     emulated kernel, fp32 inputs): relative error norms of output and q/k/v gradients, per plan of backend
     ``kernel``; "split, merge in PyTorch ops" repeats the split plan without the Triton merge
     (that kernel's check)."""
-    from grpo_core.models import tree_split
+    from grpo_core.models.attention import split as tree_split
 
     s = SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
@@ -494,7 +496,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 plan = plan_step(samples, world_size=1, gradient_accumulation_steps=10**6, token_budget=budget,
                                  flat=mode == "flat")
-                rows = [r.pack() for r in plan.rows]
+                rows = [pack_row(r) for r in plan.rows]
                 cpu_s = time.perf_counter() - t0
                 assert not plan.leftover and plan.dropped_too_long == 0
                 rows = [r.to(device) for r in rows]

@@ -33,7 +33,7 @@ DEMO_TRAINER = {
 
 
 def _job_from_yaml(path: str, output_dir: str | None, server_url: str | None = None) -> "JobConfig":  # noqa: F821
-    from grpo_core.job import JobConfig
+    from grpo_core.launch.job import JobConfig
 
     data = yaml.safe_load(Path(path).read_text()) or {}
     if output_dir:
@@ -55,7 +55,7 @@ def _run(job) -> dict:  # noqa: ANN001
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from grpo_core.job import JobConfig
+    from grpo_core.launch.job import JobConfig
 
     out = str(Path(args.output_dir).absolute())
     trainer = {**DEMO_TRAINER, "output_dir": out}

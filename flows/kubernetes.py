@@ -29,7 +29,7 @@ import httpx
 import yaml
 
 from flows.provision import Provisioner, TrainingLaunch
-from grpo_core.server import VLLMServerSpec
+from grpo_core.vllm_server.process import VLLMServerSpec
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "infra" / "kubernetes"
 SERVER_PORT = 8000

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from grpo_core.cpu_placement import CpuPlacement, forked_on, resolve_placement
-from grpo_core.server import VLLMServer, VLLMServerSpec
+from grpo_core.vllm_server.cpu_placement import CpuPlacement, forked_on, resolve_placement
+from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class LocalProvisioner(Provisioner):
     """Child processes on this machine; the server and trainers are stopped with the flow.
 
     Without a GPU, the server it starts and the trainers that use it split the cores
-    (``ServerOptions.cpu_placement="auto"``, ``grpo_core.cpu_placement.embedded_placement``): the trainers alone on
+    (``ServerOptions.cpu_placement="auto"``, ``grpo_core.vllm_server.cpu_placement.embedded_placement``): the trainers alone on
     the top half, the server's processes and the rollout worker on the rest. Left to the scheduler, a one-thread
     trainer's forward/backward beside a generating server took 4x its time alone (``benchmarks/cpu_share.py``)."""
 

@@ -41,10 +41,10 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.progress import TrainingProgress, stage
 from flows.provision import LocalProvisioner, Provisioner, TrainingLaunch
-from grpo_core.job import JobConfig, import_string, resolve_dataset, resolve_model
-from grpo_core.models.serving import model_server_options
-from grpo_core.server import VLLMServerSpec
-from grpo_core.tracking import system_metrics
+from grpo_core.launch.job import JobConfig, import_string, resolve_dataset, resolve_model
+from grpo_core.tracking.tracker import system_metrics
+from grpo_core.vllm_server.model_needs import model_server_options
+from grpo_core.vllm_server.process import VLLMServerSpec
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def prepare_model(model: str) -> str:
 
 def server_spec(job: JobConfig, model_path: str, provisioner: Provisioner) -> VLLMServerSpec:
     """The managed server the job's trainer needs (its backend matches where the trainer will run), with
-    what the model needs of it (bf16 for Gated DeltaNet layers on CPU, no vision tower: ``models.serving``)."""
+    what the model needs of it (bf16 for Gated DeltaNet layers on CPU, no vision tower: ``vllm_server.model_needs``)."""
     cuda = provisioner.trains_on_gpu()
     options = model_server_options(model_path, job.server.options(), cuda)
     return VLLMServerSpec.for_run(model_path, job.trainer, options, cuda=cuda)
@@ -91,7 +91,7 @@ def evaluate(job: JobConfig, model_path: str, server_url: str, label: str) -> fl
         return None
     from transformers import AutoTokenizer
 
-    from grpo_core.evaluation import evaluate_on_server
+    from grpo_core.training.evaluation import evaluate_on_server
 
     data = resolve_dataset(job.dataset)
     if "eval" not in data:
@@ -112,7 +112,7 @@ def evaluate(job: JobConfig, model_path: str, server_url: str, label: str) -> fl
 
 @task(name="create-mlflow-run")
 def create_mlflow_run(job: JobConfig, tracking_uri: str, tags: dict[str, str]) -> str:
-    from grpo_core.tracking import MLflowTracker, run_identity, trainer_params
+    from grpo_core.tracking.tracker import MLflowTracker, run_identity, trainer_params
 
     job_dict = json.loads(job.model_dump_json())
     # Named <model>-<task>-<config hash> unless the job names it; tagged so runs of a recipe group.
@@ -132,10 +132,10 @@ def log_final_model(tracking_uri: str, run_id: str, registered_model_name: str |
     with ``mlflow.transformers.load_model``, registered under ``registered_model_name`` when given)."""
     import mlflow
 
-    from grpo_core import tracking
+    from grpo_core.tracking import tracker
 
     with stage("logging the final model to MLflow"):
-        uri = tracking.log_final_model(mlflow.MlflowClient(tracking_uri), run_id, registered_model_name)
+        uri = tracker.log_final_model(mlflow.MlflowClient(tracking_uri), run_id, registered_model_name)
     if uri is None:
         _logger().warning("the run has no checkpoint (save_strategy 'no'?): no final model logged")
     return uri
@@ -166,7 +166,7 @@ def train_attempt(provisioner: Provisioner, launch: TrainingLaunch, pid_file: st
 def server_usable(provisioner: Provisioner, base_url: str) -> bool:
     """The server process runs and its engine answers: a trainer killed during a weight sync can
     leave the API process up over a dead engine, which only a new server fixes."""
-    from grpo_core.rollout.client import VLLMControlClient
+    from grpo_core.vllm_server.control import VLLMControlClient
 
     if not provisioner.server_alive(base_url):
         return False
@@ -182,7 +182,7 @@ def local_run_dir(job: JobConfig) -> Path:
     folder under the temp dir named after the URL (object stores hold no logs that grow)."""
     from fsspec.implementations.local import LocalFileSystem
 
-    from grpo_core.checkpoint.storage import open_url
+    from grpo_core.storage.store import open_url
 
     fs, path = open_url(job.trainer.output_dir)
     out = Path(path) if isinstance(fs, LocalFileSystem) else (

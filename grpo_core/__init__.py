@@ -12,7 +12,7 @@ __all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout",
 
 _LOCATIONS = {
     "AsyncGRPOConfig": "grpo_core.config",
-    "AsyncGRPOTrainer": "grpo_core.trainer",
+    "AsyncGRPOTrainer": "grpo_core.training.trainer",
     "AsyncRolloutLoop": "grpo_core.rollout.stages",
     "Rollout": "grpo_core.rollout.types",
     "RolloutGroup": "grpo_core.rollout.types",
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from grpo_core.config import AsyncGRPOConfig
     from grpo_core.rollout.stages import AsyncRolloutLoop
     from grpo_core.rollout.types import Rollout, RolloutGroup, RolloutSample, TurnRecord
-    from grpo_core.trainer import AsyncGRPOTrainer
+    from grpo_core.training.trainer import AsyncGRPOTrainer
 
 
 def __getattr__(name: str) -> Any:

@@ -3,8 +3,8 @@
 Each field is declared here only: its type (``Literal`` choices, ``Field`` bounds), its default and
 its docstring. Everything else derives from that declaration: the checks at construction (pydantic
 validates each field, strictly, from the annotations), the job file and the Prefect parameter form
-(``grpo_core.job`` embeds this class; pydantic turns the docstrings into field descriptions), the
-vLLM server command (``grpo_core.server.VLLMServerSpec.for_run``) and the objective's own
+(``grpo_core.launch.job`` embeds this class; pydantic turns the docstrings into field descriptions), the
+vLLM server command (``grpo_core.vllm_server.process.VLLMServerSpec.for_run``) and the objective's own
 ``LossConfig``. Nothing is rewritten after construction: values that depend on others or on the
 device are computed by ``resolved_*`` methods.
 
@@ -34,7 +34,7 @@ LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
 """The values vLLM accepts as the server's largest LoRA rank (``ServerOptions.max_lora_rank``)."""
 
 AttentionBackendName = Literal["auto", "kernels", "flash_attn_cute", "torch_varlen", "aten_flash", "reference"]
-"""Kernels of tree attention (``grpo_core.models.attention_backends`` loads them and orders ``auto``'s choice)."""
+"""Kernels of tree attention (``grpo_core.models.attention.backends`` loads them and orders ``auto``'s choice)."""
 
 AUTO_DENSE_MAX_LOGITS = 2**32
 """``logprob_chunk_size="auto"``: a row whose trained tokens x vocabulary exceed this takes the chunked head
@@ -132,7 +132,7 @@ class AsyncGRPOConfig:
     attention_backend: AttentionBackendName = "auto"
     """Kernel of tree attention. ``auto``: the first that loads and passes a start-up probe on a small tree (output and
     gradients against the dense reference), in the order of the GPU type (``BACKEND_ORDER`` in
-    ``grpo_core/models/attention_backends.py``; Hopper and Blackwell: ``kernels``, ``flash_attn_cute``,
+    ``grpo_core/models/attention/backends.py``; Hopper and Blackwell: ``kernels``, ``flash_attn_cute``,
     ``torch_varlen``, ``aten_flash``), else ``reference``; each one passed over is logged with its reason. A name
     forces that kernel, and start-up fails, naming the fix, where it cannot run. ``kernels``: a FlashAttention build
     loaded with the ``kernels`` package (see ``attention_kernel``); ``flash_attn_cute``: FlashAttention-4
@@ -142,7 +142,7 @@ class AsyncGRPOConfig:
     tree_attention_plan: Literal["auto", "split", "gather"] = "auto"
     """How a fused kernel runs a tree row's attention. ``split``: one call for every segment's own tokens and one
     per ancestor depth (the queries below each ancestor against its keys), merged by log-sum-exp; no key is copied
-    per path, so nothing of the paths' length is computed or saved (``grpo_core/models/tree_split.py``). Needs a
+    per path, so nothing of the paths' length is computed or saved (``grpo_core/models/attention/split.py``). Needs a
     kernel with log-sum-exp entry points: ``flash_attn_cute``, ``torch_varlen``, ``aten_flash``. ``gather``: K/V
     copied along every root-to-segment path and one causal varlen call (any kernel; see ``tree_kv_regather``).
     ``auto``: per row, ``split`` where the row's paths hold at least 3 keys per token of the row

@@ -24,7 +24,7 @@ import httpx
 import pytest
 import torch
 
-from grpo_core.server import VLLMServer, VLLMServerSpec, free_port
+from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec, free_port
 from tests.startup import BACKGROUND, begin, order_items
 
 SERVER_LOGS = pytest.StashKey[Path]()

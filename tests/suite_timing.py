@@ -78,7 +78,7 @@ TIMES = SuiteTimes()
 def _wrap_start_and_build() -> None:
     """Time every in-process server start and tiny model build (the code runs unchanged inside)."""
     from grpo_core.tiny import build as tiny_build
-    from grpo_core.server import VLLMServer
+    from grpo_core.vllm_server.process import VLLMServer
 
     start = VLLMServer.start
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from grpo_core.advantages import STD_EPSILON, group_advantages, should_drop_group
+from grpo_core.rollout.advantages import STD_EPSILON, group_advantages, should_drop_group
 
 NAN = float("nan")
 

@@ -1,4 +1,4 @@
-"""Choosing the tree-attention kernel by device (``grpo_core/models/attention_backends.py``), on a CPU.
+"""Choosing the tree-attention kernel by device (``grpo_core/models/attention/backends.py``), on a CPU.
 
 The order per GPU type, the fallbacks and the errors are checked with fakes only for whether a
 kernel can be loaded (a CPU has none of them); the probe that guards the tree mask runs for real,
@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from grpo_core.config import AsyncGRPOConfig, AttentionBackendName, ConfigError, KernelRef, parse_kernel_ref
-from grpo_core.models import attention_backends as ab
-from grpo_core.models import tree_attention as ta
+from grpo_core.models.attention import backends as ab
+from grpo_core.models.attention import tree as ta
 
 
 def fake_attempt(available: set[str], calls: list[str]):
@@ -174,7 +174,7 @@ def test_select_backend_probes_each_kernel_and_keeps_the_tree_mask(monkeypatch):
 
 
 def test_fp32_training_on_a_gpu_gets_reference_or_a_named_error():
-    from grpo_core.models.tree_attention import backend_for_precision
+    from grpo_core.models.attention.tree import backend_for_precision
 
     # The fused kernels take bf16/fp16 only: auto falls back, a named kernel is refused at start-up.
     assert backend_for_precision("auto", "cuda", torch.float32) == "reference"

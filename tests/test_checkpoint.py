@@ -31,7 +31,7 @@ from grpo_core.checkpoint import (
 )
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rewards import accuracy_reward
-from grpo_core.trainer import AsyncGRPOTrainer
+from grpo_core.training.trainer import AsyncGRPOTrainer
 
 
 @pytest.fixture(scope="module")
@@ -269,7 +269,7 @@ def test_resume_never_unpickles_objects(model_path, train_rows, tmp_path):
 
 def test_iterable_dataset_resumes_at_the_saved_position(model_path, train_rows, tmp_path):
     # A stream cannot be indexed, but the position is kept: the resumed worker reads up to it
-    # (grpo_core.rollout.prompts, tested in tests/test_prompts.py).
+    # (grpo_core.data.prompts, tested in tests/test_prompts.py).
     out = tmp_path / "run"
     stream = train_rows.to_iterable_dataset()
     trainer = make_trainer(model_path, stream, out)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from grpo_core.collector import WeightVersions, StepCollector, TrainingFrontier
 from grpo_core.rollout.scheduler import END_OF_DATA
 from grpo_core.rollout.types import GroupReport, RolloutSample
+from grpo_core.training.collector import StepCollector, TrainingFrontier, WeightVersions
 
 
 def sample(position: int, version: int, n_prompt: int = 3, n_out: int = 2, group: int | None = None) -> RolloutSample:

@@ -13,8 +13,8 @@ import pytest
 from pydantic import TypeAdapter
 
 from grpo_core.config import TRL_COMPATIBILITY_ONLY, AsyncGRPOConfig, ConfigError, field_names
-from grpo_core.job import JobConfig, ServerParams, TrackingParams
-from grpo_core.server import ServerOptions, VLLMServerSpec
+from grpo_core.launch.job import JobConfig, ServerParams, TrackingParams
+from grpo_core.vllm_server.process import ServerOptions, VLLMServerSpec
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = [p for p in (REPO / "grpo_core").rglob("*.py")] + [p for p in (REPO / "flows").rglob("*.py")]
@@ -139,7 +139,7 @@ def test_the_job_form_carries_the_trainer_fields_with_their_docs_and_bounds():
 
 
 def test_the_loss_takes_its_settings_from_the_config():
-    from grpo_core.loss import LossConfig
+    from grpo_core.training.loss import LossConfig
 
     loss = LossConfig.from_config(AsyncGRPOConfig())
     assert loss.score_centering_weights == AsyncGRPOConfig().score_centering_weights
@@ -148,7 +148,7 @@ def test_the_loss_takes_its_settings_from_the_config():
         LossConfig()  # no defaults of its own to drift from the config's
 
 
-# vLLM's flags and variables, spelled only in grpo_core/server.py (one source for launches and messages).
+# vLLM's flags and variables, spelled only in grpo_core/vllm_server/process.py (one source for launches and messages).
 VLLM_SPELLINGS = ["--enable-scale-out", "--logprobs-mode", "--max-logprobs", "--weight-transfer-config",
                   "--return-sampling-mask", "--enable-lora", "--max-lora-rank", "--max-loras", "--max-model-len",
                   "--api-server-count", "--language-model-only", "VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
@@ -158,21 +158,21 @@ VLLM_SPELLINGS = ["--enable-scale-out", "--logprobs-mode", "--max-logprobs", "--
 @pytest.mark.parametrize("spelling", VLLM_SPELLINGS)
 def test_each_vllm_flag_is_spelled_in_one_module(spelling):
     modules = sorted(str(p.relative_to(REPO)) for p in SOURCES if spelling in p.read_text())
-    assert modules == ["grpo_core/server.py"], modules
+    assert modules == ["grpo_core/vllm_server/process.py"], modules
 
 
 # HTTP requests outside the vLLM client: the Kubernetes API client (not a vLLM server).
 HTTP_CALL = re.compile(r"\bhttpx\.(get|post|put|delete|request|stream|Client|AsyncClient)\(")
-HTTP_CLIENT_MODULES = ["flows/kubernetes.py", "grpo_core/rollout/client.py"]
+HTTP_CLIENT_MODULES = ["flows/kubernetes.py", "grpo_core/rollout/generation.py", "grpo_core/vllm_server/control.py"]
 
 
-def test_every_vllm_server_request_goes_through_the_client_module():
+def test_every_vllm_server_request_goes_through_the_client_modules():
     modules = sorted(str(p.relative_to(REPO)) for p in SOURCES if HTTP_CALL.search(p.read_text()))
     assert modules == HTTP_CLIENT_MODULES, modules
 
 
 def test_a_server_that_is_not_there_does_not_answer_and_raises_nothing():
-    from grpo_core.rollout.client import VLLMControlClient
+    from grpo_core.vllm_server.control import VLLMControlClient
 
     client = VLLMControlClient("http://127.0.0.1:9")
     assert client.answers("/v1/models") is False and client.answers("/health", timeout=0.5) is False

@@ -1,4 +1,4 @@
-"""The embedded CPU core split (grpo_core.cpu_placement): which cores each side gets, the environment each
+"""The embedded CPU core split (grpo_core.vllm_server.cpu_placement): which cores each side gets, the environment each
 process is started with, when a launcher places at all, and that ``forked_on`` places the child, not the
 parent."""
 
@@ -11,12 +11,12 @@ import threading
 
 import pytest
 
-from grpo_core.cpu_placement import (
+from grpo_core.vllm_server.cpu_placement import (
     ROLLOUT_CPUS_ENV,
     CpuPlacement,
     embedded_placement,
-    format_cpus,
     forked_on,
+    format_cpus,
     parse_cpus,
     resolve_placement,
     rollout_cpus_from_env,

@@ -24,16 +24,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from grpo_core.collector import StepCollector, TrainingFrontier, WeightVersions
 from grpo_core.config import AsyncGRPOConfig
-from grpo_core.loss import LossConfig, LossInputs, grpo_loss, token_logprobs
-from grpo_core.models import tree_attention as ta
+from grpo_core.models.attention import tree as ta
 from grpo_core.models.fsdp import FSDPSettings, decoder_layers, iter_full_layers, layer_groups, shard_policy
+from grpo_core.models.head.reference import token_logprobs
+from grpo_core.packing.collator import pack_row
 from grpo_core.packing.planner import plan_step
-from grpo_core.perf import ModelFlops, causal_pairs, peak_bf16_flops, perf_metrics
 from grpo_core.rollout.scheduler import END_OF_DATA
 from grpo_core.rollout.types import GroupReport, RolloutSample
-from grpo_core.server import free_port
+from grpo_core.training.collector import StepCollector, TrainingFrontier, WeightVersions
+from grpo_core.training.loss import LossConfig, LossInputs, grpo_loss
+from grpo_core.training.perf import ModelFlops, causal_pairs, peak_bf16_flops, perf_metrics
+from grpo_core.vllm_server.process import free_port
 from tests.tolerances import (
     GradientMagnitudes,
     adam_direction,
@@ -105,7 +107,7 @@ def train_step(model, rows, num_tokens: int) -> tuple[float, dict[str, torch.Ten
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loss = 0.0
     for row in rows:
-        value = row_loss(model, row.pack(), num_tokens)
+        value = row_loss(model, pack_row(row), num_tokens)
         value.backward()
         loss += float(value.detach())
     grads = {n: full(p.grad).clone() for n, p in model.named_parameters()}
@@ -130,7 +132,7 @@ def test_causal_pairs_equal_the_tree_mask():
     plan = plan_step(make_samples(), world_size=1, gradient_accumulation_steps=1, token_budget=10_000)
     row = plan.rows[0]
     assert any(seg.start > 0 for seg in row.segments()), "the test row must have forks"
-    mask = row.pack().attention.dense_mask(torch.device("cpu"))
+    mask = pack_row(row).attention.dense_mask(torch.device("cpu"))
     assert causal_pairs(row) == int(mask.sum())
     flat = plan_step(make_samples(), world_size=1, gradient_accumulation_steps=1, token_budget=10_000, flat=True)
     n = [len(s.token_ids) - 1 for s in flat.rows[0].samples]  # a flat row: every sample alone, causal
@@ -204,8 +206,7 @@ class _ListSource:
 
 def _two_rank_checks(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
-    from grpo_core.distributed import StepFeed, gather_step_results, init_distributed
-    from grpo_core.distributed import DistInfo
+    from grpo_core.training.distributed import DistInfo, StepFeed, gather_step_results, init_distributed
 
     torch.set_num_threads(1)
     info = DistInfo.from_env()
@@ -255,7 +256,7 @@ def _two_rank_checks(rank: int, port: int, out_dir: str) -> None:
     feed = StepFeed(collector, rank, 2)
     steps = []
     while (batch := feed.collect(WeightVersions([0]))) is not None:
-        packed = [[r.pack() for r in mb] for mb in batch.plan.microbatches]
+        packed = [[pack_row(r) for r in mb] for mb in batch.plan.microbatches]
         steps.append({
             "ids": [[[s.rollout_id for s in r.samples] for r in mb] for mb in batch.plan.microbatches],
             "inputs": [[p.input_ids.tolist() for p in mb] for mb in packed],
@@ -317,7 +318,7 @@ def step_error_scale() -> dict:
     loss_magnitude = 0.0
     with GradientMagnitudes(model, logits_module=model.lm_head) as mags:
         for row in flat.rows:
-            packed = row.pack()
+            packed = pack_row(row)
             loss = row_loss(model, packed, num_tokens, inspect)
             logits, inputs = seen.pop()
             top_ids = packed.sampler_top_ids.clamp(min=0).long()

@@ -1,6 +1,6 @@
-"""The fused log-prob head (``grpo_core.models.fused_logprobs``) gives the reference's log-probs and gradients.
+"""The fused log-prob head (``grpo_core.models.head.fused``) gives the reference's log-probs and gradients.
 
-* ``fused_token_logprobs`` against ``grpo_core.loss.token_logprobs`` (fp64: temperature, the sampler's top
+* ``fused_token_logprobs`` against ``grpo_core.models.head.reference.token_logprobs`` (fp64: temperature, the sampler's top
   ids with duplicates and ids outside the candidate set, candidate sets, chunks): values and the logits'
   gradient, within the first-order rounding bounds of ``tests/test_logprob_head.head_bounds``;
 * ``fused_head_logprobs`` against ``head_token_logprobs`` the same way, for the hidden states', weight's
@@ -21,14 +21,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo_core.loss import head_token_logprobs, token_logprobs
-from grpo_core.models.fused_logprobs import (
+from grpo_core.models.head.fused import (
     chunk_grad,
     chunk_grad_into_logits,
     chunk_stats,
     fused_head_logprobs,
     fused_token_logprobs,
 )
+from grpo_core.models.head.reference import head_token_logprobs, token_logprobs
 from tests.test_logprob_head import assert_heads_agree, head_case, weighted
 
 

@@ -29,9 +29,10 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from transformers import Lfm2Config, Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
 
-from grpo_core.models import gated_delta as gd
-from grpo_core.models import hybrid
-from grpo_core.models import tree_attention as ta
+from grpo_core.models.attention import gated_delta as gd
+from grpo_core.models.attention import hybrid
+from grpo_core.models.attention import tree as ta
+from grpo_core.packing.collator import pack_row
 from grpo_core.packing.planner import plan_step
 from grpo_core.packing.trie import TreeRow
 from tests.test_packing_trie import make_sample, sample_sets
@@ -96,7 +97,7 @@ def test_tree_kernels_follow_each_path(samples):
     row = TreeRow()
     for s in samples:
         row.add(s)
-    meta = row.pack().attention
+    meta = pack_row(row).attention
     u = int(meta.cu_seq_q[-1])
     q, k, v, g, beta = random_gdn_inputs(u)
     out = gd.tree_gated_delta_rule(q, k, v, g, beta, meta, l2norm=True)
@@ -117,7 +118,7 @@ def test_conv_window_crosses_into_the_parent_never_the_sibling():
     row.add(make_sample([1, 2, 3, 4, 5, 6, 7], 2))
     row.add(make_sample([1, 2, 3, 4, 9, 9, 2], 2))
     row.add(make_sample([1, 2, 3, 4, 9, 9, 3, 4], 2))
-    meta = row.pack().attention
+    meta = pack_row(row).attention
     assert gd.segment_parents(meta).tolist() == [-1, 0, 0, 2, 2]
     source, keep = gd.conv_indices(meta, 4)
     # Segment 2 ([4 9] at row 6-7) reads the root's last three tokens, not segment 1 (rows 3-5).
@@ -209,7 +210,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def packed_logprobs(model, samples, flat: bool):
     plan = plan_step(samples, world_size=1, gradient_accumulation_steps=1, token_budget=10_000, flat=flat)
     assert not plan.leftover and len(plan.rows) == 1
-    row = plan.rows[0].pack()
+    row = pack_row(plan.rows[0])
     out = model(**row.model_inputs(), logits_to_keep=row.logit_index)
     return token_logprobs(out.logits[0], row.target_ids), row
 
@@ -367,7 +368,7 @@ def test_a_packed_row_cannot_use_a_cache():
     model, _ = MODELS["qwen3_5"]
     row = TreeRow()
     row.add(make_sample([1, 2, 3, 4], 2))
-    inputs = row.pack().model_inputs()
+    inputs = pack_row(row).model_inputs()
     inputs["use_cache"] = True
     with pytest.raises(ValueError, match="cache"):
         model(**inputs)

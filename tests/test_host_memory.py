@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_core.host_memory import release_free_heap
+from grpo_core.training.host_memory import release_free_heap
 
 
 def rss_mib() -> float:

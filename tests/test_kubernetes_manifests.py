@@ -29,7 +29,7 @@ from flows.kubernetes import (
     training_manifests,
 )
 from flows.provision import TrainingLaunch
-from grpo_core.server import VLLMServerSpec
+from grpo_core.vllm_server.process import VLLMServerSpec
 
 K8S_VERSION = "1.33.0"
 ROOT = Path(__file__).resolve().parent.parent

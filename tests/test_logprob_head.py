@@ -29,11 +29,14 @@ import torch
 import torch.nn.functional as F
 
 from grpo_core.config import AUTO_CHUNK_LOGITS, AUTO_DENSE_MAX_LOGITS, AsyncGRPOConfig, ConfigError
-from grpo_core.loss import LossConfig, LossInputs, grpo_loss, head_token_logprobs, token_logprobs
-from grpo_core.models import tree_attention as ta
-from grpo_core.models.logprob_head import output_head, row_logprobs
+from grpo_core.models.attention import tree as ta
+from grpo_core.models.head.lm_head import output_head
+from grpo_core.models.head.reference import head_token_logprobs, token_logprobs
+from grpo_core.packing.collator import pack_row
 from grpo_core.packing.trie import TreeRow
 from grpo_core.rollout.types import RolloutSample
+from grpo_core.training.forward import row_logprobs
+from grpo_core.training.loss import LossConfig, LossInputs, grpo_loss
 from tests.test_checkpoint import model_path, train_rows  # noqa: F401 - fixtures
 from tests.test_fsdp import step_error_scale  # noqa: F401 - fixture
 from tests.tolerances import GradientMagnitudes, gamma, log_softmax_grad_magnitude, logprob_error_magnitude
@@ -177,7 +180,7 @@ def packed_row(vocab: int):
     row = TreeRow()
     for s in tree_samples(vocab):
         row.add(s)
-    return row.pack()
+    return pack_row(row)
 
 
 def error_scale(model, packed, loss_of) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
@@ -211,7 +214,7 @@ def plain_loss(head) -> torch.Tensor:
 
 @pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
 def test_row_logprobs_chunked_equal_dense_on_a_tree_row(fused):
-    """Dense and chunked, each with the reference functions and with the fused ones (``fused_logprobs``,
+    """Dense and chunked, each with the reference functions and with the fused ones (``models.head.fused``,
     which the CPU does not take by default), against the reference dense head's error scale."""
     model = tiny_qwen3()
     packed = packed_row(VOCAB)
@@ -275,7 +278,7 @@ class ParamsTracker:
 
 def make_trainer(model_path, rows, tmp_path, **overrides):
     from grpo_core.rewards import accuracy_reward
-    from grpo_core.trainer import AsyncGRPOTrainer
+    from grpo_core.training.trainer import AsyncGRPOTrainer
 
     args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", **overrides)
     trainer = AsyncGRPOTrainer(model=model_path, reward_funcs=accuracy_reward, train_dataset=rows, args=args,
@@ -321,9 +324,9 @@ def _two_rank_chunked_steps(rank: int, port: int, out_dir: str) -> None:
 
     import torch.distributed as dist
 
-    from grpo_core.distributed import DistInfo, init_distributed
     from grpo_core.models.fsdp import FSDPSettings, shard_policy
     from grpo_core.packing.planner import plan_step
+    from grpo_core.training.distributed import DistInfo, init_distributed
     from tests.test_fsdp import full, make_samples, tiny_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
@@ -336,7 +339,7 @@ def _two_rank_chunked_steps(rank: int, port: int, out_dir: str) -> None:
 
     def step(model, rows, chunk, fused=False):
         for row in rows:
-            packed = row.pack()
+            packed = pack_row(row)
             head = row_logprobs(model, packed, 1.0, top_ids=packed.sampler_top_ids.clamp(min=0), chunk_size=chunk,
                                 fused=fused)
             inputs = LossInputs(logprobs=head.logprobs, sampler_logprobs=packed.sampler_logprobs,
@@ -360,11 +363,11 @@ def test_two_fsdp_ranks_with_the_chunked_head_equal_one_process_with_the_dense_h
     """The chunked head projects inside the root unit's forward, with its gathered weight, and its
     backward finds the weight gathered again (the root reshards after forward here); the step's gradients are
     the dense 1-process step's, within the bounds of tests/test_fsdp.py (``step_error_scale``: the two differ
-    only in the order of the step's sums). Both heads: the reference functions and ``fused_logprobs``, whose
+    only in the order of the step's sums). Both heads: the reference functions and ``models.head.fused``, whose
     backward uses the weight it saved in forward."""
     import torch.multiprocessing as mp
 
-    from grpo_core.server import free_port
+    from grpo_core.vllm_server.process import free_port
 
     mp.spawn(_two_rank_chunked_steps, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     k, magnitude = step_error_scale["k"], step_error_scale["grad"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from grpo_core.rollout.types import GroupReport
-from grpo_core.group_metrics import derived_rollout_metrics, group_metrics, merge_counters
+from grpo_core.rollout.types import GroupReport, merge_counters
+from grpo_core.training.step_metrics import derived_rollout_metrics, group_metrics
 from tests.tolerances import gamma
 
 

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from grpo_core.config import AsyncGRPOConfig
-from grpo_core.rollout.client import GeneratedChoice
 from grpo_core.rollout.stages import AsyncRolloutLoop, reconcile_metrics
-from grpo_core.rollout.types import RolloutGroup
-from grpo_core.group_metrics import derived_rollout_metrics, merge_counters
+from grpo_core.rollout.types import RolloutGroup, merge_counters
+from grpo_core.training.step_metrics import derived_rollout_metrics
+from grpo_core.vllm_server.replies import GeneratedChoice
 from tests.test_loop_templates import COMPACT_ARGS_TEMPLATE, NO_THINK_TEMPLATE, with_template
 
 # --------------------------------------------------------------------------------------------------

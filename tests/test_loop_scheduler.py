@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from grpo_core.config import AsyncGRPOConfig
-from grpo_core.rollout.stages import AsyncRolloutLoop
 from grpo_core.rollout.scheduler import END_OF_DATA, RolloutScheduler
+from grpo_core.rollout.stages import AsyncRolloutLoop
 from grpo_core.rollout.types import GroupReport, RolloutGroup, RolloutSample
-from grpo_core.group_metrics import group_metrics
+from grpo_core.training.step_metrics import group_metrics
 from tests.test_loop_multiturn import ScriptedClient, calculator, tool_call, turn_index
 
 

@@ -28,9 +28,15 @@ from grpo_core.models.lora import (
     warn_if_not_saved,
     write_adapter,
 )
-from grpo_core.server_checks import LoraServing, ServerConfigError, check_lora_limits, lora_command, smallest_lora_rank
 from grpo_core.sync.factory import resolve_lora_mode
 from grpo_core.sync.lora import AdapterPointer, AdapterWindow, serving_path
+from grpo_core.vllm_server.checks import (
+    LoraServing,
+    ServerConfigError,
+    check_lora_limits,
+    lora_command,
+    smallest_lora_rank,
+)
 from tests.tolerances import gamma
 
 
@@ -328,7 +334,7 @@ def _loop_with(client: _ScriptedClient, pointer: AdapterPointer | None):
 
 
 def _choice():
-    from grpo_core.rollout.client import GeneratedChoice
+    from grpo_core.vllm_server.replies import GeneratedChoice
 
     return GeneratedChoice(token_ids=[1], logprobs=[-0.5], finish_reason="stop")
 
@@ -336,7 +342,7 @@ def _choice():
 def test_generate_turn_moves_to_the_newest_adapter_when_its_own_was_unloaded() -> None:
     import asyncio
 
-    from grpo_core.rollout.client import VLLMRequestError
+    from grpo_core.vllm_server.control import VLLMRequestError
 
     pointer = AdapterPointer()
     pointer.set("run-v5", 5)
@@ -349,7 +355,7 @@ def test_generate_turn_moves_to_the_newest_adapter_when_its_own_was_unloaded() -
 def test_generate_turn_raises_real_errors() -> None:
     import asyncio
 
-    from grpo_core.rollout.client import VLLMRequestError
+    from grpo_core.vllm_server.control import VLLMRequestError
 
     pointer = AdapterPointer()
     pointer.set("run-v5", 5)
@@ -367,7 +373,7 @@ def test_generate_client_resends_on_a_dropped_connection_and_gives_up_after_thre
 
     import httpx
 
-    from grpo_core.rollout.client import VLLMGenerateClient
+    from grpo_core.rollout.generation import VLLMGenerateClient
 
     reply = {"choices": [{"token_ids": [7], "logprobs": {"content": [{"logprob": -0.25}]}, "finish_reason": "stop"}]}
 

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_files_state
 from grpo_core.rewards import accuracy_reward
-from grpo_core.trainer import AsyncGRPOTrainer
+from grpo_core.training.trainer import AsyncGRPOTrainer
 
 LORA = dict(r=4, lora_alpha=8, target_modules="all-linear")
 

@@ -13,15 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from grpo_core.loss import (
+from grpo_core.models.head.reference import candidate_mask_from_ids, token_logprobs
+from grpo_core.training.loss import (
     VLLM_NEG_INF,
     LossConfig,
     LossInputs,
-    candidate_mask_from_ids,
     finalize_metrics,
     grpo_loss,
     reduce_metric_parts,
-    token_logprobs,
 )
 from tests.tolerances import gamma, log_softmax_grad_magnitude, reorder_bound, unit_roundoff
 

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from grpo_core import outbox as outbox_module
-from grpo_core.outbox import Outbox
+from grpo_core.tracking import outbox as outbox_module
+from grpo_core.tracking.outbox import Outbox
 
 
 class Server:

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 from hypothesis import given, settings
 
+from grpo_core.packing.collator import pack_row
 from grpo_core.packing.trie import TreeRow
 from tests.test_packing_trie import make_sample, sample_sets
 
@@ -26,7 +27,7 @@ def test_diagram_layout():
     row = TreeRow()
     row.add(make_sample([1, 2, 3, 4, 5], 2))
     row.add(make_sample([1, 2, 3, 6, 7], 2))
-    p = row.pack()
+    p = pack_row(row)
     assert p.input_ids.tolist() == [1, 2, 3, 4, 3, 6]
     assert p.position_ids.tolist() == [0, 1, 2, 3, 2, 3]
     assert p.attention.cu_seq_q.tolist() == [0, 2, 4, 6]
@@ -46,7 +47,7 @@ def test_every_trained_token_sees_exactly_its_prefix(samples):
     row = TreeRow()
     for s in samples:
         row.add(s)
-    p = row.pack()
+    p = pack_row(row)
     if row.num_unique_tokens == 0:
         assert p.is_dummy and p.num_trained == 0
         return
@@ -80,7 +81,7 @@ def test_flat_row_is_plain_varlen():
     row = TreeRow(flat=True)
     row.add(make_sample([1, 2, 3, 4], 2))
     row.add(make_sample([1, 2, 3, 5, 6], 2))
-    p = row.pack()
+    p = pack_row(row)
     assert p.attention.kv_index is None
     assert p.attention.cu_seq_q.tolist() == p.attention.cu_seq_k.tolist() == [0, 3, 7]
     assert p.position_ids.tolist() == [0, 1, 2, 0, 1, 2, 3]
@@ -91,7 +92,7 @@ def test_disjoint_tree_rows_skip_the_gather():
     row = TreeRow()
     row.add(make_sample([1, 2, 3], 1))
     row.add(make_sample([4, 5, 6], 1))
-    assert row.pack().attention.kv_index is None
+    assert pack_row(row).attention.kv_index is None
 
 
 def test_top_n_and_sampling_masks_follow_trained_tokens():
@@ -104,7 +105,7 @@ def test_top_n_and_sampling_masks_follow_trained_tokens():
     row = TreeRow()
     for s in (a, b, c):
         row.add(s)
-    p = row.pack()
+    p = pack_row(row)
     assert p.sampler_top_ids.tolist() == [[3, 9], [4, 8], [0, 0], [7, 0]]
     assert p.top_valid.tolist() == [[True, True], [True, True], [False, False], [True, False]]
     assert p.sampler_top_logprobs[3, 0].item() == np.float32(-0.5)
@@ -116,7 +117,7 @@ def test_top_n_and_sampling_masks_follow_trained_tokens():
 
 
 def test_empty_row_packs_to_a_dummy():
-    p = TreeRow().pack()
+    p = pack_row(TreeRow())
     assert p.is_dummy and p.num_tokens == 1 and p.num_trained == 0
     assert p.attention.cu_seq_q.tolist() == [0, 1]
 
@@ -125,7 +126,7 @@ def test_to_and_model_inputs():
     row = TreeRow()
     row.add(make_sample([1, 2, 3, 4, 5], 2))
     row.add(make_sample([1, 2, 3, 6, 7], 2))
-    p = row.pack().to("cpu")
+    p = pack_row(row).to("cpu")
     inputs = p.model_inputs()
     assert inputs["input_ids"].shape == inputs["position_ids"].shape == (1, 6)
     assert inputs["tree_attention"].kv_index.tolist() == [0, 1, 0, 1, 2, 3, 0, 1, 4, 5]

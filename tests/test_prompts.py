@@ -8,7 +8,7 @@ import itertools
 import pytest
 from datasets import Dataset
 
-from grpo_core.rollout.prompts import is_streaming, prompt_order, prompts_from
+from grpo_core.data.prompts import is_streaming, prompt_order, prompts_from
 
 
 def rows(n: int) -> Dataset:

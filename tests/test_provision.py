@@ -87,7 +87,7 @@ def test_a_node_rank_outside_the_nodes_or_a_bad_port_is_refused(topology: dict) 
 
 def test_the_flow_runs_node_0_at_the_jobs_rendezvous(tmp_path) -> None:
     from flows.train_flow import training_launch
-    from grpo_core.job import JobConfig
+    from grpo_core.launch.job import JobConfig
 
     job = JobConfig(nproc_per_node=2, nnodes=2, rendezvous_address="10.0.0.7", rendezvous_port=29401)
     launch = training_launch(job, tmp_path / "job.json", "http://s", "m", None, None, tmp_path)
@@ -101,7 +101,7 @@ def test_the_flow_runs_node_0_at_the_jobs_rendezvous(tmp_path) -> None:
 
 @pytest.mark.usefixtures("no_gpu")
 def test_a_server_started_placed_names_the_rollout_cores_and_the_trainer_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    from grpo_core.cpu_placement import embedded_placement
+    from grpo_core.vllm_server.cpu_placement import embedded_placement
 
     prov = LocalProvisioner()
     server = type("Placed", (), {"placement": embedded_placement(range(8))})()

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from grpo_core.server import free_port
+from grpo_core.vllm_server.process import free_port
 from tests.test_checkpoint import model_path, train_rows  # noqa: F401 - fixtures
 
 

@@ -118,7 +118,7 @@ def test_reward_functions_pickle() -> None:
     ([0.5], r"'f' returned 1 values for the 2 completions of dataset row 7"),
 ])
 def test_reward_values_that_are_refused_name_function_row_and_value(values, message):
-    from grpo_core.inputs import InputError, check_reward_values
+    from grpo_core.data.inputs import InputError, check_reward_values
 
     with pytest.raises(InputError, match=message):
         check_reward_values("f", 7, values, expected=2)
@@ -127,7 +127,7 @@ def test_reward_values_that_are_refused_name_function_row_and_value(values, mess
 def test_none_stays_not_scored_and_numbers_become_floats():
     import math
 
-    from grpo_core.inputs import check_reward_values
+    from grpo_core.data.inputs import check_reward_values
 
     out = check_reward_values("f", 0, [None, 1, np.float32(0.25)], expected=3)
     assert math.isnan(out[0]) and out[1:] == [1.0, 0.25] and all(type(v) is float for v in out)

@@ -7,7 +7,8 @@ import json
 
 import httpx
 
-from grpo_core.rollout.client import VLLMGenerateClient, VLLMRequestError
+from grpo_core.rollout.generation import VLLMGenerateClient
+from grpo_core.vllm_server.control import VLLMRequestError
 
 
 def choice(token: int) -> dict:

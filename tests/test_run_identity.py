@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from grpo_core.job import JobConfig
-from grpo_core.tracking import config_hash, run_identity
+from grpo_core.launch.job import JobConfig
+from grpo_core.tracking.tracker import config_hash, run_identity
 
 
 def job(**values) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from grpo_core.server_checks import ServerConfigError, _check_weight_transfer_backend
+from grpo_core.vllm_server.checks import ServerConfigError, _check_weight_transfer_backend
 
 COMMAND = "python -m vllm.entrypoints.openai.api_server <the matching flags>"
 
@@ -75,7 +75,7 @@ class MaskProbe:
 
 def test_top_p_without_top_k_is_refused_naming_both_fields() -> None:
     from grpo_core.config import AsyncGRPOConfig
-    from grpo_core.server_checks import _check_candidate_sets
+    from grpo_core.vllm_server.checks import _check_candidate_sets
 
     probe = MaskProbe(tokens_endpoint=True, mask=[1])
     with pytest.raises(ServerConfigError, match=r"top_p=0.9 needs top_k > 0"):
@@ -89,7 +89,7 @@ def test_top_p_without_top_k_is_refused_naming_both_fields() -> None:
 ])
 def test_a_server_without_candidate_sets_is_told_which_flags_and_runner(tokens_endpoint: bool, needed: str, caplog) -> None:
     from grpo_core.config import AsyncGRPOConfig
-    from grpo_core.server_checks import _check_candidate_sets
+    from grpo_core.vllm_server.checks import _check_candidate_sets
 
     with caplog.at_level("WARNING"):
         assert _check_candidate_sets(MaskProbe(tokens_endpoint, None), AsyncGRPOConfig(top_k=20, top_p=0.95), COMMAND) is False
@@ -99,7 +99,7 @@ def test_a_server_without_candidate_sets_is_told_which_flags_and_runner(tokens_e
 
 def test_a_server_with_candidate_sets_passes_quietly(caplog) -> None:
     from grpo_core.config import AsyncGRPOConfig
-    from grpo_core.server_checks import _check_candidate_sets
+    from grpo_core.vllm_server.checks import _check_candidate_sets
 
     probe = MaskProbe(tokens_endpoint=True, mask=[0, 1])
     with caplog.at_level("WARNING"):

@@ -20,13 +20,19 @@ import numpy as np
 import pytest
 
 from grpo_core.checkpoint.ledger import server_restarts
-from grpo_core.collector import COLLECTION_INTERRUPTED, StepCollector, TrainingFrontier, WeightVersions
-from grpo_core.rollout import client as client_module
-from grpo_core.rollout.client import VLLMGenerateClient
+from grpo_core.rollout import generation as generation_module
+from grpo_core.rollout.generation import VLLMGenerateClient
 from grpo_core.rollout.scheduler import END_OF_DATA
 from grpo_core.rollout.stages import UNKNOWN_VERSION, version_number
 from grpo_core.rollout.types import GroupReport, RolloutSample
-from grpo_core.server_watch import ServerUnavailableError, ServerWatch, WatchedSource
+from grpo_core.training.collector import (
+    COLLECTION_INTERRUPTED,
+    StepCollector,
+    TrainingFrontier,
+    WatchedSource,
+    WeightVersions,
+)
+from grpo_core.vllm_server.watch import ServerUnavailableError, ServerWatch
 
 REPLY = {"choices": [{"token_ids": [7], "logprobs": {"content": [{"logprob": -0.25}]}, "finish_reason": "stop",
                       "weight_versions": [{"version": "3", "start": 0, "end": 1}]}]}
@@ -34,7 +40,7 @@ REPLY = {"choices": [{"token_ids": [7], "logprobs": {"content": [{"logprob": -0.
 
 def generate_with(failures: int, window_s: float, monkeypatch) -> tuple[list, int]:
     """Generate through a transport that refuses ``failures`` connections first."""
-    monkeypatch.setattr(client_module, "backoff_delays", lambda **_: itertools.repeat(0.01))
+    monkeypatch.setattr(generation_module, "backoff_delays", lambda **_: itertools.repeat(0.01))
     calls = []
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -154,7 +160,7 @@ class FakeServer:
 
 @pytest.fixture
 def fast_backoff(monkeypatch):
-    import grpo_core.server_watch as watch_module
+    import grpo_core.vllm_server.watch as watch_module
 
     monkeypatch.setattr(watch_module, "backoff_delays", lambda: itertools.repeat(0.01))
 

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from grpo_core.server import free_port
 from grpo_core.sync.bucket_stream import local_tensors, send_buckets
 from grpo_core.sync.buckets import plan_buckets, tensor_nbytes, update_info
+from grpo_core.vllm_server.process import free_port
 
 
 def _meta(shapes, dtype=torch.bfloat16):

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_core.models.serving import model_server_options, server_needs
-from grpo_core.server import ServerOptions
 from grpo_core.tiny import build_from_spec, default_spec
 from grpo_core.tiny.spec import LinearAttentionSpec, ModelSpec, TinySpec, TokenizerSpec, VisionSpec, WarmupSpec
+from grpo_core.vllm_server.model_needs import model_server_options, server_needs
+from grpo_core.vllm_server.process import ServerOptions
 
 SMALL_MODEL = ModelSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                         num_key_value_heads=1, head_dim=32,
@@ -109,7 +109,7 @@ def test_server_options_follow_the_model(built: dict[str, Path], tmp_path: Path)
 def test_flow_server_spec_derives_the_options(built: dict[str, Path]) -> None:
     from flows.provision import LocalProvisioner
     from flows.train_flow import server_spec
-    from grpo_core.job import JobConfig
+    from grpo_core.launch.job import JobConfig
 
     job = JobConfig.model_validate({"model": "tiny:arithmetic-vlm", "trainer": {"output_dir": "unused"}})
     spec = server_spec(job, str(built["vlm"]), LocalProvisioner())

@@ -12,8 +12,9 @@ import torch.utils.checkpoint
 from hypothesis import HealthCheck, given, settings
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from grpo_core.models import tree_attention as ta
-from grpo_core.models import tree_gather as tg
+from grpo_core.models.attention import tree as ta
+from grpo_core.models.attention import gather as tg
+from grpo_core.packing.collator import pack_row
 from grpo_core.packing.trie import TreeRow
 from tests.test_packing_trie import make_sample, sample_sets
 from tests.tolerances import GradientMagnitudes, gamma, log_softmax_grad_magnitude, logprob_error_magnitude
@@ -51,7 +52,7 @@ def packed_logprobs(model, samples, backend: str) -> tuple[torch.Tensor, torch.T
     row = TreeRow()
     for s in samples:
         row.add(s)
-    p = row.pack()
+    p = pack_row(row)
     out = model(**p.model_inputs(), logits_to_keep=p.logit_index)
     return token_logprobs(out.logits[0], p.target_ids), p.sample_index
 
@@ -106,7 +107,7 @@ def forward_k(samples, config) -> int:
     row = TreeRow()
     for s in samples:
         row.add(s)
-    return max(row.pack().num_tokens, config.intermediate_size, config.hidden_size, config.vocab_size)
+    return max(pack_row(row).num_tokens, config.intermediate_size, config.hidden_size, config.vocab_size)
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
@@ -175,7 +176,7 @@ def test_diagram_attention_rows():
     row = TreeRow()
     row.add(make_sample([1, 2, 3, 4, 5], 2))
     row.add(make_sample([1, 2, 3, 6, 7], 2))
-    mask = row.pack().attention.dense_mask(torch.device("cpu")).int().tolist()
+    mask = pack_row(row).attention.dense_mask(torch.device("cpu")).int().tolist()
     assert mask == [
         [1, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0],
@@ -187,7 +188,7 @@ def test_diagram_attention_rows():
 
 
 def test_probe_accepts_a_correct_kernel():
-    # 2e-2 is select_backend's acceptance threshold (grpo_core/models/tree_attention.py), a policy and
+    # 2e-2 is select_backend's acceptance threshold (grpo_core/models/attention/tree.py), a policy and
     # not an error bound: the probe runs the kernel in bf16 against fp32 references, and rounding the
     # inputs alone moves each by up to u_bf16 = 2^-8 = 3.9e-3, so a correct kernel lands at about one or
     # two u_bf16 in norm and a wrong one (mask, head mapping) at O(1). This checks it would be accepted.
@@ -263,7 +264,7 @@ def test_fused_kernel_plans_gradients_equal_reference(plan, samples):
     row = TreeRow()
     for s in samples:
         row.add(s)
-    p = row.pack()
+    p = pack_row(row)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(p.num_tokens, h, 8, generator=gen) for h in (4, 2, 2))
     grad = torch.randn(p.num_tokens, 4, 8, generator=gen)
@@ -290,7 +291,7 @@ def shared_prompt_row():
     row = TreeRow()
     for tail in ([30, 31, 32], [30, 31, 40, 41, 42], [50, 51], [60] * 7):
         row.add(make_sample(prompt + tail, len(tail)))
-    p = row.pack()
+    p = pack_row(row)
     assert p.attention.kv_index.numel() > 2 * p.num_tokens
     return p
 

@@ -1,4 +1,4 @@
-"""The split plan of tree attention (``grpo_core.models.tree_split``): its level plan, the emulated LSE
+"""The split plan of tree attention (``grpo_core.models.attention.split``): its level plan, the emulated LSE
 kernel against autograd, and what it saves for backward. Its agreement with the dense reference over
 random tries is in ``tests/test_tree_attention.py`` (``test_fused_kernel_plans_*``)."""
 
@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo_core.models import tree_attention as ta
-from grpo_core.models.tree_split import EmulatedLSEKernel, levels_from_paths, plan_levels, split_tree_attention
+from grpo_core.models.attention import tree as ta
+from grpo_core.models.attention.split import EmulatedLSEKernel, levels_from_paths, plan_levels, split_tree_attention
+from grpo_core.packing.collator import pack_row
 from grpo_core.packing.trie import TreeRow
 from tests.test_packing_trie import make_sample
 
@@ -21,7 +22,7 @@ def forked_row():
     row = TreeRow()
     for tail in ([30, 31, 32], [30, 31, 40, 41, 42], [50, 51], [60] * 7):
         row.add(make_sample(prompt + tail, len(tail)))
-    return row.pack()
+    return pack_row(row)
 
 
 def test_levels_cover_exactly_the_ancestor_pairs_of_the_mask():
@@ -106,7 +107,7 @@ def test_flat_rows_have_no_levels():
     row = TreeRow()
     row.add(make_sample([1, 2, 3, 4], 2))
     row.add(make_sample([5, 6, 7], 1))
-    p = row.pack()
+    p = pack_row(row)
     assert p.attention.kv_index is None and p.attention.levels == ()
     assert plan_levels([3, 4], [None, None]) == ()
 

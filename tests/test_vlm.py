@@ -26,11 +26,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from grpo_core.models import tree_attention as ta
+from grpo_core.data.inputs import ImageInputError, refuse_images
+from grpo_core.models.attention import tree as ta
 from grpo_core.models.loading import load_policy
-from grpo_core.models.vision import ImageInputError, frozen_tower_prefixes, refuse_images, vision_towers
+from grpo_core.models.vision import frozen_tower_prefixes, vision_towers
+from grpo_core.packing.collator import pack_row
 from grpo_core.packing.planner import plan_step
-from grpo_core.server import free_port
+from grpo_core.vllm_server.process import free_port
 from tests.test_packing_trie import make_sample
 
 VOCAB = 64
@@ -86,7 +88,7 @@ def samples(seed: int = 0):
 
 
 def row_loss(model, row) -> torch.Tensor:
-    packed = row.pack()
+    packed = pack_row(row)
     logits = model(**packed.model_inputs(), logits_to_keep=packed.logit_index).logits[0]
     logprobs = torch.log_softmax(logits, -1).gather(-1, packed.target_ids[:, None])[:, 0]
     return -(logprobs * packed.advantages).sum() / packed.num_trained
@@ -165,7 +167,7 @@ def test_packed_rows_equal_samples_alone(kind):
     ta.enable_tree_attention(model, backend="reference", linear_backend="reference")
     batch = samples()
     plan = plan_step(batch, world_size=1, gradient_accumulation_steps=1, token_budget=1000)
-    packed = plan.rows[0].pack()
+    packed = pack_row(plan.rows[0])
     with torch.no_grad():
         logits = model(**packed.model_inputs(), logits_to_keep=packed.logit_index).logits[0]
         got = torch.log_softmax(logits, -1).gather(-1, packed.target_ids[:, None])[:, 0]

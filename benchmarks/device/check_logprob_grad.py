@@ -1,4 +1,4 @@
-"""On a GPU: the fused head's logits gradient by the Triton kernel (``logprob_grad_triton``) against
+"""On a GPU: the fused head's logits gradient by the Triton kernel (``models.head.grad_triton``) against
 ``chunk_grad`` uncompiled (correctness: sampled and top ids with duplicates, candidate sets, temperature, bf16
 and fp32) and against ``chunk_grad`` compiled with dynamic shapes (time, at 8k tokens of a 152k vocabulary).
 
@@ -12,8 +12,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from grpo_core.models.fused_logprobs import chunk_grad, chunk_stats  # noqa: E402
-from grpo_core.models.logprob_grad_triton import triton_chunk_grad  # noqa: E402
+from grpo_core.models.head.fused import chunk_grad, chunk_stats  # noqa: E402
+from grpo_core.models.head.grad_triton import triton_chunk_grad  # noqa: E402
 
 
 def case(t, v, n_top, masked, dtype, temperature, dev, gen):

@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from grpo_core.models import tree_split  # noqa: E402
+from grpo_core.models.attention import split as tree_split  # noqa: E402
 
 
 def main() -> None:

@@ -31,16 +31,25 @@ counts as done. ``ledger_summary`` turns it into the counts a job reports: attem
 trained twice (those past the last checkpoint before a crash).
 
 A streaming ``IterableDataset`` (no ``len``, no indexing) is repositioned by reading: the resumed
-worker reads and discards the rows before the saved position (``grpo_core.rollout.prompts``).
+worker reads and discards the rows before the saved position (``grpo_core.data.prompts``).
 
-Modules: ``storage`` (fsspec paths, manifests), ``state`` (tensors in and out), ``checkpointer``
-(the trainer's hooks), ``ledger`` (prompt accounting).
+Modules: ``folders`` (file names, listing, manifests), ``state`` (tensors in and out), ``checkpointer``
+(the trainer's hooks), ``ledger`` (prompt accounting). Storage itself (fsspec, retries) is
+``grpo_core.storage``.
 """
 
 from grpo_core.checkpoint.checkpointer import CheckpointParts, Checkpointer, ResumeInfo, saved_run_id
+from grpo_core.checkpoint.folders import (
+    MANIFEST,
+    CheckpointError,
+    build_manifest,
+    list_checkpoints,
+    read_manifest,
+    verify_local,
+)
 from grpo_core.checkpoint.ledger import RunLedger, ledger_summary, read_ledger, surviving_steps
-from grpo_core.checkpoint.storage import MANIFEST, CheckpointError, Storage, build_manifest, read_manifest, verify_local
-from grpo_core.checkpoint.retry import StorageError
+from grpo_core.storage.retry import StorageError
+from grpo_core.storage.store import Storage
 
 __all__ = [
     "MANIFEST",
@@ -53,6 +62,7 @@ __all__ = [
     "StorageError",
     "build_manifest",
     "ledger_summary",
+    "list_checkpoints",
     "read_ledger",
     "read_manifest",
     "saved_run_id",

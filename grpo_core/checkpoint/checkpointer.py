@@ -20,6 +20,22 @@ from typing import Any, Protocol
 
 import torch
 
+from grpo_core.checkpoint.folders import (
+    MANIFEST,
+    MASTER_FILE,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    RNG_FILE,
+    ROLLOUT_STATE,
+    SCHEDULER_FILE,
+    TRAINER_STATE,
+    CheckpointError,
+    build_manifest,
+    list_checkpoints,
+    read_manifest,
+    remove_checkpoint,
+    verify_local,
+)
 from grpo_core.checkpoint.ledger import RunLedger
 from grpo_core.checkpoint.state import (
     barrier,
@@ -31,22 +47,7 @@ from grpo_core.checkpoint.state import (
     tied_aliases,
     write_servable,
 )
-from grpo_core.checkpoint.storage import (
-    MANIFEST,
-    MASTER_FILE,
-    MODEL_FILE,
-    OPTIMIZER_FILE,
-    RNG_FILE,
-    ROLLOUT_STATE,
-    SCHEDULER_FILE,
-    TRAINER_STATE,
-    CheckpointError,
-    Storage,
-    build_manifest,
-    fsync_dir,
-    read_manifest,
-    verify_local,
-)
+from grpo_core.storage.store import Storage, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class Checkpointer:
                 raise CheckpointError(f"resume_from_checkpoint={wanted!r} cannot be used: {reason}")
             return wanted
         lineage = self.ledger.lineage()
-        for _step, path in self.storage.checkpoints():
+        for _step, path in list_checkpoints(self.storage):
             url = self.storage.url(path)
             manifest, reason = read_manifest(self.storage, path)
             if manifest is not None and lineage is not None and manifest.get("lineage") != lineage:
@@ -263,7 +264,7 @@ class Checkpointer:
     def _write(self, step: int, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any], rng: list[Any]) -> tuple[str, int]:
         final = self.storage.path(f"checkpoint-{step}")
         # Debris of an earlier attempt at this step (a torn write, or a run resumed from further back).
-        self.storage.remove_checkpoint(final)
+        remove_checkpoint(self.storage, final)
         staging = Path(final) if self.storage.is_local else Path(tempfile.mkdtemp(prefix=f"grpo-ckpt-{step}-"))
         staging.mkdir(parents=True, exist_ok=True)
         try:
@@ -329,7 +330,7 @@ class Checkpointer:
         limit = self.args.save_total_limit
         good_seen = 0
         try:
-            checkpoints = self.storage.checkpoints()
+            checkpoints = list_checkpoints(self.storage)
         except OSError as err:  # the new checkpoint is written; old ones can go next time
             log.warning("not rotating checkpoints: %s", err)
             return
@@ -345,7 +346,7 @@ class Checkpointer:
             if (manifest is not None and limit is not None and good_seen > limit) or (manifest is None and good_seen > 0):
                 log.info("removing %s checkpoint %s", "old" if manifest else "torn", self.storage.url(path))
                 try:
-                    self.storage.remove_checkpoint(path)
+                    remove_checkpoint(self.storage, path)
                 except OSError as err:
                     log.warning("could not remove %s (next save tries again): %s", self.storage.url(path), err)
 
@@ -400,7 +401,7 @@ def saved_run_id(output_dir: str, resume: bool | str = True) -> str | None:
         storage = Storage(resume)
         return storage.read_json(storage.path_in(storage.root, TRAINER_STATE)).get("mlflow_run_id")
     storage = Storage(output_dir)
-    for _step, path in storage.checkpoints():
+    for _step, path in list_checkpoints(storage):
         if read_manifest(storage, path)[1] is None:
             return storage.read_json(storage.path_in(path, TRAINER_STATE)).get("mlflow_run_id")
     return None

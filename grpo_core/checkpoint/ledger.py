@@ -13,7 +13,7 @@ import json
 import time
 from typing import Any
 
-from grpo_core.checkpoint.storage import Storage
+from grpo_core.storage.store import Storage
 
 class RunLedger:
     """``ledger/attempts/<n>.json`` per process start and ``ledger/steps/<n>-<step>.json`` per step."""

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from grpo_core.checkpoint.storage import MODEL_FILE, CheckpointError
+from grpo_core.checkpoint.folders import MODEL_FILE, CheckpointError
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     """``alias -> canonical`` for parameters registered under several names (tied embeddings)."""

@@ -12,7 +12,7 @@
 * optional CPU offload of the sharded parameters, gradients and optimizer state.
 
 Gradients are reduced as a *sum* over ranks, not FSDP's default mean: the GRPO loss of every rank is
-already divided by the trained tokens of the whole step (``grpo_core.loss.grpo_loss``), so the sum is
+already divided by the trained tokens of the whole step (``grpo_core.training.loss.grpo_loss``), so the sum is
 the step's gradient and a 2-rank step equals a 1-rank step on the same samples.
 
 ``iter_full_layers`` and ``full_state_dict`` gather sharded weights back one decoder layer at a
@@ -93,7 +93,7 @@ def needs_fsdp(settings: FSDPSettings, world_size: int) -> bool:
 def shard_policy(model: torch.nn.Module, settings: FSDPSettings, device: torch.device) -> torch.nn.Module:
     """Apply activation checkpointing and (where ``needs_fsdp``) FSDP2 in place; returns ``model``.
 
-    Needs the default process group when FSDP2 applies (``grpo_core.distributed.init_distributed``).
+    Needs the default process group when FSDP2 applies (``grpo_core.training.distributed.init_distributed``).
     Call before the optimizer is built: FSDP2 replaces the parameters with sharded DTensors.
     """
     if settings.compile != "none":
@@ -111,7 +111,7 @@ def shard_policy(model: torch.nn.Module, settings: FSDPSettings, device: torch.d
             "(bf16=False, fsdp_cpu_offload=False)"
         )
     if not dist.is_initialized():
-        raise RuntimeError("FSDP2 needs the default process group: call grpo_core.distributed.init_distributed first")
+        raise RuntimeError("FSDP2 needs the default process group: call grpo_core.training.distributed.init_distributed first")
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 

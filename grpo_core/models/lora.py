@@ -167,7 +167,7 @@ def write_adapter(
     """Write the adapter as a PEFT folder at ``url`` (any fsspec URL); returns the weight bytes written."""
     from safetensors.torch import save
 
-    from grpo_core.checkpoint.storage import open_url
+    from grpo_core.storage.store import open_url
 
     fs, path = open_url(url)
     state = adapter_state(model) if state is None else state

@@ -11,8 +11,9 @@ Qwen3.5/3.6 and Qwen3-VL checkpoints are vision-language models (``*ForCondition
   never runs them, so they have no gradient, the optimizer (built over trainable parameters) keeps
   no state for them, and weight sync leaves them out (``frozen_tower_prefixes``): the server keeps
   what it loaded;
-* a prompt with an image is refused before it becomes tokens (``refuse_images``): its image tokens
-  would need the tower and 3-D M-RoPE positions from the image grid, which packed rows do not build.
+* a prompt with an image is refused before it becomes tokens (``grpo_core.data.inputs.refuse_images``):
+  its image tokens would need the tower and 3-D M-RoPE positions from the image grid, which packed rows
+  do not build.
 
 With FSDP2 the frozen tower is its own unit (``grpo_core.models.fsdp.shard_policy``): sharded, and
 never gathered since it never runs, rather than riding in the root unit that is gathered every step.
@@ -20,10 +21,11 @@ never gathered since it never runs, rather than riding in the root unit that is 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+
+from grpo_core.models.param_names import checkpoint_name
 
 # Submodules that hold a vision tower or its projector in transformers' vision-language models.
 VISION_MODULE_NAMES = ("visual", "vision_tower", "vision_model", "multi_modal_projector")
@@ -63,8 +65,6 @@ def freeze_vision_towers(model: torch.nn.Module) -> list[str]:
 
 
 def _checkpoint_prefix(module_name: str) -> str:
-    from grpo_core.sync.source import checkpoint_name
-
     name = checkpoint_name(module_name + ".")
     return name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
 
@@ -82,38 +82,3 @@ def frozen_tower_prefixes(model: torch.nn.Module) -> tuple[str, ...]:
         if params and not any(p.requires_grad for p in params):
             prefixes.append(_checkpoint_prefix(name))
     return tuple(prefixes)
-
-
-# ---- prompts -------------------------------------------------------------------------------------------
-class ImageInputError(ValueError):
-    """A prompt carries an image (or another non-text input): only text is trained for now."""
-
-
-_IMAGE_COLUMNS = ("image", "images", "video", "videos")
-
-
-def refuse_images(messages: Iterable[Mapping[str, Any]], row: Mapping[str, Any] | None = None) -> None:
-    """Raise ``ImageInputError`` if a chat message has a non-text content part, or ``row`` an image column.
-
-    Pure: call it where a prompt's messages are turned into tokens, before anything is generated.
-    """
-    for i, message in enumerate(messages):
-        content = message.get("content")
-        if isinstance(content, (str, type(None))):
-            continue
-        parts = [content] if isinstance(content, Mapping) else content
-        for part in parts:
-            kind = part.get("type", "text") if isinstance(part, Mapping) else type(part).__name__
-            if kind != "text":
-                raise ImageInputError(
-                    f"message {i} ({message.get('role', '?')}) has a {kind!r} content part: prompts with images "
-                    "are not supported yet; vision-language models are trained on text only (their vision "
-                    "tower is frozen). Remove the image parts, or drop these prompts from the dataset."
-                )
-    for column in _IMAGE_COLUMNS:
-        value = None if row is None else row.get(column)
-        if value is not None and not (isinstance(value, (list, tuple)) and len(value) == 0):
-            raise ImageInputError(
-                f"dataset row has a non-empty {column!r} column: prompts with images are not supported yet; "
-                "vision-language models are trained on text only. Remove the column or the row."
-            )

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from grpo_core.models.tree_attention import TreeAttentionMetadata
-from grpo_core.models.tree_split import plan_levels
+from grpo_core.models.attention.metadata import TreeAttentionMetadata
+from grpo_core.models.attention.split import plan_levels
 
 if TYPE_CHECKING:
     from grpo_core.packing.trie import TreeRow

@@ -240,9 +240,3 @@ class TreeRow:
     def recompute_attention_cost(self) -> int:
         """The attention cost summed from scratch (the incremental count is checked against it)."""
         return sum(seg.cost for seg in self.segments())
-
-    def pack(self):
-        """Lay the trie out for one forward: see ``grpo_core.packing.collator.pack_row``."""
-        from grpo_core.packing.collator import pack_row
-
-        return pack_row(self)

@@ -30,13 +30,12 @@ from typing import Any
 
 import numpy as np
 
-from grpo_core.advantages import should_drop_group
-from grpo_core.inputs import as_messages
+from grpo_core.data.inputs import as_messages
+from grpo_core.data.prompts import prompts_from
+from grpo_core.rollout.advantages import should_drop_group
 from grpo_core.rollout.concurrency import ConcurrencyController, parse_vllm_metrics
 from grpo_core.rollout.stages import AsyncRolloutLoop, reconcile_metrics, rollout_rewards
-from grpo_core.rollout.prompts import prompts_from
-from grpo_core.rollout.types import GroupReport, RolloutGroup
-from grpo_core.group_metrics import merge_counters
+from grpo_core.rollout.types import GroupReport, RolloutGroup, merge_counters
 
 END_OF_DATA = "end-of-data"
 """Queued after the last group when the run is bounded by epochs (``max_steps`` <= 0)."""

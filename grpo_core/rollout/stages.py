@@ -26,10 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from grpo_core.advantages import group_advantages
 from grpo_core.config import AsyncGRPOConfig
-from grpo_core.inputs import as_messages, check_reward_values
-from grpo_core.models.vision import refuse_images
+from grpo_core.data.inputs import as_messages, check_reward_values, refuse_images
+from grpo_core.rollout.advantages import group_advantages
 from grpo_core.rollout.agent import (
     EnvironmentSession,
     RolloutTools,
@@ -39,10 +38,12 @@ from grpo_core.rollout.agent import (
     record_tool_results,
     tool_messages,
 )
-from grpo_core.rollout.client import GeneratedChoice, VLLMGenerateClient, VLLMRequestError
+from grpo_core.rollout.generation import VLLMGenerateClient
 from grpo_core.rollout.reconcile import ReconcileResult, gather_sampling_masks, gather_top_logprobs, reconcile_turns
 from grpo_core.rollout.tool_calls import ParsedToolCalls, parse_tool_calls
 from grpo_core.rollout.types import Rollout, RolloutGroup, RolloutSample, TurnRecord
+from grpo_core.vllm_server.control import VLLMRequestError
+from grpo_core.vllm_server.replies import GeneratedChoice
 
 
 def reward_func_name(func: Callable[..., Any]) -> str:

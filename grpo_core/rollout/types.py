@@ -7,6 +7,7 @@ and the trainer, so it holds compact numpy arrays (not Python lists of floats) a
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,23 @@ class GroupReport:
     metrics: dict[str, float] = field(default_factory=dict)
     completions: list[str] = field(default_factory=list)
     prompt_text: str = ""  # the prompt's last message, for completion tables
+
+
+def merge_counters(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Sum counters key by key; a key ending in ``_max`` keeps the largest value.
+
+    The one rule for per-rollout counters (tools, environments, reconcile) carried in
+    ``GroupReport.metrics``: a group's are the sum over its rollouts, a step's the sum over its groups.
+    """
+    merged: dict[str, float] = {}
+    for part in parts:
+        for key, value in part.items():
+            value = float(value)
+            if key.endswith("_max"):
+                merged[key] = max(merged.get(key, value), value)
+            else:
+                merged[key] = merged.get(key, 0.0) + value
+    return merged
 
 
 @dataclass

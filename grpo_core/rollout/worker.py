@@ -6,7 +6,7 @@ functions, classes and lambdas defined in the user's script go by value, everyth
 reference. The user's script itself is not run again in the child (multiprocessing's spawn would
 re-import ``__main__``, re-running a script without a main guard and starting the trainer twice),
 so a script written as the quick start prints it, with everything at module level, works as is;
-so does a run under ``torchrun`` or ``accelerate launch``. ``grpo_core.inputs.check_crossing``
+so does a run under ``torchrun`` or ``accelerate launch``. ``grpo_core.data.inputs.check_crossing``
 names, before the spawn, anything that cannot cross (an open socket, a lock, a live client).
 
 Trainer side: ``RolloutWorker.start()``, ``get(timeout)`` for the next item, ``check()`` raises
@@ -33,7 +33,7 @@ from typing import Any
 
 import cloudpickle
 
-from grpo_core.cpu_placement import forked_on, rollout_cpus_from_env
+from grpo_core.vllm_server.cpu_placement import forked_on, rollout_cpus_from_env
 
 _HEARTBEAT_PERIOD_S = 1.0
 _PARENT_CHECK_S = 1.0
@@ -80,7 +80,7 @@ class RolloutWorker:
         saved = os.environ.get("CUDA_VISIBLE_DEVICES")
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         try:
-            # A trainer placed beside a local CPU server (grpo_core.cpu_placement) keeps its cores to itself:
+            # A trainer placed beside a local CPU server (grpo_core.vllm_server.cpu_placement) keeps its cores to itself:
             # the worker starts on the generation cores, and every thread it starts inherits them.
             with _main_script_hidden(), forked_on(rollout_cpus_from_env()):
                 self.process.start()

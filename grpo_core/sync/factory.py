@@ -1,7 +1,7 @@
 """Pick the weight sync for a run: full weights over vLLM's protocol, or for LoRA merged or adapter-only.
 
 The LoRA mode is chosen once, at start-up, from ``lora_sync_mode`` and what the server offers
-(``server_checks.probe_lora_serving``); it never changes during the run, so every sample of a run
+(``vllm_server.checks.probe_lora_serving``); it never changes during the run, so every sample of a run
 is produced the same way.
 """
 
@@ -12,8 +12,14 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from grpo_core.server_checks import LoraServing, ServerConfigError, check_lora_limits, lora_command, probe_lora_serving
 from grpo_core.sync.base import WeightSync
+from grpo_core.vllm_server.checks import (
+    LoraServing,
+    ServerConfigError,
+    check_lora_limits,
+    lora_command,
+    probe_lora_serving,
+)
 
 log = logging.getLogger(__name__)
 

@@ -105,7 +105,7 @@ class AdapterWindow:
 
 def serving_path(url: str) -> str:
     """The path to hand to vLLM: a plain path for local folders, the URL itself otherwise."""
-    from grpo_core.checkpoint.storage import open_url
+    from grpo_core.storage.store import open_url
 
     fs, path = open_url(url)
     protocols = fs.protocol if isinstance(fs.protocol, (list, tuple)) else [fs.protocol]
@@ -186,7 +186,7 @@ class LoraAdapterSync(WeightSync):
         )
 
     def _delete(self, versions: list[int]) -> None:
-        from grpo_core.checkpoint.storage import open_url
+        from grpo_core.storage.store import open_url
 
         fs, root = open_url(self.cache_url)
         for version in versions:
@@ -200,7 +200,7 @@ class LoraAdapterSync(WeightSync):
         A crashed or preempted trainer cannot clean up; its worker died with it, so no request of
         its can still need those folders once their names are gone from the server.
         """
-        from grpo_core.checkpoint.storage import open_url
+        from grpo_core.storage.store import open_url
 
         prefix = serving_path(self.cache_url).rstrip("/") + "/"
         for entry in self.control.models():

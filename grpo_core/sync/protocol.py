@@ -25,7 +25,7 @@ from grpo_core.sync.buckets import DEFAULT_BUCKET_BYTES
 from grpo_core.sync.vllm_plugin import GLOO_BACKEND, register
 
 if TYPE_CHECKING:
-    from grpo_core.rollout.client import VLLMControlClient
+    from grpo_core.vllm_server.control import VLLMControlClient
 
 
 def _trainer_engine(backend: str, control: Any, source: WeightSource, rank: int, address: str, port: int,

@@ -2,10 +2,10 @@
 
 Wrappers change parameter names (activation checkpointing inserts ``_checkpoint_wrapped_module``,
 torch.compile ``_orig_mod``, peft ``base_model.model`` and ``base_layer``); the server's
-``load_weights`` expects the names of the saved checkpoint, so they are normalised here. Iteration
-gathers FSDP2 shards (DTensors) with ``full_tensor()`` one parameter at a time; the bucketed senders
-(``bucket_stream``) read ``iter_local`` instead and gather a whole bucket in one collective, so no
-full copy of the model is ever built either way.
+``load_weights`` expects the names of the saved checkpoint, so they are normalised here
+(``grpo_core.models.param_names``). Iteration gathers FSDP2 shards (DTensors) with ``full_tensor()`` one
+parameter at a time; the bucketed senders (``bucket_stream``) read ``iter_local`` instead and gather a
+whole bucket in one collective, so no full copy of the model is ever built either way.
 """
 
 from __future__ import annotations
@@ -15,16 +15,8 @@ from collections.abc import Callable, Iterator
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, materialize_full_tensor
 
+from grpo_core.models.param_names import checkpoint_name
 from grpo_core.models.vision import frozen_tower_prefixes
-
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def checkpoint_name(name: str) -> str:
-    """The Hugging Face checkpoint name of a (possibly wrapped) parameter."""
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
 
 
 class ModelWeightSource(WeightSource):

@@ -11,7 +11,7 @@ of the time, and cached as an HF folder that transformers and vLLM both load.
 Variants (``build_tiny_model(variant=...)``, ``model: tiny:<variant>`` in a job): ``arithmetic``
 (Qwen3), ``tools`` (calls a calculator), ``arithmetic-hybrid`` (Qwen3.5 Gated DeltaNet hybrid) and
 ``arithmetic-vlm`` (Qwen3.5 vision-language model, trained on text). The last two are served in
-bf16 on CPU, the VLM without its tower (``grpo_core.models.serving``).
+bf16 on CPU, the VLM without its tower (``grpo_core.vllm_server.model_needs``).
 
 Modules: ``spec`` (hyper-parameters), ``tasks`` (problems, prompts, split, calculator tool),
 ``tokenizer`` (BPE + chat template), ``warmup`` (model init and supervised warm-up),

@@ -20,7 +20,7 @@ from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rewards import accuracy_reward, format_reward
 from grpo_core.rollout.worker import RolloutWorkerError
 from grpo_core.tiny import arithmetic_dataset
-from grpo_core.trainer import AsyncGRPOTrainer
+from grpo_core.training.trainer import AsyncGRPOTrainer
 
 pytestmark = pytest.mark.integration
 
@@ -54,9 +54,9 @@ def trainer_logprobs(model: torch.nn.Module, token_ids: list[int], start: int) -
 
 
 def test_sync_makes_server_logprobs_equal_trainer(vllm_server, tiny_model_path, tmp_path):
-    from grpo_core.rollout.client import VLLMControlClient
     from grpo_core.sync.protocol import ProtocolWeightSync
     from grpo_core.sync.source import ModelWeightSource
+    from grpo_core.vllm_server.control import VLLMControlClient
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
@@ -154,7 +154,7 @@ def test_dead_or_silent_worker_ends_the_run(vllm_server, tiny_model_path, tmp_pa
 def test_mlflow_run_holds_step_metrics_and_config(vllm_server, mlflow_server, tiny_model_path, tmp_path):
     import mlflow
 
-    from grpo_core.tracking import MLflowTracker
+    from grpo_core.tracking.tracker import MLflowTracker
 
     data = arithmetic_dataset()
     config = fast_config(vllm_server.base_url, tmp_path, max_steps=3, report_to="mlflow")
@@ -219,7 +219,7 @@ def test_trainer_recovers_a_server_left_mid_sync(vllm_server, tiny_model_path, t
     # A trainer killed during a weight sync leaves the server paused, and, when it died between
     # start and finish, with a weight-update session open, which refuses the next start. Its
     # successor must close what is open (or accept that nothing is) and train.
-    from grpo_core.rollout.client import VLLMControlClient
+    from grpo_core.vllm_server.control import VLLMControlClient
 
     control = VLLMControlClient(vllm_server.base_url)
     try:

@@ -17,13 +17,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from grpo_core.collector import StepBatch
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rewards import accuracy_reward
 from grpo_core.rollout.stages import AsyncRolloutLoop
 from grpo_core.rollout.types import GroupReport, RolloutGroup
 from grpo_core.tiny import arithmetic_dataset
-from grpo_core.trainer import AsyncGRPOTrainer
+from grpo_core.training.collector import StepBatch
+from grpo_core.training.trainer import AsyncGRPOTrainer
 
 pytestmark = pytest.mark.integration
 

@@ -91,7 +91,7 @@ def run_logs(api: str, run_id: str) -> str:
 # ------------------------------------------------------------------------------------------ the file itself
 def test_prefect_yaml_jobs_validate_and_match_the_demo():
     from flows.cli import DEMO_TRAINER
-    from grpo_core.job import JobConfig
+    from grpo_core.launch.job import JobConfig
 
     project = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     assert project["definitions"]["trainer"]["demo"] == DEMO_TRAINER  # the deployment is `grpo demo`

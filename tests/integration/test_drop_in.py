@@ -23,13 +23,13 @@ import pytest
 import torch
 
 from grpo_core.config import AsyncGRPOConfig
-from grpo_core.inputs import InputError
+from grpo_core.data.inputs import InputError
 from grpo_core.rewards import accuracy_reward
 from grpo_core.rollout.worker import RolloutWorkerError
-from grpo_core.server import VLLMServer, VLLMServerSpec
-from grpo_core.server_checks import ServerConfigError
 from grpo_core.tiny import arithmetic_dataset
-from grpo_core.trainer import AsyncGRPOTrainer
+from grpo_core.training.trainer import AsyncGRPOTrainer
+from grpo_core.vllm_server.checks import ServerConfigError
+from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo_core.job import JobConfig
+from grpo_core.launch.job import JobConfig
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]

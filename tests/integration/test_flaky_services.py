@@ -37,9 +37,9 @@ import pytest
 from grpo_core.checkpoint import MANIFEST, read_ledger, surviving_steps
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rewards import accuracy_reward, format_reward
-from grpo_core.server import free_port
 from grpo_core.tiny import arithmetic_dataset
-from grpo_core.trainer import AsyncGRPOTrainer
+from grpo_core.training.trainer import AsyncGRPOTrainer
+from grpo_core.vllm_server.process import free_port
 from tests.fault_proxy import FaultProxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -2,7 +2,7 @@
 
 ``tiny:arithmetic-hybrid`` (Gated DeltaNet hybrid) and ``tiny:arithmetic-vlm`` (the same language
 model inside a vision-language model) each get a server started the way the flow starts it: its
-options come from the model (``grpo_core.models.serving``: bf16, and ``--language-model-only`` for
+options come from the model (``grpo_core.vllm_server.model_needs``: bf16, and ``--language-model-only`` for
 the VLM). The trainer stays in fp32, so its log-probs and the server's differ by bf16 rounding;
 the tests measure that gap on the server as it loaded the checkpoint, and hold every sync to it:
 
@@ -36,10 +36,10 @@ import pytest
 import torch
 
 from grpo_core.config import AsyncGRPOConfig
-from grpo_core.models.serving import model_server_options
-from grpo_core.rollout.client import VLLMControlClient
-from grpo_core.server import ServerOptions, VLLMServer, VLLMServerSpec
 from grpo_core.tiny import build_tiny_model
+from grpo_core.vllm_server.control import VLLMControlClient
+from grpo_core.vllm_server.model_needs import model_server_options
+from grpo_core.vllm_server.process import ServerOptions, VLLMServer, VLLMServerSpec
 from tests.startup import BACKGROUND
 from tests.tiny_variants import build_check_variant
 
@@ -268,7 +268,7 @@ def test_variant_learns_on_its_server(served_tuned: Served, tmp_path: Path) -> N
     from flows.cli import DEMO_TRAINER
     from grpo_core.rewards import accuracy_reward, format_reward
     from grpo_core.tiny import arithmetic_dataset
-    from grpo_core.trainer import AsyncGRPOTrainer
+    from grpo_core.training.trainer import AsyncGRPOTrainer
 
     settings = {**DEMO_TRAINER, "max_steps": LEARN_STEPS, "learning_rate": LEARN_RATE, "save_strategy": "no", "seed": 0}
     args = AsyncGRPOConfig(output_dir=str(tmp_path / "run"), vllm_server_base_url=served.url, report_to="none", **settings)

@@ -22,7 +22,7 @@ from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rewards import accuracy_reward
 from grpo_core.sync.factory import SYNC_MODE_CODES
 from grpo_core.tiny import arithmetic_dataset
-from grpo_core.trainer import AsyncGRPOTrainer
+from grpo_core.training.trainer import AsyncGRPOTrainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -45,8 +45,8 @@ import pytest
 import torch
 
 from grpo_core.config import AsyncGRPOConfig
-from grpo_core.rollout.client import VLLMControlClient
-from grpo_core.server import free_port
+from grpo_core.vllm_server.control import VLLMControlClient
+from grpo_core.vllm_server.process import free_port
 from tests.conftest import SESSION_SERVER_HOST
 from tests.integration.test_async_loop import server_logprobs, trainer_logprobs
 
@@ -153,9 +153,9 @@ class KeptLines(logging.Handler):
 def test_two_nodes_train_through_the_flows_launch(second_host_server, tiny_model_path, tmp_path):
     from flows.provision import LocalProvisioner
     from flows.train_flow import training_launch
+    from grpo_core.checkpoint.folders import verify_local
     from grpo_core.checkpoint.ledger import read_ledger
-    from grpo_core.checkpoint.storage import verify_local
-    from grpo_core.job import JobConfig
+    from grpo_core.launch.job import JobConfig
 
     run_dir = tmp_path / "run"
     trainer = dict(
@@ -216,9 +216,9 @@ def test_two_nodes_train_through_the_flows_launch(second_host_server, tiny_model
 # ------------------------------------------------------------------------------------------ (c)
 def test_a_backend_mismatch_is_refused_at_start_up_naming_both(second_host_server, tiny_model_path, tmp_path):
     from grpo_core.rewards import accuracy_reward
-    from grpo_core.server_checks import ServerConfigError
     from grpo_core.tiny import arithmetic_dataset
-    from grpo_core.trainer import AsyncGRPOTrainer
+    from grpo_core.training.trainer import AsyncGRPOTrainer
+    from grpo_core.vllm_server.checks import ServerConfigError
 
     url = second_host_server.base_url
     config = AsyncGRPOConfig(output_dir=str(tmp_path / "run"), vllm_server_base_url=url, report_to="none", max_steps=1,

@@ -36,7 +36,7 @@ from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rewards import accuracy_reward, format_reward
 from grpo_core.rollout.scheduler import END_OF_DATA
 from grpo_core.tiny import arithmetic_dataset
-from grpo_core.trainer import AsyncGRPOTrainer
+from grpo_core.training.trainer import AsyncGRPOTrainer
 from tests.tolerances import gamma
 
 pytestmark = pytest.mark.integration
@@ -123,9 +123,8 @@ class ReplayTrainer(AsyncGRPOTrainer):
 # ------------------------------------------------------------------------------------------ rank program
 def replay_main(argv: list[str] | None = None) -> None:
     """One torchrun rank: train on the recorded stream, then gather the final weights onto rank 0."""
-    from grpo_core.distributed import init_distributed, shutdown_distributed
     from grpo_core.models.fsdp import full_state_dict
-    from grpo_core.distributed import DistInfo
+    from grpo_core.training.distributed import DistInfo, init_distributed, shutdown_distributed
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -248,7 +247,7 @@ def test_two_ranks_train_like_one_on_the_same_samples(vllm_server, tiny_model_pa
 
 def test_flow_launch_runs_two_ranks(vllm_server, tiny_model_path, tmp_path):
     from flows.provision import LocalProvisioner, TrainingLaunch
-    from grpo_core.job import JobConfig
+    from grpo_core.launch.job import JobConfig
 
     trainer = run_config(vllm_server.base_url, tmp_path / "run", ranks=2)
     trainer.pop("vllm_server_base_url")

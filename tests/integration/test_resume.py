@@ -36,9 +36,9 @@ import pytest
 import yaml
 
 from flows.train_flow import local_run_dir
-from grpo_core.checkpoint import MANIFEST, Storage, read_ledger, surviving_steps
-from grpo_core.job import JobConfig
-from grpo_core.server import VLLMServer, VLLMServerSpec, free_port
+from grpo_core.checkpoint import MANIFEST, Storage, list_checkpoints, read_ledger, surviving_steps
+from grpo_core.launch.job import JobConfig
+from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -193,7 +193,7 @@ class FlowRun:
         storage = self.storage
         while time.monotonic() < deadline:
             assert alive(pid), f"trainer {pid} died on its own:\n{self.train_log()[-4000:]}"
-            for step, path in storage.checkpoints():
+            for step, path in list_checkpoints(storage):
                 if step <= after_step:
                     break
                 entries = storage.ls(path)
@@ -325,7 +325,7 @@ def check_run(run: FlowRun, summary: dict[str, Any], tracking_uri: str, experime
     assert attempts[2]["step"] < torn.at_step
 
     # ---- checkpoints: the last one is good and holds the final step
-    newest_step, newest = run.storage.checkpoints()[0]
+    newest_step, newest = list_checkpoints(run.storage)[0]
     assert newest_step == MAX_STEPS
     assert MANIFEST in {e["name"].rsplit("/", 1)[-1] for e in run.storage.ls(newest)}
 
@@ -399,7 +399,7 @@ def test_flow_resumes_after_three_kills_local(local_run, mlflow_server):
 
 def test_vllm_serves_a_checkpoint_folder_as_it_is(local_run, tmp_path):
     run, _summary, _ = local_run
-    folder = run.storage.checkpoints()[0][1]
+    folder = list_checkpoints(run.storage)[0][1]
     # Started by hand for the generous timeout: a start on two busy cores has taken over ten minutes.
     server = VLLMServer(VLLMServerSpec(model=folder, max_model_len=256), tmp_path)
     try:

@@ -35,9 +35,9 @@ from grpo_core.checkpoint import ledger_summary, read_ledger
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rewards import accuracy_reward, format_reward
 from grpo_core.rollout.stages import UNKNOWN_VERSION
-from grpo_core.server import VLLMServer
 from grpo_core.tiny import arithmetic_dataset
-from grpo_core.trainer import AsyncGRPOTrainer
+from grpo_core.training.trainer import AsyncGRPOTrainer
+from grpo_core.vllm_server.process import VLLMServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -30,7 +30,7 @@ from flows.cli import DEMO_TRAINER
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rewards import accuracy_reward, format_reward
 from grpo_core.tiny import arithmetic_dataset
-from grpo_core.trainer import AsyncGRPOTrainer
+from grpo_core.training.trainer import AsyncGRPOTrainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.soak]
 

@@ -28,16 +28,16 @@ import numpy as np
 import pytest
 import torch
 
-from grpo_core.collector import StepBatch
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rewards import accuracy_reward
-from grpo_core.rollout.stages import AsyncRolloutLoop
-from grpo_core.rollout.types import RolloutSample
 from grpo_core.rollout.agent import RolloutTools
+from grpo_core.rollout.stages import AsyncRolloutLoop
 from grpo_core.rollout.tool_calls import ToolRegistry
+from grpo_core.rollout.types import RolloutSample
 from grpo_core.tiny import CALCULATOR_SCHEMA, arithmetic_dataset, build_tiny_model
 from grpo_core.tiny import calculator as tiny_calculator
-from grpo_core.trainer import AsyncGRPOTrainer
+from grpo_core.training.collector import StepBatch
+from grpo_core.training.trainer import AsyncGRPOTrainer
 from tests.test_loop_templates import COMPACT_ARGS_TEMPLATE, DROP_REASONING_TEMPLATE, with_template
 
 pytestmark = pytest.mark.integration
@@ -209,9 +209,9 @@ class InlineExecutor(concurrent.futures.Executor):
 def tools_policy_on_server(vllm_server, tools_model_path: str) -> str:  # noqa: ANN001
     from transformers import AutoModelForCausalLM
 
-    from grpo_core.rollout.client import VLLMControlClient
     from grpo_core.sync.protocol import ProtocolWeightSync
     from grpo_core.sync.source import ModelWeightSource
+    from grpo_core.vllm_server.control import VLLMControlClient
 
     model = AutoModelForCausalLM.from_pretrained(tools_model_path, dtype=torch.float32)
     sync = ProtocolWeightSync(VLLMControlClient(vllm_server.base_url), ModelWeightSource(model), backend="gloo")

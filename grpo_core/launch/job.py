@@ -1,0 +1,182 @@
+"""``JobConfig``: one training job (model, data, rewards, tools, server, tracking, trainer) as plain data.
+
+It is the parameter model of the Prefect flow (the deployment form is its JSON schema) and the
+schema of ``grpo train JOB.yaml``. Nothing is declared twice: ``trainer`` is the library's own
+``AsyncGRPOConfig``, ``server`` extends ``grpo_core.vllm_server.process.ServerOptions``, and ``peft_config`` is
+checked against peft's ``LoraConfig``. Everything the Python API takes as an object is named here by
+import string (``package.module:attr``), so a job pickles and serialises as text: reward functions,
+tools, an environment factory, a custom ``AsyncRolloutLoop`` and the dataset loader. Unknown keys
+are refused at every level with the closest valid name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from grpo_core.config import AsyncGRPOConfig, ConfigError, check_known_keys
+from grpo_core.vllm_server.process import ServerOptions
+
+ImportString = Annotated[str, Field(pattern=r"^[\w.]+:[\w.]+$", description="package.module:attribute")]
+
+
+class _Strict(BaseModel):
+    """Refuses unknown keys with a suggestion (pydantic's own message names no alternative)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            check_known_keys(cls.__name__, values, [*cls.model_fields, *_aliases(cls)])
+        return values
+
+
+def _aliases(cls: type[BaseModel]) -> list[str]:
+    return [f.alias for f in cls.model_fields.values() if f.alias]
+
+
+@dataclasses.dataclass(kw_only=True)
+class ServerParams(ServerOptions):
+    """The vLLM server: started by the flow (``managed``), or an existing one at ``base_url``."""
+
+    managed: bool = True
+    """Start the server as a child process (or Kubernetes job) and stop it at the end."""
+    base_url: str | None = None
+    """URL of an existing server (when ``managed`` is false)."""
+    startup_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    """Seconds to wait for a managed server to serve."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.managed and not self.base_url:
+            raise ConfigError("ServerParams.base_url is required when managed is false: give the URL of the running server")
+
+    def options(self) -> ServerOptions:
+        """The launch options alone (what ``VLLMServerSpec.for_run`` takes)."""
+        return ServerOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ServerOptions)})
+
+
+class TrackingParams(_Strict):
+    """Where the run is tracked."""
+
+    tracking_uri: str | None = None
+    """MLflow tracking URI; default: ``MLFLOW_TRACKING_URI`` when set, else a SQLite store in the run folder."""
+    experiment: str = "grpo"
+    """MLflow experiment name."""
+    system_metrics: bool = True
+    """Log CPU/GPU/memory system metrics with the run."""
+    registered_model_name: str | None = None
+    """Register the final model under this name in the MLflow model registry (None: log it without registering)."""
+
+
+class JobConfig(_Strict):
+    """Everything one run needs. Defaults are the embedded tiny-model demo."""
+
+    model: str = "tiny:arithmetic"
+    """Model folder or hub id, or ``tiny:<variant>`` for an offline tiny model."""
+    dataset: str = "tiny:arithmetic"
+    """``tiny:<task>``, or an import string of a function returning a ``DatasetDict`` with ``train`` (and ``eval``)."""
+    reward_funcs: list[ImportString] = Field(
+        default_factory=lambda: ["grpo_core.rewards:accuracy_reward", "grpo_core.rewards:format_reward"]
+    )
+    """Import strings of the reward functions (``AsyncGRPOTrainer(reward_funcs=...)``)."""
+    tools: list[ImportString] = Field(default_factory=list)
+    """Import strings of tool functions (``tools=...``)."""
+    environment_factory: ImportString | None = None
+    """Import string of the environment factory (``environment_factory=...``)."""
+    loop_cls: ImportString | None = None
+    """Import string of an ``AsyncRolloutLoop`` subclass to run the rollout stages with (a trainer's ``loop_cls``)."""
+    peft_config: dict[str, Any] | None = None
+    """LoRA: keyword arguments of peft's ``LoraConfig`` (e.g. ``{r: 16, lora_alpha: 32, target_modules: all-linear}``)."""
+    eval_reward: ImportString = "grpo_core.rewards:accuracy_reward"
+    """Reward used as held-out accuracy before and after training."""
+    eval_prompts: Annotated[int, Field(ge=0)] = 100
+    """Held-out prompts sampled before and after training (0 skips)."""
+    eval_samples_per_prompt: Annotated[int, Field(ge=1)] = 4
+    """Completions per held-out prompt."""
+    nproc_per_node: Annotated[int, Field(ge=1)] = 1
+    """Training processes per node (torchrun)."""
+    nnodes: Annotated[int, Field(ge=1)] = 1
+    """Training nodes."""
+    rendezvous_address: str | None = None
+    """With ``nnodes > 1``: node 0's address as the other training nodes reach it (torchrun ``--master-addr``).
+    Required by the local provisioner, which runs node 0 where the flow runs and logs the command of every other
+    node; the Kubernetes provisioner ignores it (node 0 is its pod 0)."""
+    rendezvous_port: Annotated[int, Field(ge=1, le=65535)] = 29500
+    """With ``nnodes > 1``: the port node 0 listens on for the other nodes (torchrun ``--master-port``)."""
+    max_resumes: Annotated[int, Field(ge=0)] = 3
+    """Times the flow restarts a training process that died."""
+    server: ServerParams = Field(default_factory=ServerParams)
+    """The vLLM server."""
+    tracking: TrackingParams = Field(default_factory=TrackingParams)
+    """MLflow."""
+    trainer: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
+    """The trainer's settings (``AsyncGRPOConfig``)."""
+
+    @field_validator("server", "trainer", mode="before")
+    @classmethod
+    def _dataclass_keys(cls, value: Any, info: Any) -> Any:
+        owner = {"server": ServerParams, "trainer": AsyncGRPOConfig}[info.field_name]
+        if isinstance(value, dict):
+            check_known_keys(owner.__name__, value, [f.name for f in dataclasses.fields(owner)])
+        return value
+
+    @field_validator("peft_config")
+    @classmethod
+    def _lora_config(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            lora_config(value)  # peft's own checks, with our message for unknown keys
+        return value
+
+    def trainer_config(self, **overrides: Any) -> AsyncGRPOConfig:
+        """The trainer part (with ``overrides`` applied and checked)."""
+        return self.trainer.replace(**overrides) if overrides else self.trainer
+
+
+def lora_config(values: dict[str, Any]) -> Any:
+    """peft's ``LoraConfig`` from job data; unknown keys are refused with the closest name."""
+    from peft import LoraConfig
+
+    check_known_keys("peft LoraConfig", values, [f.name for f in dataclasses.fields(LoraConfig)])
+    return LoraConfig(**values)
+
+
+def import_string(path: str) -> Any:
+    """``package.module:attr`` → the object."""
+    module_name, _, attr = path.partition(":")
+    module = importlib.import_module(module_name)
+    target: Any = module
+    for part in attr.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError as exc:
+            raise ImportError(f"{module_name} has no attribute {attr!r} (from {path!r})") from exc
+    return target
+
+
+def resolve_model(spec: str) -> str:
+    """A model folder for ``spec``: ``tiny:<variant>`` builds (or reuses) the offline tiny model."""
+    if spec.startswith("tiny:"):
+        from grpo_core.tiny import build_tiny_model
+
+        return str(build_tiny_model(variant=spec.removeprefix("tiny:")))
+    return spec
+
+
+def resolve_dataset(spec: str) -> Any:
+    """A ``DatasetDict`` with ``train`` (and optionally ``eval``) for ``spec``."""
+    if spec.startswith("tiny:"):
+        from grpo_core.tiny import arithmetic_dataset
+
+        # The tools variant uses the same arithmetic prompts; only the model knows the calculator.
+        builders = {"arithmetic": arithmetic_dataset, "tools": arithmetic_dataset}
+        task = spec.removeprefix("tiny:")
+        if task not in builders:
+            raise ValueError(f"dataset {spec!r}: unknown tiny task; use one of {sorted(builders)}")
+        return builders[task]()
+    return import_string(spec)()

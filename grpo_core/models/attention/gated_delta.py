@@ -1,0 +1,358 @@
+"""Gated DeltaNet over a packed prefix trie: the short convolution and the gated delta rule, exact per sample.
+
+A packed row (``grpo_core.packing.collator``) is a list of segments laid out depth-first; segment ``g``
+owns the row positions ``cu_seq_q[g]:cu_seq_q[g+1]`` and its root-to-segment path is listed in
+``kv_index`` (``grpo_core.models.attention.metadata.TreeAttentionMetadata``). A Gated DeltaNet layer
+mixes tokens in two places, and both must follow the trie instead of the row order:
+
+* the depthwise causal convolution (kernel ``K``, 4 in Qwen3.5/Qwen3-Next) reads the ``K - 1``
+  tokens before each token. For a segment's first tokens those are the last tokens of its *path*
+  (its parent's tail, or further up when the parent is short), never the sibling laid out just
+  before it. ``tree_causal_conv1d`` gathers, per segment, ``K - 1`` path tokens (zeros above a
+  root) followed by the segment's own tokens, and runs one ungrouped-by-segment convolution over
+  that gathered sequence, keeping the outputs of the own tokens;
+* the recurrence ``S_t = a_t S_{t-1} + k_t b_t (v_t - a_t S_{t-1}^T k_t)^T``, ``o_t = S_t^T q_t``
+  must start each segment from the state its parent ended in. Segments are grouped by depth in
+  the trie of segments (roots first); every group is one batched (or varlen) call whose initial
+  states are the final states of the parents, taken from the previous group.
+
+Backends of the delta rule (picked by ``select_gdn_backend``, like the attention backends):
+
+- ``reference``: plain PyTorch, a chunked (WY) form of the recurrence batched over the segments of a
+  depth, padded to the longest. Runs anywhere, fp32 or fp64 state; the oracle of the tests.
+- ``fla``: flash-linear-attention's varlen ``chunk_gated_delta_rule`` (``fla-core``, Triton, CUDA),
+  one call per depth with ``cu_seqlens``, per-sequence ``initial_state`` and final states. Accepted
+  only if a probe on a small tree agrees with ``reference`` in output and gradients.
+
+Run its tests: ``.venv/bin/python -m pytest tests/test_gated_delta.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from grpo_core.models.attention.gather import gather_rows
+from grpo_core.models.attention.metadata import TreeAttentionMetadata
+
+log = logging.getLogger(__name__)
+
+CHUNK = 64  # chunk length of the reference scan: matmul-sized blocks, a short sequential loop
+
+
+# ---- the row's segments as a tree of segments -----------------------------------------------------
+@dataclass
+class Depth:
+    """The segments at one depth of the segment tree, in row order."""
+
+    rows: torch.Tensor  # int64 [T]: row positions of these segments' tokens, segment after segment
+    padded: torch.Tensor  # int64 [N, L]: the same positions padded to the longest segment, -1 = pad
+    cu_seqlens: torch.Tensor  # int64 [N + 1]: token ranges of the segments within ``rows``
+    parent: torch.Tensor | None  # int64 [N]: each segment's parent among the previous depth's segments
+
+
+@dataclass
+class SegmentTree:
+    """What the delta rule needs of a row: segments by depth and the way back to row order."""
+
+    depths: list[Depth]
+    unsort: torch.Tensor  # int64 [U]: row position -> its place in the depth-by-depth concatenation
+
+
+def segment_parents(meta: TreeAttentionMetadata) -> np.ndarray:
+    """int64 ``[G]``: the segment each segment continues (-1 for a root).
+
+    A segment's path is its parent's path followed by its own tokens, so the path position just
+    before its own tokens is the parent's last token.
+    """
+    cu_q, cu_k = meta.cu_seq_q.cpu().numpy().astype(np.int64), meta.cu_seq_k.cpu().numpy().astype(np.int64)
+    q_len, k_len = np.diff(cu_q), np.diff(cu_k)
+    parents = np.full(len(q_len), -1, dtype=np.int64)
+    if meta.kv_index is None:
+        return parents
+    kv = meta.kv_index.cpu().numpy()
+    for g in np.flatnonzero(k_len > q_len):
+        last = int(kv[cu_k[g] + k_len[g] - q_len[g] - 1])
+        p = int(np.searchsorted(cu_q, last, side="right")) - 1
+        if p >= g or cu_q[p + 1] - 1 != last:
+            raise ValueError(f"segment {g}: its path does not continue a segment at that segment's last token")
+        parents[g] = p
+    return parents
+
+
+def build_segment_tree(meta: TreeAttentionMetadata, device: torch.device) -> SegmentTree:
+    """Group the segments of ``meta`` by depth (parents are laid out before their children)."""
+    cu_q = meta.cu_seq_q.cpu().numpy().astype(np.int64)
+    parents = segment_parents(meta)
+    depth = np.zeros(len(parents), dtype=np.int64)
+    for g, p in enumerate(parents):
+        depth[g] = 0 if p < 0 else depth[p] + 1
+    place = np.zeros(len(parents), dtype=np.int64)  # index of a segment among those of its depth
+    depths, order = [], []
+    for d in range(int(depth.max()) + 1 if len(depth) else 0):
+        segs = np.flatnonzero(depth == d)
+        place[segs] = np.arange(len(segs))
+        lengths = cu_q[segs + 1] - cu_q[segs]
+        width = int(lengths.max())
+        padded = np.full((len(segs), width), -1, dtype=np.int64)
+        for i, g in enumerate(segs):
+            padded[i, : lengths[i]] = np.arange(cu_q[g], cu_q[g + 1])
+        rows = padded[padded >= 0]
+        order.append(rows)
+        to = lambda a: torch.as_tensor(a, dtype=torch.int64).to(device)  # noqa: E731
+        depths.append(Depth(
+            rows=to(rows), padded=to(padded), cu_seqlens=to(np.concatenate([[0], np.cumsum(lengths)])),
+            parent=None if d == 0 else to(place[parents[segs]]),
+        ))
+    unsort = np.empty(int(cu_q[-1]), dtype=np.int64)
+    unsort[np.concatenate(order)] = np.arange(int(cu_q[-1]))
+    return SegmentTree(depths, torch.as_tensor(unsort).to(device))
+
+
+def conv_indices(meta: TreeAttentionMetadata, kernel: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(source, keep)`` for ``tree_causal_conv1d``.
+
+    ``source`` (int64): per segment, the ``kernel - 1`` path positions before its own tokens (-1 above
+    the root) followed by its own positions. ``keep`` (int64 [U]): for each row position, the
+    index of its output among the valid convolution outputs over ``source``.
+    """
+    cu_q, cu_k = meta.cu_seq_q.cpu().numpy().astype(np.int64), meta.cu_seq_k.cpu().numpy().astype(np.int64)
+    kv = None if meta.kv_index is None else meta.kv_index.cpu().numpy()
+    ctx, parts, keep, offset = kernel - 1, [], [], 0
+    for g in range(len(cu_q) - 1):
+        q = int(cu_q[g + 1] - cu_q[g])
+        before = np.zeros(0, dtype=np.int64)
+        if kv is not None:
+            path = kv[cu_k[g] : cu_k[g + 1]]
+            before = path[: len(path) - q][-ctx:] if ctx else before
+        pad = np.full(ctx - len(before), -1, dtype=np.int64)
+        parts.append(np.concatenate([pad, before, np.arange(cu_q[g], cu_q[g + 1])]))
+        # Valid output j covers source[j : j + kernel], so own token i (at source ctx + i) is output i.
+        keep.append(offset + np.arange(q))
+        offset += ctx + q
+    return np.concatenate(parts), np.concatenate(keep)
+
+
+def cached(meta: TreeAttentionMetadata, key: tuple, build: Callable[[], object]) -> object:
+    """``build()`` once per row: every GDN layer of a forward reads the same plan."""
+    if key not in meta.cache:
+        meta.cache[key] = build()
+    return meta.cache[key]
+
+
+# ---- the short convolution --------------------------------------------------------------------------
+def tree_causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, meta: TreeAttentionMetadata
+) -> torch.Tensor:
+    """Depthwise causal convolution of ``x`` ``[1, C, U]`` along every sample's path; ``weight`` ``[C, K]``.
+
+    Returns ``[1, C, U]`` in ``weight``'s dtype (the activation is the caller's).
+    """
+    if x.shape[0] != 1:
+        raise ValueError(f"a packed row is one sequence (batch 1), got batch {x.shape[0]}")
+    kernel = weight.shape[-1]
+    source, keep = cached(
+        meta, ("gdn_conv", kernel, x.device),
+        lambda: tuple(torch.as_tensor(a).to(x.device) for a in conv_indices(meta, kernel)),
+    )
+    rows = x[0].t().to(weight.dtype)  # [U, C]
+    rows = torch.cat([rows.new_zeros(1, rows.shape[1]), rows])  # row 0: the zeros above a root
+    gathered = gather_rows(rows, source + 1).t().unsqueeze(0)  # [1, C, E]
+    out = F.conv1d(gathered, weight.unsqueeze(1), bias, groups=weight.shape[0])
+    return out.index_select(2, keep)
+
+
+# ---- the gated delta rule: reference ---------------------------------------------------------------
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def chunked_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over ``[N, H, T, *]`` sequences from ``state`` ``[N, H, Dk, Dv]``.
+
+    ``q`` (already scaled) and ``k`` are ``[N, H, T, Dk]``, ``v`` ``[N, H, T, Dv]``, ``g`` (log decay)
+    and ``beta`` ``[N, H, T]``. Returns the outputs ``[N, H, T, Dv]`` and the final states.
+    Zero padding at the end (``k = v = 0``, ``g = beta = 0``) leaves the state unchanged.
+
+    Within a chunk, with ``c_t`` the cumulative log decay and ``D[t, s] = exp(c_t - c_s)`` for
+    ``s <= t``, the corrections ``u_t = b_t (v_t - a_t S_{t-1}^T k_t)`` solve the unit lower
+    triangular system ``(I + A) u = b v - b e^c k S_0`` with ``A[t, s] = b_t (k_t . k_s) D[t, s]``
+    (``s < t``); then ``o = e^c q S_0 + ((q k^T) * D) u`` and ``S = e^{c_C} S_0 + sum_s e^{c_C - c_s} k_s u_s^T``.
+    """
+    n, h, t, dk = k.shape
+    pad = (-t) % chunk
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    blocks = (t + pad) // chunk
+    q, k, v = (x.reshape(n, h, blocks, chunk, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(n, h, blocks, chunk), beta.reshape(n, h, blocks, chunk)
+
+    c = g.cumsum(-1)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()  # D, zero above
+    kb = k * beta.unsqueeze(-1)
+    system = (kb @ k.transpose(-1, -2) * decay).tril(-1) + torch.eye(chunk, dtype=q.dtype, device=q.device)
+    w = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    kd = torch.linalg.solve_triangular(system, kb * c.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    qk = q @ k.transpose(-1, -2) * decay
+    q_in = q * c.exp().unsqueeze(-1)  # reads the state the chunk started from
+    total = c[..., -1]  # [N, H, blocks]
+    k_out = k * (total.unsqueeze(-1) - c).exp().unsqueeze(-1)  # writes, decayed to the chunk's end
+
+    outs = []
+    for i in range(blocks):
+        u = w[:, :, i] - kd[:, :, i] @ state
+        outs.append(q_in[:, :, i] @ state + qk[:, :, i] @ u)
+        state = state * total[:, :, i].exp()[..., None, None] + k_out[:, :, i].transpose(-1, -2) @ u
+    out = torch.stack(outs, 2).reshape(n, h, blocks * chunk, -1)[:, :, :t]
+    return out, state
+
+
+def _reference_depth(q, k, v, g, beta, depth: Depth, initial: torch.Tensor | None):
+    """One depth as a padded batch: ``[U, H, *]`` row tensors in, ``[T, H, Dv]`` and final states out."""
+    index = depth.padded.clamp(min=0)
+    valid = (depth.padded >= 0).unsqueeze(-1)  # [N, L, 1]
+
+    def take(x: torch.Tensor) -> torch.Tensor:  # [U, H, ...] -> [N, H, L, ...], zeros in the padding
+        out = x[index]
+        out = out * valid.view(*valid.shape[:2], *([1] * (out.dim() - 2)))
+        return out.transpose(1, 2)
+
+    qs, ks, vs, gs, bs = (take(x) for x in (q, k, v, g, beta))
+    n, h, _, dk = ks.shape
+    if initial is None:
+        initial = qs.new_zeros(n, h, dk, vs.shape[-1])
+    # Short segments (most of a trie's) get a chunk of their own length rather than 64 padded slots.
+    out, final = chunked_delta_rule(qs, ks, vs, gs, bs, initial, chunk=min(CHUNK, ks.shape[2]))
+    return out.transpose(1, 2)[valid.squeeze(-1)], final
+
+
+def _fla_depth(q, k, v, g, beta, depth: Depth, initial: torch.Tensor | None):
+    """One depth as one varlen call of flash-linear-attention (q already normalised and scaled)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    take = lambda x: x.index_select(0, depth.rows).unsqueeze(0)  # noqa: E731
+    out, final = chunk_gated_delta_rule(
+        take(q), take(k), take(v), take(g), take(beta), scale=1.0, initial_state=initial,
+        output_final_state=True, cu_seqlens=depth.cu_seqlens,
+    )
+    return out[0], final
+
+
+@dataclass
+class GDNBackend:
+    name: str
+    run_depth: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    needs_cuda: bool
+
+
+GDN_BACKENDS: dict[str, GDNBackend] = {
+    "reference": GDNBackend("reference", _reference_depth, needs_cuda=False),
+    "fla": GDNBackend("fla", _fla_depth, needs_cuda=True),
+}
+
+
+def tree_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    meta: TreeAttentionMetadata, l2norm: bool = True, backend: GDNBackend | None = None,
+) -> torch.Tensor:
+    """The gated delta rule of one packed row, each segment starting from its parent's final state.
+
+    ``q``, ``k`` ``[U, H, Dk]`` (heads already repeated to the value heads), ``v`` ``[U, H, Dv]``,
+    ``g``, ``beta`` ``[U, H]``. Returns ``[U, H, Dv]`` in ``v``'s dtype. The state is kept in fp32
+    (fp64 for fp64 inputs) on the reference path, as the kernels do.
+    """
+    backend = backend or active_gdn_backend()
+    out_dtype = v.dtype
+    # Normalise in fp32 (or wider); the fused kernel then takes the inputs in their own dtype.
+    wide = torch.promote_types(v.dtype, torch.float32)
+    work = v.dtype if backend.needs_cuda else wide
+    q, k = q.to(wide), k.to(wide)
+    if l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    q = q * q.shape[-1] ** -0.5
+    q, k, v, beta, g = q.to(work), k.to(work), v.to(work), beta.to(work), g.to(wide)
+    tree: SegmentTree = cached(meta, ("gdn_tree", q.device), lambda: build_segment_tree(meta, q.device))
+    outs, finals = [], None
+    for depth in tree.depths:
+        initial = None if depth.parent is None else finals.index_select(0, depth.parent)
+        out, finals = backend.run_depth(q, k, v, g, beta, depth, initial)
+        outs.append(out)
+    return torch.cat(outs).index_select(0, tree.unsort).to(out_dtype)
+
+
+# ---- choosing the backend ---------------------------------------------------------------------------
+def _probe_meta(device: torch.device) -> TreeAttentionMetadata:
+    """A root of 70 tokens (two chunks), children of 9 and 40, a grandchild of 3 under the first."""
+    q_lens, parents = [70, 9, 3, 40], [None, 0, 1, 0]
+    offsets = np.concatenate([[0], np.cumsum(q_lens)])
+    paths: list[np.ndarray] = []
+    for i, p in enumerate(parents):
+        own = np.arange(offsets[i], offsets[i + 1])
+        paths.append(own if p is None else np.concatenate([paths[p], own]))
+    cu = lambda xs: torch.tensor(np.concatenate([[0], np.cumsum(xs)]), dtype=torch.int32)  # noqa: E731
+    return TreeAttentionMetadata(cu(q_lens), cu([len(p) for p in paths]), max(q_lens), max(len(p) for p in paths),
+                                 torch.as_tensor(np.concatenate(paths), dtype=torch.int64)).to(device)
+
+
+def probe_gdn(backend: GDNBackend, device: torch.device, heads: int = 4, dk: int = 64, dv: int = 64) -> float:
+    """Largest relative error of output and input gradients against ``reference`` on a small tree."""
+    meta = _probe_meta(device)
+    u = int(meta.cu_seq_q[-1])
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(u, heads, dk, generator=gen), torch.randn(u, heads, dk, generator=gen)
+    v = torch.randn(u, heads, dv, generator=gen)
+    g = -F.softplus(torch.randn(u, heads, generator=gen))
+    beta = torch.rand(u, heads, generator=gen)
+    grad = torch.randn(u, heads, dv, generator=gen)
+    results = []
+    for be, dtype in ((backend, torch.bfloat16), (GDN_BACKENDS["reference"], torch.float32)):
+        xs = [t.to(device, dtype if t is not g else torch.float32).requires_grad_() for t in (q, k, v, g, beta)]
+        out = tree_gated_delta_rule(*xs, meta, l2norm=True, backend=be)
+        out.backward(grad.to(device, dtype))
+        results.append([out.detach().float()] + [x.grad.float() for x in xs])
+    return max(float((a - b).norm() / b.norm()) for a, b in zip(*results))
+
+
+_active: GDNBackend = GDN_BACKENDS["reference"]
+
+
+def select_gdn_backend(name: str = "auto", device: torch.device | str | None = None) -> GDNBackend:
+    """``reference``, ``fla``, or with ``auto`` fla where it is importable on CUDA and passes the probe."""
+    if name not in ("auto", *GDN_BACKENDS):
+        raise ValueError(f"unknown gated-delta backend {name!r}; known: {['auto', *GDN_BACKENDS]}")
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "reference" or (name == "auto" and device.type != "cuda"):
+        return GDN_BACKENDS["reference"]
+    try:
+        err = probe_gdn(GDN_BACKENDS["fla"], device)
+        failure = None if err < 2e-2 else f"probe error {err:.2e}"
+    except Exception as exc:  # noqa: BLE001 - not importable, no Triton, or a kernel that fails its backward
+        failure = f"{type(exc).__name__}: {exc}"
+    if failure is None:
+        log.info("gated-delta backend fla (probe error %.2e)", err)
+        return GDN_BACKENDS["fla"]
+    if name == "fla":
+        raise RuntimeError(f"gated-delta backend 'fla' is not usable here: {failure}")
+    log.warning("flash-linear-attention is not usable here (%s); Gated DeltaNet layers run the PyTorch reference", failure)
+    return GDN_BACKENDS["reference"]
+
+
+def register_gdn_backend(name: str = "auto", device: torch.device | str | None = None) -> str:
+    """Make ``name`` (see ``select_gdn_backend``) the backend of every patched GDN layer; returns its name."""
+    global _active
+    _active = select_gdn_backend(name, device)
+    return _active.name
+
+
+def active_gdn_backend() -> GDNBackend:
+    return _active

@@ -1,0 +1,67 @@
+"""What every layer's attention needs to know about a packed row: its segments and their paths.
+
+The collator (``grpo_core.packing.collator``) builds one ``TreeAttentionMetadata`` per row on the host;
+the model's forward hands it to every layer (``tree_attention=<metadata>``): softmax tree attention
+(``tree.py``, its plans ``gather.py`` and ``split.py``) and Gated DeltaNet (``gated_delta.py``) read it.
+Kept on its own so that the row's producers and its readers depend on this record, not on each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from grpo_core.models.attention.split import AncestorLevel, levels_from_paths
+
+
+@dataclass
+class TreeAttentionMetadata:
+    """Segments of one packed row (``G`` segments, ``K`` gathered keys)."""
+
+    cu_seq_q: torch.Tensor  # int32 [G + 1]: query range of each segment in the row
+    cu_seq_k: torch.Tensor  # int32 [G + 1]: range of each segment's keys in the gathered K/V
+    max_q: int  # longest segment
+    max_k: int  # longest root-to-segment path
+    kv_index: torch.Tensor | None  # int64 [K]: row positions of every path; None = no gather (flat)
+    # The split plan's calls per ancestor depth (``split.plan_levels``; the collator builds them on
+    # the host); None: derived from ``kv_index`` when first needed.
+    levels: tuple[AncestorLevel, ...] | None = None
+    _dense_mask: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # Per-row plans other token mixers derive from the segments (gated delta: segment depths, conv
+    # gathers), built by the first layer that needs them and read by the rest of the forward.
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.cu_seq_q.numel()) - 1
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> TreeAttentionMetadata:
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        levels = None if self.levels is None else tuple(lv.to(device, non_blocking) for lv in self.levels)
+        return TreeAttentionMetadata(
+            move(self.cu_seq_q), move(self.cu_seq_k), self.max_q, self.max_k, move(self.kv_index), levels
+        )
+
+    def ancestor_levels(self, device: torch.device) -> tuple[AncestorLevel, ...]:
+        """The split plan's level calls, on ``device`` (derived from the paths once if not given)."""
+        if self.levels is None:
+            self.levels = levels_from_paths(self.cu_seq_q, self.cu_seq_k, self.kv_index)
+        if self.levels and self.levels[0].q_index.device != device:
+            self.levels = tuple(lv.to(device) for lv in self.levels)
+        return self.levels
+
+    def dense_mask(self, device: torch.device) -> torch.Tensor:
+        """bool ``[U, U]``: ``mask[i, j]`` iff query ``i`` may see key ``j``. Built once per row."""
+        if self._dense_mask is None or self._dense_mask.device != device:
+            cu_q, cu_k = self.cu_seq_q.tolist(), self.cu_seq_k.tolist()
+            kv = None if self.kv_index is None else self.kv_index.cpu()
+            u = cu_q[-1]
+            mask = torch.zeros(u, u, dtype=torch.bool)
+            for g in range(len(cu_q) - 1):
+                qs, qe, ks, ke = cu_q[g], cu_q[g + 1], cu_k[g], cu_k[g + 1]
+                cols = torch.arange(qs, qe) if kv is None else kv[ks:ke]
+                ql, kl = qe - qs, ke - ks
+                mask[qs:qe, cols] = torch.ones(ql, kl, dtype=torch.bool).tril(kl - ql)
+            self._dense_mask = mask.to(device)
+        return self._dense_mask

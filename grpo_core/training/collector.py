@@ -1,0 +1,246 @@
+"""Trainer side of the queue: pull samples, drop stale ones, fill one optimizer step's rows.
+
+``StepCollector.collect(versions)`` returns the next ``StepBatch``: the packing plan for every rank and
+micro-batch, plus the group reports that arrived meanwhile (rewards are logged per group, kept or
+dropped). A sample's staleness is the number of weight updates pushed to the server since the
+version that sampled it (``WeightVersions``): with ``weight_sync_steps > 1`` that is fewer than the
+optimizer steps in between, and ``max_staleness`` counts updates. It also tracks the *training frontier*: the first prompt position whose samples have not
+all been trained. That, not the worker's position, is what a checkpoint records, because the
+worker runs ahead by the queue's depth and those buffered samples die with the process.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from grpo_core.packing.planner import Planner, StepPlan
+from grpo_core.rollout.scheduler import END_OF_DATA
+from grpo_core.rollout.types import GroupReport, RolloutSample
+from grpo_core.vllm_server.watch import ServerWatch
+
+log = logging.getLogger(__name__)
+
+COLLECTION_INTERRUPTED = "collection-interrupted"
+"""What a source hands the collector, and ``collect`` returns, when the step must wait for something else
+first (the server restarted and needs the trainer's weights again, ``grpo_core.vllm_server.watch``); the
+samples gathered so far stay for the next ``collect``."""
+
+CHECK_WHILE_WAITING_S = 5.0
+"""How often the server is checked while a step's collection waits for samples: a restart while the
+trainer waits would otherwise leave it waiting (every new sample is dropped) until the request timeout."""
+
+
+class WeightVersions:
+    """The weight versions pushed to the server, oldest first (a version is the step it was pushed at)."""
+
+    def __init__(self, pushed: list[int] | None = None):
+        self.pushed: list[int] = sorted(pushed or [])
+
+    def record(self, version: int) -> None:
+        if not self.pushed or version > self.pushed[-1]:
+            self.pushed.append(version)
+
+    @property
+    def current(self) -> int:
+        return self.pushed[-1] if self.pushed else 0
+
+    def was_pushed(self, version: int) -> bool:
+        """Whether this trainer pushed ``version``: a sample of any other (a restarted server's start-up
+        ``"default"``, see ``rollout.stages.UNKNOWN_VERSION``) comes from weights it never trained."""
+        index = bisect.bisect_left(self.pushed, version)
+        return index < len(self.pushed) and self.pushed[index] == version
+
+    def staleness(self, sample_version: int) -> int:
+        """Weight updates pushed after ``sample_version``: how far the sampling policy lags the served one."""
+        return len(self.pushed) - bisect.bisect_right(self.pushed, sample_version)
+
+
+class TrainingFrontier:
+    """Prompt positions done (trained, dropped or filtered); ``position`` is the first one not done."""
+
+    def __init__(self, start: int = 0):
+        self.position = start
+        self._pending: dict[int, int] = {}
+        self._done_ahead: set[int] = set()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Start again at a checkpoint's position: nothing past it counts as done."""
+        self.position = int(state["position"])
+        self._pending.clear()
+        self._done_ahead.clear()
+
+    def on_report(self, report: GroupReport) -> None:
+        if report.num_samples == 0:
+            self._mark_done(report.position)
+        else:
+            self._pending[report.position] = report.num_samples
+
+    def on_consumed(self, sample: RolloutSample) -> None:
+        """A sample was trained in a finished step, or dropped as stale (its prompt is not retried)."""
+        left = self._pending.get(sample.position, 0) - 1
+        if left <= 0:
+            self._pending.pop(sample.position, None)
+            self._mark_done(sample.position)
+        else:
+            self._pending[sample.position] = left
+
+    def _mark_done(self, position: int) -> None:
+        if position < self.position:
+            return
+        self._done_ahead.add(position)
+        while self.position in self._done_ahead:
+            self._done_ahead.remove(self.position)
+            self.position += 1
+
+
+@dataclass
+class StepBatch:
+    """What one optimizer step trains, and what arrived while it was collected."""
+
+    plan: StepPlan
+    samples: list[RolloutSample]
+    reports: list[GroupReport]
+    stale_dropped: int
+    staleness: list[int]
+    wait_s: float
+    end_of_data: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+    foreign_dropped: int = 0  # samples of weight versions this trainer never pushed (a restarted server's)
+
+
+class StepCollector:
+    """Pulls from the rollout worker until one step's rows are full (or the data ends)."""
+
+    def __init__(
+        self,
+        source: Any,
+        world_size: int,
+        gradient_accumulation_steps: int,
+        token_budget: int,
+        max_samples_per_step: int,
+        max_staleness: int,
+        flat: bool,
+        frontier: TrainingFrontier,
+        timeout_s: float,
+    ):
+        self.source = source  # RolloutWorker-like: get(timeout_s) -> item
+        self.planner = Planner(
+            world_size=world_size,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            token_budget=token_budget,
+            flat=flat,
+        )
+        self.max_samples_per_step = max_samples_per_step
+        self.max_staleness = max_staleness
+        self.frontier = frontier
+        self.timeout_s = timeout_s
+        self._carried: RolloutSample | None = None
+        self._interrupted: tuple[Any, ...] | None = None  # what an interrupted collect had gathered
+        self.stale_dropped_total = 0
+        self.foreign_dropped_total = 0
+        self.consumed_total = 0  # samples trained or dropped (the rollout scheduler's staleness budget reads it)
+        self.end_of_data = False
+
+    def collect(self, versions: WeightVersions) -> StepBatch | str | None:
+        """Samples for the next step, trained on the weights after ``versions.current``; None once the
+        data has ended and nothing is left; ``COLLECTION_INTERRUPTED`` when the source says so (the
+        next call carries on with what this one gathered)."""
+        samples: list[RolloutSample]
+        reports: list[GroupReport]
+        staleness: list[int]
+        samples, reports, staleness, stale, foreign, wait_s = self._interrupted or ([], [], [], 0, 0, 0.0)
+        self._interrupted = None
+        while not self.planner.full() and len(samples) < self.max_samples_per_step:
+            if self._carried is not None:
+                item, self._carried = self._carried, None
+            elif self.end_of_data:
+                break
+            else:
+                start = time.perf_counter()
+                item = self.source.get(self.timeout_s)
+                wait_s += time.perf_counter() - start
+            if isinstance(item, str) and item == END_OF_DATA:
+                self.end_of_data = True
+                continue
+            if isinstance(item, str) and item == COLLECTION_INTERRUPTED:
+                self._interrupted = (samples, reports, staleness, stale, foreign, wait_s)
+                return COLLECTION_INTERRUPTED
+            if isinstance(item, GroupReport):
+                self.frontier.on_report(item)
+                reports.append(item)
+                continue
+            if not versions.was_pushed(item.policy_version):
+                foreign += 1  # sampled from weights this trainer never pushed: never trained
+                self.frontier.on_consumed(item)
+                continue
+            lag = versions.staleness(item.policy_version)
+            if lag > self.max_staleness:
+                stale += 1
+                self.frontier.on_consumed(item)
+                continue
+            placed_before = len(self.planner)
+            if not self.planner.offer(item):
+                self._carried = item  # the step is full: first sample of the next one
+                break
+            if len(self.planner) == placed_before:
+                # Longer than token_budget: the planner dropped it with a warning and counted it.
+                self.frontier.on_consumed(item)
+                self.consumed_total += 1
+                continue
+            samples.append(item)
+            staleness.append(lag)
+        plan = self.planner.finish()
+        if not samples and self.end_of_data:
+            return None
+        self.stale_dropped_total += stale
+        self.foreign_dropped_total += foreign
+        self.consumed_total += len(samples) + stale + foreign
+        return StepBatch(
+            plan=plan,
+            samples=samples,
+            reports=reports,
+            stale_dropped=stale,
+            staleness=staleness,
+            wait_s=wait_s,
+            end_of_data=self.end_of_data,
+            foreign_dropped=foreign,
+        )
+
+    def mark_trained(self, batch: StepBatch) -> None:
+        for sample in batch.samples:
+            self.frontier.on_consumed(sample)
+
+
+class WatchedSource:
+    """The collector's source on rank 0: the rollout worker, with the server checked while it waits.
+
+    ``get`` returns the worker's next item, or ``COLLECTION_INTERRUPTED`` when the server restarted
+    (the collector keeps what it gathered; the trainer pushes and collects on).
+    """
+
+    def __init__(self, worker: Any, watch: ServerWatch, check_every_s: float = CHECK_WHILE_WAITING_S):
+        self.worker = worker
+        self.watch = watch
+        self.check_every_s = check_every_s
+
+    def get(self, timeout_s: float) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self.worker.get(max(0.01, min(self.check_every_s, deadline - time.monotonic())))
+            except TimeoutError:
+                waited_from = time.monotonic()
+                reason = self.watch.restarted()
+                if reason is not None:
+                    self.watch.note_restart(reason)
+                    return COLLECTION_INTERRUPTED
+                deadline += time.monotonic() - waited_from  # time spent waiting for the server is not the worker's
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"no rollout arrived within {timeout_s:.0f} s") from None

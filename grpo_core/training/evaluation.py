@@ -1,0 +1,149 @@
+"""Held-out evaluation by sampling from the vLLM server (whatever weights it serves right now).
+
+Used by the flow before training and after the final weight sync (``evaluate_on_server``: one reward
+as the held-out accuracy), and by the trainer every ``eval_steps`` right after a push
+(``evaluate_rewards``: every reward function and their weighted sum), so both measure the policy
+the server actually serves, not a copy in the trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from grpo_core.data.inputs import as_messages, first_rows, refuse_images, reward_name
+from grpo_core.rollout.generation import VLLMGenerateClient
+
+
+@dataclass
+class EvalResult:
+    accuracy: float  # mean of the first reward function (the flow's held-out accuracy)
+    num_prompts: int
+    num_samples: int
+    mean_length: float
+    per_func: dict[str, float] = field(default_factory=dict)  # mean of each reward function
+    reward: float = float("nan")  # mean weighted sum, as the trainer sums rewards
+
+
+async def _evaluate(
+    base_url: str,
+    tokenizer: Any,
+    prompts: list[list[dict[str, Any]]],
+    columns: dict[str, list[Any]],
+    reward_funcs: list[Callable[..., Any]],
+    weights: list[float] | None,
+    samples_per_prompt: int,
+    temperature: float,
+    max_tokens: int,
+    seed: int | None,
+    concurrency: int,
+    tokens_endpoint: bool,
+) -> EvalResult:
+    client = VLLMGenerateClient(base_url, tokens_endpoint=tokens_endpoint)
+    gate = asyncio.Semaphore(concurrency)
+    context = await client.max_model_len()
+
+    async def one(i: int) -> list[tuple[str, int]]:
+        text = tokenizer.apply_chat_template(prompts[i], tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        # Never past the server's context, as in training.
+        params: dict[str, Any] = {"max_tokens": max(1, min(max_tokens, context - len(ids))), "temperature": temperature,
+                                  "n": samples_per_prompt}
+        if seed is not None:
+            params["seed"] = seed + i
+        async with gate:
+            choices = await client.generate(ids, params)
+        return [(tokenizer.decode(c.token_ids, skip_special_tokens=True), len(c.token_ids)) for c in choices]
+
+    try:
+        outputs = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    finally:
+        await client.aclose()
+    flat_prompts, completions, lengths = [], [], []
+    flat_columns: dict[str, list[Any]] = {k: [] for k in columns}
+    for i, outs in enumerate(outputs):
+        for text, n in outs:
+            flat_prompts.append(prompts[i])
+            completions.append([{"role": "assistant", "content": text}])
+            lengths.append(n)
+            for k in columns:
+                flat_columns[k].append(columns[k][i])
+    per_func: dict[str, float] = {}
+    weighted = np.zeros(len(completions))
+    scored = np.zeros(len(completions), dtype=bool)
+    for j, func in enumerate(reward_funcs):
+        scores = func(prompts=flat_prompts, completions=completions, **flat_columns)
+        values = np.array([np.nan if v is None else float(v) for v in scores])
+        per_func[reward_name(func)] = _nan_mean(values)
+        weighted += np.nan_to_num(values) * (weights[j] if weights else 1.0)
+        scored |= ~np.isnan(values)
+    first = next(iter(per_func.values()), float("nan"))
+    return EvalResult(
+        accuracy=first,
+        num_prompts=len(prompts),
+        num_samples=len(completions),
+        mean_length=float(np.mean(lengths)) if lengths else 0.0,
+        per_func=per_func,
+        reward=float(weighted[scored].mean()) if scored.any() else float("nan"),
+    )
+
+
+def _nan_mean(values: np.ndarray) -> float:
+    return float(np.nanmean(values)) if np.isfinite(values).any() else float("nan")
+
+
+def evaluate_on_server(
+    base_url: str,
+    tokenizer: Any,
+    dataset: Any,
+    reward_func: Callable[..., list[float | None]],
+    *,
+    samples_per_prompt: int = 4,
+    temperature: float = 1.0,
+    max_tokens: int = 64,
+    seed: int | None = None,
+    concurrency: int = 32,
+    max_prompts: int | None = None,
+) -> EvalResult:
+    """Mean of ``reward_func`` over sampled completions of ``dataset``'s prompts (NaN-scored ones skipped).
+
+    ``seed`` (prompt i gets ``seed + i``) makes the samples repeatable on GPU servers. It stays off by
+    default because vLLM's CPU build fails its engine on a seeded request whose prefill is split
+    across scheduler steps ("CPU Generator does not use offset"), which happens as soon as the
+    prompts in flight exceed the server's batched-token budget.
+    """
+    return evaluate_rewards(
+        base_url, tokenizer, dataset, [reward_func], samples_per_prompt=samples_per_prompt, temperature=temperature,
+        max_tokens=max_tokens, seed=seed, concurrency=concurrency, max_prompts=max_prompts,
+    )
+
+
+def evaluate_rewards(
+    base_url: str,
+    tokenizer: Any,
+    dataset: Any,
+    reward_funcs: list[Callable[..., Any]],
+    *,
+    weights: list[float] | None = None,
+    samples_per_prompt: int = 4,
+    temperature: float = 1.0,
+    max_tokens: int = 64,
+    seed: int | None = None,
+    concurrency: int = 32,
+    max_prompts: int | None = None,
+    tokens_endpoint: bool = True,
+) -> EvalResult:
+    """Every reward function's mean (and their weighted sum) over sampled completions of ``dataset``."""
+    rows = first_rows(dataset, max_prompts if max_prompts is not None else 1 << 62)
+    prompts = [as_messages(r["prompt"]) for r in rows]
+    for prompt, row in zip(prompts, rows):
+        refuse_images(prompt, row)
+    columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"} if rows else {}
+    return asyncio.run(
+        _evaluate(base_url, tokenizer, prompts, columns, reward_funcs, weights, samples_per_prompt, temperature, max_tokens,
+                  seed, concurrency, tokens_endpoint)
+    )

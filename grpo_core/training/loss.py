@@ -1,0 +1,337 @@
+"""The GRPO objective as pure functions: tensors in, loss + metrics out.
+
+Two pieces, in the order the trainer calls them, after the policy's log-probs of the sampled tokens
+(and of the sampler's top-N ids) are computed by ``grpo_core.models.head`` (``reference.token_logprobs``
+and its fused twins), with the same temperature and top-k/top-p candidate set the sampler used:
+
+1. ``grpo_loss`` computes the clipped, off-policy-corrected surrogate for one micro-batch, already
+   divided by the number of trained tokens in the whole optimizer step.
+2. ``finalize_metrics`` turns the per-call metric sums of a step into the published numbers.
+
+Nothing here touches a model, a process group or a device: every function is checked on its own
+by ``tests/test_loss.py`` (``.venv/bin/python -m pytest tests/test_loss.py -q``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+# vLLM serialises -inf log-probs as -9999.0 (tokens outside top-k/top-p in processed_logprobs mode),
+# so anything at or below this is "impossible under the sampler", never a real log-probability.
+VLLM_NEG_INF = -9999.0
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Knobs of the GRPO objective, taken from the run's ``AsyncGRPOConfig`` (``from_config``), where
+    each is declared, bounded and documented once. Checked again here because the functions below
+    are also called on their own (tests, benchmarks)."""
+
+    epsilon: float
+    """Lower PPO clip: for a negative advantage the ratio is not pushed below ``1 - epsilon``."""
+    epsilon_high: float
+    """Upper PPO clip: for a positive advantage the ratio is not pushed above ``1 + epsilon_high``."""
+    score_centering: bool
+    """Subtract the expected score over the sampler's top-N at each trained position (see
+    ``grpo_loss``). Skipped for a call whose inputs carry no top-N log-probs."""
+    score_centering_weights: Literal["sampler", "importance"]
+    """Weights of the centering baseline. ``"sampler"``: the sampler's top-N probabilities
+    renormalised; exact when the per-token weight is the same for every candidate (e.g. the sampler
+    draws from top-k of the trainer's own distribution and the trainer normalises over the full
+    vocabulary), biased by O(pi - q) when the ratio is already an exact full-support importance
+    weight. ``"importance"``: those probabilities times each candidate's own clipped/masked ratio
+    (equivalently the trainer's probabilities over the eligible top-N), exact in both cases.
+    Derivation in ``grpo_loss``; both behaviours are measured by the Monte-Carlo tests in
+    ``tests/test_loss.py``."""
+    vllm_importance_sampling_clip_min: float
+    """Tokens whose ratio trainer/sampler is below this are dropped from the loss. It lies outside
+    the PPO clip so that the clip stays the trust region."""
+    vllm_importance_sampling_clip_max: float
+    """Tokens whose ratio is above this are dropped. The PPO clip never binds for a negative
+    advantage above 1, so without this bound such a token would be weighted by an unbounded ratio."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.epsilon < 1.0:
+            raise ValueError(f"epsilon must be in (0, 1), got {self.epsilon}")
+        if self.epsilon_high < 0.0:
+            raise ValueError(f"epsilon_high must be >= 0, got {self.epsilon_high}")
+        if self.score_centering_weights not in ("sampler", "importance"):
+            raise ValueError(f"unknown score_centering_weights {self.score_centering_weights!r}")
+        lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if not 0.0 <= lo <= 1.0 <= hi:
+            raise ValueError(
+                "need 0 <= vllm_importance_sampling_clip_min <= 1"
+                f" <= vllm_importance_sampling_clip_max, got [{lo}, {hi}]"
+            )
+
+    @classmethod
+    def from_config(cls, config: Any) -> LossConfig:
+        """The objective's settings of an ``AsyncGRPOConfig``; centering needs top-N sampler log-probs."""
+        return cls(
+            epsilon=config.epsilon,
+            epsilon_high=config.epsilon_high,
+            score_centering=config.score_centering and config.num_sampler_logprobs > 0,
+            score_centering_weights=config.score_centering_weights,
+            vllm_importance_sampling_clip_min=config.vllm_importance_sampling_clip_min,
+            vllm_importance_sampling_clip_max=config.vllm_importance_sampling_clip_max,
+        )
+
+
+@dataclass
+class LossInputs:
+    """The trained tokens of one micro-batch, flattened to T positions."""
+
+    logprobs: Tensor
+    """[T] trainer log-probs of the sampled tokens (requires grad), temperature-scaled and
+    renormalised like the sampler's (``token_logprobs``)."""
+    sampler_logprobs: Tensor
+    """[T] the sampler's log-probs of the same tokens: the old policy of the ratio."""
+    advantages: Tensor
+    """[T] per-token advantage (the group advantage broadcast to the sample's tokens)."""
+    top_logprobs: Tensor | None = None
+    """[T, N] trainer log-probs of the sampler's top-N ids (requires grad)."""
+    sampler_top_logprobs: Tensor | None = None
+    """[T, N] the sampler's log-probs of those ids."""
+    top_valid: Tensor | None = None
+    """[T, N] bool, False for padding slots where fewer than N ids came back. None: all valid."""
+
+    def __post_init__(self) -> None:
+        (t,) = self.logprobs.shape
+        for name in ("sampler_logprobs", "advantages"):
+            shape = tuple(getattr(self, name).shape)
+            if shape != (t,):
+                raise ValueError(f"{name} has shape {shape}, want ({t},)")
+        tops = (self.top_logprobs, self.sampler_top_logprobs)
+        if (tops[0] is None) != (tops[1] is None):
+            raise ValueError("top_logprobs and sampler_top_logprobs come together or not at all")
+        if tops[0] is not None:
+            if tops[0].dim() != 2 or tops[0].shape[0] != t or tops[1].shape != tops[0].shape:
+                raise ValueError(
+                    f"top log-probs must both be [T={t}, N], got {tuple(tops[0].shape)}"
+                    f" and {tuple(tops[1].shape)}"
+                )
+            if self.top_valid is not None and self.top_valid.shape != tops[0].shape:
+                raise ValueError(f"top_valid has shape {tuple(self.top_valid.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The objective
+# ---------------------------------------------------------------------------------------------
+
+
+def _centering_weights(inputs: LossInputs, config: LossConfig, advantages: Tensor) -> Tensor:
+    """[T, N] detached baseline weights per position (rows sum to 1, or 0 where none is usable)."""
+    assert inputs.top_logprobs is not None and inputs.sampler_top_logprobs is not None
+    dtype = torch.promote_types(inputs.top_logprobs.dtype, torch.float32)
+    trainer = inputs.top_logprobs.detach().to(dtype)
+    sampler = inputs.sampler_top_logprobs.detach().to(dtype)
+    usable = torch.isfinite(trainer) & torch.isfinite(sampler) & (sampler > VLLM_NEG_INF)
+    if inputs.top_valid is not None:
+        usable &= inputs.top_valid.bool()
+    if config.score_centering_weights == "sampler":
+        # Renormalise q over the usable slots. A slot whose id the trainer's candidate set excludes
+        # has no finite score to average, so it leaves the average rather than poisoning it.
+        log_w = sampler
+    else:
+        # q_j * w_j with w_j = pi_j / q_j (times the same keep / not-clipped indicators as the
+        # sampled token, evaluated as if j had been sampled) is pi_j: in log space, the trainer's
+        # log-prob, which also avoids 0 * inf for tiny q_j.
+        ratio = torch.exp(trainer - sampler)
+        adv = advantages.unsqueeze(-1)
+        usable &= ratio >= config.vllm_importance_sampling_clip_min
+        usable &= ratio <= config.vllm_importance_sampling_clip_max
+        usable &= ~((ratio < 1.0 - config.epsilon) & (adv < 0))
+        usable &= ~((ratio > 1.0 + config.epsilon_high) & (adv > 0))
+        log_w = trainer
+    log_w = log_w.masked_fill(~usable, float("-inf"))
+    log_norm = torch.logsumexp(log_w, dim=-1, keepdim=True)
+    # A row with no usable slot has log_norm = -inf; where() keeps its weights at exactly 0.
+    return torch.where(usable, torch.exp(log_w - log_norm), torch.zeros_like(log_w))
+
+
+def grpo_loss(
+    inputs: LossInputs, config: LossConfig, num_tokens_in_step: int | Tensor
+) -> tuple[Tensor, dict[str, Tensor]]:
+    r"""Clipped, off-policy-corrected GRPO loss of one micro-batch, and its metric parts.
+
+    **Objective.** Per trained token t with ratio r = exp(logprobs - sampler_logprobs) (the sampler
+    is the old policy) and advantage A, the surrogate is min(r A, clip(r, 1 - epsilon,
+    1 + epsilon_high) A) and the token's loss is its negative. Its gradient is -A w ∇log π(a_t)
+    with the weight w = r where the clip does not bind and w = 0 where it does (r < 1 - epsilon
+    with A < 0, or r > 1 + epsilon_high with A > 0).
+
+    **Importance-sampling mask.** A token whose ratio lies outside
+    [vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max] contributes exactly 0
+    (value and gradient; its ratio is never exponentiated on the graph, so an extreme or -inf
+    log-prob cannot leak NaN into the gradient). It is **still counted** in
+    ``num_tokens_in_step``: the denominator is fixed before the step's forward passes (no extra
+    all-reduce of mask counts), and dropping a token must not up-weight the step's other tokens.
+
+    **Normalisation.** The return value is sum over this call's tokens of the per-token loss,
+    divided by ``num_tokens_in_step``: the number of trained tokens in the whole optimizer step,
+    over all micro-batches and all data-parallel ranks. Summing the returned losses over a step's
+    micro-batches and ranks (what gradient accumulation and a DP gradient sum do) gives the
+    per-token mean over the step. Each token weighs the same whatever its sequence length or
+    micro-batch. ``num_tokens_in_step`` must be >= 1 (a Tensor is not checked, to avoid a sync).
+
+    **Score centering** (``config.score_centering`` and top-N given). At one position let q be
+    the distribution the sampler drew from and π the trainer's. For the part of the advantage that
+    does not depend on which token was drawn (a constant A), an update should move nothing. Its
+    expectation is -A E_{a~q}[w(a) ∇log π(a)]. With a constant weight w = c this is
+    -A c Σ_a q(a) ∇log π(a) = A c ∇_θ KL(q ‖ π), non-zero whenever π differs from q on q's support
+    (e.g. the sampler truncated with top-k while the trainer normalises over the full vocabulary),
+    so every step with A > 0 also descends KL(q ‖ π), pulling π toward q. The fix subtracts a
+    baseline that depends on the position only, b = Σ_j ũ_j ∇log π(a_j) over the sampler's top-N
+    ids, with the same coefficient -A w as the sampled token:
+
+        gradient_t = -A w (∇log π(a_t) - b),   E_{a~q}[gradient] = -A (E_q[w ∇log π] - E_q[w] b).
+
+    - ``"sampler"`` weights ũ = q̃, the sampler's top-N probabilities renormalised: b = E_q[∇log π]
+      when the top-N covers q's support, so the expectation is exactly 0 when w is the same for
+      every candidate, and -A Cov_q(w, ∇log π) otherwise. Caveat: when q has full support and w is
+      the exact ratio π/q, the plain term is already unbiased (E_q[r ∇log π] = Σ π ∇log π = 0) and
+      this baseline adds A E_q[r] b = A (q - π) in logit space.
+    - ``"importance"`` weights ũ_j ∝ q_j w(a_j) (each candidate's own clipped/masked ratio,
+      computed from the top-N log-probs; q_j r_j = π_j): b = E_q[w ∇log π] / E_q[w], so the
+      expectation is exactly 0 for any w, and b = 0 when the top-N covers the vocabulary unclipped.
+
+    Both use stop-gradient weights. Top-N slots that are padding, -9999/-inf under the sampler, or
+    -inf under the trainer (outside its candidate set) are left out and the rest renormalised; a
+    position with none left is not centered. The centering term is added as
+    coef · Σ_j ũ_j (x_j - sg(x_j)), which is exactly 0 in value: **the returned loss value is the
+    plain clipped surrogate; centering changes only the gradient.** Without top-N inputs the call
+    is not centered; the caller is expected to say so once in its logs.
+
+    Args:
+        inputs: the micro-batch's T trained tokens (see ``LossInputs``).
+        config: clip, mask and centering settings.
+        num_tokens_in_step: trained tokens in the whole optimizer step, all micro-batches and ranks.
+
+    Returns:
+        ``(loss, parts)``: a scalar loss with gradient, and detached scalar metric parts of this
+        call (sums, minima, maxima over its tokens) for ``finalize_metrics``.
+    """
+    if isinstance(num_tokens_in_step, int) and num_tokens_in_step < 1:
+        raise ValueError(f"num_tokens_in_step must be >= 1, got {num_tokens_in_step}")
+    logprobs = inputs.logprobs
+    sampler = inputs.sampler_logprobs.to(logprobs.dtype)
+    adv = inputs.advantages.to(logprobs.dtype)
+
+    with torch.no_grad():
+        log_ratio = logprobs.detach() - sampler
+        ratio = torch.exp(log_ratio)
+        # NaN compares False, so a NaN ratio is dropped too.
+        keep = (ratio >= config.vllm_importance_sampling_clip_min) & (
+            ratio <= config.vllm_importance_sampling_clip_max
+        )
+        low = keep & (ratio < 1.0 - config.epsilon) & (adv < 0)
+        high = keep & (ratio > 1.0 + config.epsilon_high) & (adv > 0)
+        clipped = low | high
+
+    # Dropped tokens get log-ratio 0 on the graph: where() routes them a zero gradient, and the
+    # finite stand-in keeps exp()'s backward from producing 0 * inf.
+    safe_log_ratio = torch.where(keep, logprobs - sampler, torch.zeros_like(logprobs))
+    ratio_g = torch.exp(safe_log_ratio)
+    clipped_ratio = ratio_g.detach().clamp(1.0 - config.epsilon, 1.0 + config.epsilon_high)
+    # Where the clip binds, min(rA, clip(r)A) is clip(r)A, a constant: detached, no gradient.
+    surrogate = torch.where(clipped, clipped_ratio * adv, ratio_g * adv)
+    per_token = -surrogate
+
+    centered = config.score_centering and inputs.top_logprobs is not None
+    if centered:
+        assert inputs.top_logprobs is not None
+        weights = _centering_weights(inputs, config, adv).to(logprobs.dtype)
+        top = inputs.top_logprobs.to(logprobs.dtype)
+        top = torch.where(weights > 0, top, torch.zeros_like(top))  # no -inf on the graph
+        # -d(surrogate)/d(logprob) is -A w; the baseline enters with the opposite sign.
+        coef = torch.where(keep & ~clipped, adv * ratio_g.detach(), torch.zeros_like(adv))
+        per_token = per_token + coef * (weights * (top - top.detach())).sum(-1)
+
+    per_token = torch.where(keep, per_token, torch.zeros_like(per_token))
+    loss = per_token.sum() / num_tokens_in_step
+
+    parts = _metric_parts(log_ratio, ratio, keep, low, high, inputs)
+    return loss, parts
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics: per-call parts (sums / extremes) -> published step means
+# ---------------------------------------------------------------------------------------------
+# Keys of the parts end in _sum, _min or _max and reduce across micro-batches and ranks with
+# sum, min and max respectively (``reduce_metric_parts``; a DP all-reduce uses the same rule).
+
+
+def _metric_parts(
+    log_ratio: Tensor, ratio: Tensor, keep: Tensor, low: Tensor, high: Tensor, inputs: LossInputs
+) -> dict[str, Tensor]:
+    f32 = torch.float32
+    empty = ratio.numel() == 0  # .min() of an empty tensor raises; use the reduction identities
+    parts = {
+        "tokens_sum": torch.tensor(float(ratio.numel()), dtype=f32, device=ratio.device),
+        "masked_sum": (~keep).sum().to(f32),
+        "ratio_sum": ratio.sum().to(f32),
+        "ratio_min": ratio.new_tensor(math.inf, dtype=f32) if empty else ratio.min().to(f32),
+        "ratio_max": ratio.new_tensor(-math.inf, dtype=f32) if empty else ratio.max().to(f32),
+        "logprob_diff_sum": log_ratio.sum().to(f32),
+        "clip_low_sum": low.sum().to(f32),
+        "clip_high_sum": high.sum().to(f32),
+        "clip_region_sum": (low | high).sum().to(f32),
+    }
+    if inputs.sampler_top_logprobs is not None:
+        with torch.no_grad():
+            probs = torch.exp(inputs.sampler_top_logprobs.detach().float())  # -9999 -> 0
+            if inputs.top_valid is not None:
+                probs = probs * inputs.top_valid
+            parts["sampler_mass_sum"] = probs.sum()
+            parts["top_tokens_sum"] = parts["tokens_sum"].clone()
+    return parts
+
+
+def reduce_metric_parts(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Merge per-call parts into one dict by key suffix: _min -> min, _max -> max, else sum."""
+    merged: dict[str, Tensor] = {}
+    for part in parts:
+        for key, value in part.items():
+            value = value.detach()
+            if key not in merged:
+                merged[key] = value.clone()
+            elif key.endswith("_min"):
+                merged[key] = torch.minimum(merged[key], value)
+            elif key.endswith("_max"):
+                merged[key] = torch.maximum(merged[key], value)
+            else:
+                merged[key] = merged[key] + value
+    return merged
+
+
+def finalize_metrics(parts: list[dict[str, Tensor]]) -> dict[str, float]:
+    """Published step metrics from the parts of every ``grpo_loss`` call of the step.
+
+    Means are over all trained tokens of the step (dropped ones included), so they do not depend
+    on how tokens were split into micro-batches. ``clip_ratio/*`` count only tokens the IS mask
+    kept: masked_mean + region_mean is the share of tokens with no gradient from a nonzero
+    advantage. ``sampling/sampler_mass`` appears only when some call had top-N log-probs; nothing
+    is published for a step without tokens.
+    """
+    m = {k: v.item() for k, v in reduce_metric_parts(parts).items()}
+    n = m.get("tokens_sum", 0.0)
+    if n == 0:
+        return {}
+    out = {
+        "sampling/masked_mean": m["masked_sum"] / n,
+        "sampling/ratio_mean": m["ratio_sum"] / n,
+        "sampling/ratio_min": m["ratio_min"],
+        "sampling/ratio_max": m["ratio_max"],
+        "sampling/logprob_diff_mean": m["logprob_diff_sum"] / n,
+        "clip_ratio/low_mean": m["clip_low_sum"] / n,
+        "clip_ratio/high_mean": m["clip_high_sum"] / n,
+        "clip_ratio/region_mean": m["clip_region_sum"] / n,
+    }
+    if m.get("top_tokens_sum", 0.0) > 0:
+        out["sampling/sampler_mass"] = m["sampler_mass_sum"] / m["top_tokens_sum"]
+    return out

@@ -1,0 +1,639 @@
+"""``AsyncGRPOTrainer``: the training loop, readable top to bottom.
+
+    setup    check the inputs, load the policy, wait for and check the server, open the weight
+             transport, push the current weights, spawn the rollout worker
+    loop     collect one step of samples (stale ones dropped, rows packed)
+             → forward/backward every micro-batch → optimizer step → record the prompts consumed
+             → push weights every ``weight_sync_steps`` → evaluate every ``eval_steps`` → log
+             → checkpoint every ``save_steps``
+    teardown stop the worker, close the transport and the tracker
+
+Rank 0 owns the rollout worker and talks to vLLM; every rank trains its own row of each micro-batch.
+The public surface follows TRL's trainer: ``args``, ``model``, ``processing_class``, ``state``
+(``global_step``, ``log_history``), ``train(resume_from_checkpoint=...)``, ``evaluate()`` and
+``save_model(dir)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+
+from grpo_core.checkpoint import CheckpointParts, Checkpointer
+from grpo_core.config import AsyncGRPOConfig
+from grpo_core.data.inputs import check_crossing, check_model_reference, check_train_dataset, model_load_error
+from grpo_core.data.prompts import is_streaming
+from grpo_core.models.attention.tree import enable_tree_attention
+from grpo_core.models.fsdp import FSDPSettings, full_value, needs_fsdp, shard_policy
+from grpo_core.models.head.lm_head import output_head, vocab_size
+from grpo_core.models.head.reference import candidate_mask_from_ids
+from grpo_core.models.loading import load_policy, load_tokenizer
+from grpo_core.packing.collator import PackedRow, pack_row
+from grpo_core.rollout.stages import AsyncRolloutLoop
+from grpo_core.rollout.tool_calls import ToolRegistry
+from grpo_core.rollout.worker import RolloutWorker, WorkerSpec
+from grpo_core.tracking.tracker import Tracker, make_tracker
+from grpo_core.training.collector import (
+    COLLECTION_INTERRUPTED,
+    StepBatch,
+    StepCollector,
+    TrainingFrontier,
+    WatchedSource,
+    WeightVersions,
+)
+from grpo_core.training.distributed import (
+    DistInfo,
+    StepFeed,
+    broadcast_object,
+    gather_step_results,
+    init_distributed,
+    shutdown_distributed,
+)
+from grpo_core.training.forward import row_logprobs
+from grpo_core.training.host_memory import release_free_heap
+from grpo_core.training.loss import LossConfig, LossInputs, finalize_metrics, grpo_loss
+from grpo_core.training.perf import PerfMeter, synchronize
+from grpo_core.training.step_metrics import sample_and_queue_metrics
+from grpo_core.vllm_server.control import VLLMRequestError
+from grpo_core.vllm_server.watch import ServerWatch, close_open_weight_update, left_paused
+
+log = logging.getLogger(__name__)
+
+# What a push to a server that went away raises: its HTTP calls, the server's reply, the gloo transfer.
+PUSH_FAILURES = (httpx.TransportError, VLLMRequestError, RuntimeError)
+
+
+class ServerRestartError(RuntimeError):
+    """The server restarted and this trainer cannot bring it back to its weights by itself."""
+
+
+@dataclass
+class TrainerState:
+    """Where training stands (TRL's ``trainer.state``): the step and every logged step's metrics."""
+
+    global_step: int = 0
+    log_history: list[dict[str, float]] = field(default_factory=list)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"global_step": self.global_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.global_step = int(state["global_step"])
+
+
+class AsyncGRPOTrainer:
+    """Asynchronous GRPO: a rollout process samples from vLLM while this process trains."""
+
+    loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
+
+    def __init__(
+        self,
+        model: Any,
+        reward_funcs: Any = None,
+        args: AsyncGRPOConfig | None = None,
+        train_dataset: Any = None,
+        processing_class: Any = None,
+        *,
+        eval_dataset: Any = None,
+        peft_config: Any = None,
+        tools: list[Any] | None = None,
+        environment_factory: Any = None,
+        tracker: Tracker | None = None,
+    ):
+        self.args = args if args is not None else AsyncGRPOConfig(output_dir=f"{_model_name(model)}-AsyncGRPO")
+        self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [f for f in [reward_funcs] if f]
+        self._check_inputs(model, train_dataset, eval_dataset, environment_factory)
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        self.tools = list(tools or [])
+        self.environment_factory = environment_factory
+        self.peft_config = peft_config
+        self.dist = DistInfo.from_env()
+        self.device = self.dist.device()
+        self.bf16 = self._resolve_precision()
+        # What forward/backward run in; weights are served and saved in it too (fp32 stays as it is).
+        self.compute_dtype = torch.bfloat16 if self.bf16 else (torch.float16 if self.args.fp16 else torch.float32)
+        fsdp_settings = FSDPSettings.from_config(self.args, bf16=self.bf16, device_type=self.device.type)
+        self.compile_mode = fsdp_settings.compile
+        # Ranks (and 1-rank bf16 through FSDP2) join the process group before anything is sharded.
+        self._owns_process_group = needs_fsdp(fsdp_settings, self.dist.world_size) and init_distributed(
+            self.dist, self.device, timeout_s=max(3600.0, 2 * self.args.request_timeout)
+        )
+        torch.manual_seed(self.args.seed)
+        try:
+            self.model, self.model_path = load_policy(model, self.device)
+        except (OSError, ValueError) as exc:
+            raise model_load_error(model, exc) from exc
+        self.processing_class = load_tokenizer(processing_class, self.model_path)
+        if peft_config is not None:
+            from grpo_core.models.lora import apply_lora, warn_if_not_saved
+
+            self.model = apply_lora(self.model, peft_config)
+            warn_if_not_saved(self.args)
+        self.attention_backend = enable_tree_attention(
+            self.model, backend=self.args.attention_backend, linear_backend=self.args.gdn_backend,
+            kernel=self.args.attention_kernel,
+            compute_dtype=self.compute_dtype, kv_regather=self.args.tree_kv_regather,
+            plan=self.args.tree_attention_plan,
+        )
+        if self.args.logprob_chunk_size is not None:
+            output_head(self.model)  # a model the chunked head cannot run is refused before anything starts
+        self.vocab_size = vocab_size(self.model)
+        self.perf = PerfMeter(self.model, self.device, self.bf16, self.dist.world_size)
+        self.model = shard_policy(self.model, fsdp_settings, self.device)  # before the optimizer sees the weights
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=self.args.learning_rate,
+            betas=(self.args.adam_beta1, self.args.adam_beta2),
+            eps=self.args.adam_epsilon,
+            weight_decay=self.args.weight_decay,
+        )
+        self.lr_scheduler = _lr_scheduler(self.args, self.optimizer)
+        self.grad_scaler = torch.amp.GradScaler("cuda") if self.args.fp16 else None
+        self.loss_config = LossConfig.from_config(self.args)
+        self._owns_tracker = tracker is None  # one this trainer made (report_to) is closed when train() ends
+        self.tracker: Tracker = tracker or make_tracker(self.args, is_main=self.dist.is_main)
+        if self.dist.is_main:
+            self.tracker.log_params({"perf/attention_backend": self.attention_backend,
+                                     "perf/compile_mode": self.compile_mode})
+        self.state = TrainerState()
+        self.frontier = TrainingFrontier()
+        self.versions = WeightVersions()
+        self.checkpointer = Checkpointer(self.args, self.dist, self._checkpoint_parts(), self.tracker)
+        self.worker: RolloutWorker | None = None
+        self.weight_sync: Any = None
+        self.control: Any = None
+        self.server: Any = None  # ServerCapabilities, once checked
+        self.feed: StepFeed | None = None
+        self.watch: ServerWatch | None = None  # notices a restarted server (rank 0 asks it)
+        self.server_restarts = 0
+
+    # TRL's names for what this trainer holds under its own.
+    @property
+    def global_step(self) -> int:
+        return self.state.global_step
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.processing_class
+
+    # ------------------------------------------------------------------------------------------ train
+    def train(self, resume_from_checkpoint: bool | str | None = None) -> list[dict[str, float]]:
+        """Train until ``max_steps`` (or the data ends); returns the logged metrics of every step.
+
+        ``resume_from_checkpoint`` (True: the newest good checkpoint under ``output_dir``; a path: that
+        one) takes precedence over ``args.resume_from_checkpoint`` for this call.
+        """
+        self._check_crossing()
+        wanted = resume_from_checkpoint if resume_from_checkpoint is not None else self.args.resume_from_checkpoint
+        finished = False
+        try:
+            self._setup(wanted)
+            while self.args.max_steps <= 0 or self.global_step < self.args.max_steps:
+                step_start = time.perf_counter()
+                self._push_again_if_server_restarted()
+                batch = self.feed.collect(self.versions)
+                if batch is None:
+                    break
+                if batch == COLLECTION_INTERRUPTED:
+                    continue  # the server restarted while this step's samples were collected
+                metrics = self._optimizer_step(batch)
+                self.state.global_step += 1
+                self.feed.mark_trained(batch)
+                metrics.update(self.checkpointer.record_step(batch, self.server_restarts))  # the prompts it consumed
+                if self._is_sync_step():
+                    metrics.update(self._sync_weights())
+                if self._is_eval_step():
+                    metrics.update(self.evaluate())  # after the push: the server serves this step's policy
+                metrics.update(sample_and_queue_metrics(
+                    batch, time.perf_counter() - step_start, stale_dropped_total=self.feed.stale_dropped_total,
+                    server_restarts=self.server_restarts, frontier=self.frontier.position,
+                    queue_size=self.worker.queue_size() if self.worker is not None else 0,
+                ))
+                metrics.update(self.perf.metrics(batch.plan.rows, metrics["perf/fwd_bwd_s"], metrics["perf/step_s"]))
+                self._log(metrics)
+                self._log_completions(batch)
+                # After the step is logged: a step that a checkpoint holds is always in the run's
+                # history, so resuming from it leaves no gap in the logged steps.
+                if self.checkpointer.should_save(self.global_step) or self._is_last_step():
+                    self._log(self.checkpointer.save(), same_step=True)
+                release_free_heap()  # the step's host tensors are gone; keep resident memory flat
+            finished = True
+        finally:
+            self._teardown(finished)
+        return self.state.log_history
+
+    def _is_last_step(self) -> bool:
+        return self.args.max_steps > 0 and self.global_step >= self.args.max_steps
+
+    def _is_sync_step(self) -> bool:
+        return self.global_step % self.args.weight_sync_steps == 0 or self._is_last_step() or self._is_eval_step()
+
+    def _is_eval_step(self) -> bool:
+        return (
+            self.args.eval_strategy == "steps" and self.eval_dataset is not None and self.global_step % self.args.eval_steps == 0
+        )
+
+    # ------------------------------------------------------------------------------------------ setup
+    def _check_inputs(self, model: Any, train_dataset: Any, eval_dataset: Any, environment_factory: Any) -> None:
+        """Bad input named here, in the main process, before anything is loaded or spawned."""
+        check_model_reference(model)
+        if self.args.reward_weights is not None and len(self.args.reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"AsyncGRPOConfig.reward_weights has {len(self.args.reward_weights)} entries for "
+                f"{len(self.reward_funcs)} reward functions; give one weight per function"
+            )
+        if not self.reward_funcs and environment_factory is None and self.loop_cls is AsyncRolloutLoop:
+            raise ValueError("reward_funcs is empty and there is no environment_factory: nothing would score the rollouts")
+        check_train_dataset(train_dataset, self.reward_funcs)
+        if self.args.eval_strategy == "steps":
+            if eval_dataset is None:
+                raise ValueError("AsyncGRPOConfig.eval_strategy='steps' needs eval_dataset=...; pass one or set eval_strategy='no'")
+            check_train_dataset(eval_dataset, self.reward_funcs)
+
+    def _resolve_precision(self) -> bool:
+        cuda = self.device.type == "cuda"
+        if self.args.fp16 and not cuda:
+            raise ValueError("AsyncGRPOConfig.fp16=True needs a CUDA device; on CPU leave fp16 off (training runs fp32)")
+        bf16 = self.args.resolved_bf16(cuda and torch.cuda.is_bf16_supported())
+        if self.args.bf16 is None and not bf16 and self.dist.is_main:
+            log.info("bf16=None: training in fp32 on %s (bf16 is the default on CUDA devices that support it)", self.device)
+        return bf16
+
+    def _checkpoint_parts(self) -> CheckpointParts:
+        return CheckpointParts(
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            progress=self.state,
+            frontier=self.frontier,
+            tokenizer=self.processing_class,
+            serve_dtype=None if self.compute_dtype == torch.float32 else self.compute_dtype,
+            num_prompts=None if is_streaming(self.train_dataset) else len(self.train_dataset),
+            adapter_base=(self.model_path or "") if self.peft_config is not None else None,
+        )
+
+    def _check_crossing(self) -> None:
+        check_crossing(
+            {
+                "reward_funcs": self.reward_funcs,
+                "tools": self.tools,
+                "environment_factory": self.environment_factory,
+                "loop_cls": self.loop_cls,
+                "args": self.args,
+                "train_dataset": self.train_dataset,
+            }
+        )
+        # Signatures too (typed parameters, module-level, unique names): fail here, not in the worker.
+        ToolRegistry(self.tools)
+
+    def _setup(self, resume_from_checkpoint: bool | str | None) -> None:
+        from grpo_core.vllm_server.checks import check_server, wait_for_server
+        from grpo_core.vllm_server.control import VLLMControlClient
+
+        args = self.args
+        checkpoint = self.checkpointer.find_resume_point(resume_from_checkpoint)
+        if checkpoint is not None:
+            self.checkpointer.restore(checkpoint)
+        self.checkpointer.begin_attempt()
+        cuda = self.device.type == "cuda"
+        model_name = self.model_path or "<model>"
+        if self.dist.is_main:
+            self.control = VLLMControlClient(args.vllm_server_base_url, timeout=args.request_timeout)
+            wait_for_server(self.control, args, model_name, cuda)
+        self.watch = ServerWatch(self.control, args.server_unavailable_timeout_s)
+        if broadcast_object(self.dist.is_main and left_paused(self.control)):
+            # A trainer killed during a weight sync (preemption) left the server paused with half-loaded
+            # weights, on which the next request would crash it: complete a push (it resumes) first.
+            if self.dist.is_main:
+                close_open_weight_update(self.control)
+            self.weight_sync = self._make_weight_sync()
+            self._sync_weights()
+        if self.dist.is_main:
+            self.server = check_server(self.control, args, model_name, self.model.config, cuda)
+        self.server = broadcast_object(self.server)  # every rank must compute the same loss
+        self.weight_sync = self.weight_sync or self._make_weight_sync()
+        if self.dist.is_main:
+            self.tracker.set_tags({"sync/mode": self.weight_sync.mode})
+        # The server may hold other weights than ours (another revision, a resumed run): push first.
+        self._sync_weights()
+        self.worker = self._start_worker() if self.dist.is_main else None  # rank 0 owns the rollout worker
+        self.feed = self._make_feed(WatchedSource(self.worker, self.watch) if self.worker is not None else None)
+
+    def _make_feed(self, source: Any) -> StepFeed:
+        """Each step's batch from ``source`` (rank 0's; None on the other ranks, which receive rank 0's
+        plan by broadcast and rebuild the same rows)."""
+        args = self.args
+        collector = StepCollector(
+            source=source,
+            world_size=self.dist.world_size,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            token_budget=args.token_budget,
+            max_samples_per_step=args.per_device_train_batch_size * args.gradient_accumulation_steps * self.dist.world_size,
+            max_staleness=args.max_staleness,
+            flat=args.packing == "flat",
+            frontier=self.frontier,
+            timeout_s=args.request_timeout,
+        )
+        return StepFeed(collector, self.dist.rank, self.dist.world_size)
+
+    def _make_weight_sync(self) -> Any:
+        from grpo_core.sync.factory import SyncSetup, make_weight_sync, wire_dtype
+
+        setup = SyncSetup(
+            config=self.args,
+            model=self.model,
+            rank=self.dist.rank,
+            backend=self.args.resolved_weight_transfer_backend(self.device.type == "cuda"),
+            wire_dtype=wire_dtype(self.bf16),
+            model_path=self.model_path,
+            peft_config=self.peft_config,
+        )
+        return make_weight_sync(setup, self.control)
+
+    def _start_worker(self) -> RolloutWorker:
+        loop_kwargs = dict(
+            config=self.args,
+            tokenizer=self.processing_class,
+            dataset=self.train_dataset,
+            reward_funcs=self.reward_funcs,
+            base_url=self.args.vllm_server_base_url,
+            start_position=self.frontier.position,
+            num_processes=self.dist.world_size,
+            tools=self.tools,
+            environment_factory=self.environment_factory,
+            tokens_endpoint=self.server.tokens_endpoint,
+        )
+        pointer = self.weight_sync.adapter_pointer()
+        # Adapter sync: requests name the newest registered adapter version, read from shared memory.
+        shared = {"adapter": pointer} if pointer is not None else {}
+        worker = RolloutWorker(
+            WorkerSpec(loop_cls=self.loop_cls, loop_kwargs=loop_kwargs, shared_kwargs=shared),
+            queue_maxsize=self.args.queue_maxsize,
+            heartbeat_timeout_s=self.args.worker_heartbeat_timeout_s,
+            initial_version=self.versions.current,
+        )
+        worker.start()
+        return worker
+
+    # ------------------------------------------------------------------------------------------ one step
+    def _optimizer_step(self, batch: StepBatch) -> dict[str, float]:
+        self.model.train()
+        rows = [pack_row(row) for row in batch.plan.rows_for_rank(self.dist.rank)]
+        num_tokens = max(1, sum(row.num_trained_tokens for row in batch.plan.rows))
+        parts: list[dict[str, torch.Tensor]] = []
+        losses = []
+        start = time.perf_counter()
+        for row in rows:
+            loss, part = self._forward_backward(row.to(self.device), num_tokens)
+            losses.append(loss)
+            parts.append(part)
+        synchronize(self.device)  # kernels still queued belong to the forward/backward time
+        fwd_bwd_s = time.perf_counter() - start
+        if self.grad_scaler is not None:
+            self.grad_scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
+        )
+        if self.grad_scaler is not None:
+            self.grad_scaler.step(self.optimizer)
+            self.grad_scaler.update()
+        else:
+            self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # The step's loss and metrics over all ranks, and the slowest rank's time.
+        parts, loss_sum, fwd_bwd_s = gather_step_results(parts, float(sum(losses)), fwd_bwd_s)
+        metrics = finalize_metrics(parts)
+        metrics.update(
+            {
+                "loss": loss_sum,
+                "grad_norm": float(full_value(grad_norm)),
+                "learning_rate": self.lr_scheduler.get_last_lr()[0],
+                "perf/fwd_bwd_s": fwd_bwd_s,
+            }
+        )
+        return metrics
+
+    def _forward_backward(self, row: PackedRow, num_tokens: int) -> tuple[float, dict[str, torch.Tensor]]:
+        top_ids = None
+        if self.loss_config.score_centering and row.sampler_top_ids is not None:
+            top_ids = row.sampler_top_ids.clamp(min=0)
+        head = row_logprobs(
+            self.model, row, self.args.temperature, top_ids=top_ids,
+            candidate_masks=self._candidate_masks(row, self.vocab_size),
+            chunk_size=self.args.resolved_logprob_chunk_size(row.num_trained, self.vocab_size),
+        )
+        if row.num_trained == 0:
+            # Every rank runs forward and backward so that sharded collectives stay in step.
+            head.anchor.backward()
+            return 0.0, {}
+        inputs = LossInputs(
+            logprobs=head.logprobs,
+            sampler_logprobs=row.sampler_logprobs,
+            advantages=row.advantages,
+            top_logprobs=head.top_logprobs,
+            sampler_top_logprobs=row.sampler_top_logprobs if top_ids is not None else None,
+            top_valid=row.top_valid if top_ids is not None else None,
+        )
+        loss, part = grpo_loss(inputs, self.loss_config, num_tokens)
+        (self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss).backward()
+        return float(loss.detach()), part
+
+    def _candidate_masks(self, row: PackedRow, vocab_size: int) -> torch.Tensor | None:
+        if not self.server.candidate_sets or row.sampling_mask_ids is None:
+            return None
+        offsets = row.sampling_mask_offsets.tolist()
+        ids = [row.sampling_mask_ids[offsets[t] : offsets[t + 1]] for t in range(row.num_trained)]
+        return candidate_mask_from_ids(ids, vocab_size, device=row.target_ids.device)
+
+    # ------------------------------------------------------------------------------------------ sync
+    def _sync_weights(self, force: bool = False) -> dict[str, float]:
+        """Push this step's weights (``force``: even if they were pushed already, to a restarted server)."""
+        from grpo_core.sync.factory import SYNC_MODE_CODES
+
+        if not force and self.versions.pushed and self.versions.current == self.global_step:
+            return {}  # this step's weights are already on the server
+        self.model.eval()
+        try:
+            stats = self.weight_sync.push(self.global_step)
+        except PUSH_FAILURES as err:
+            return self._push_again_after_failed_push(err)
+        self.versions.record(self.global_step)
+        if self.dist.is_main:
+            self.watch.after_push(self.versions.pushed)
+        if self.worker is not None:
+            # With what the trainer consumed so far: the worker keeps its lead within max_staleness.
+            self.worker.publish_version(self.global_step, consumed=self.feed.collector.consumed_total if self.feed else 0)
+        metrics = {
+            "sync/bytes": float(stats.bytes),
+            "sync/seconds": stats.seconds,
+            "sync/mode": SYNC_MODE_CODES[stats.mode],
+            "weight_version": float(self.global_step),
+        }
+        if stats.adapters_registered is not None:
+            metrics["sync/adapters_registered"] = float(stats.adapters_registered)
+        return metrics
+
+    def _push_again_if_server_restarted(self) -> None:
+        """Before each step's collection: a server that restarted since the last push (rank 0's
+        ``ServerWatch`` says so) gets this step's weights over a new transfer session. What it generated
+        before carries a weight version never pushed, and the collector drops it."""
+        reason = broadcast_object(self.watch.restarted() if self.dist.is_main else None)
+        if reason is not None:
+            self._push_to_restarted_server(reason)
+
+    def _push_to_restarted_server(self, reason: str) -> dict[str, float]:
+        if self.weight_sync.mode == "adapter":
+            raise ServerRestartError(
+                f"the vLLM server restarted ({reason}); adapter-only LoRA sync cannot register its adapters on "
+                "the new server from here: resume the run (the flow does) or use lora_sync_mode='merged'"
+            )
+        log.warning("the vLLM server restarted (%s); pushing the weights of step %d again", reason, self.global_step)
+        try:
+            self.weight_sync.close()  # its session died with the server's workers
+        except Exception as err:  # noqa: BLE001 - whatever the dead session says, a new one follows
+            log.info("closing the weight transfer to the old server: %s", err)
+        self.weight_sync = self._make_weight_sync()
+        metrics = self._sync_weights(force=True)
+        self.server_restarts += 1
+        log.warning("re-pushed weight version %d to the restarted server in %.1f s (server restart %d of this attempt)",
+                    self.global_step, metrics.get("sync/seconds", 0.0), self.server_restarts)
+        return metrics
+
+    def _push_again_after_failed_push(self, err: Exception) -> dict[str, float]:
+        """A push that failed because the server went away (one rank: with several, the others are inside
+        the push's collectives and the attempt fails; the flow resumes it) waits for the server, then
+        pushes to it again when it restarted; any other failure is raised."""
+        reason = self.watch.restarted() if self.dist.world_size == 1 and self.watch is not None else None
+        if reason is None:
+            raise err
+        return self._push_to_restarted_server(f"{reason}; the push failed with {type(err).__name__}: {err}")
+
+    # ------------------------------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict[str, float]:
+        """Sample ``eval_dataset`` from the server (which serves the last pushed weights) and score it with
+        the reward functions; returns ``eval/*`` metrics (empty off rank 0)."""
+        from grpo_core.training.evaluation import evaluate_rewards
+
+        if self.eval_dataset is None:
+            raise ValueError("evaluate() needs eval_dataset=... passed to the trainer")
+        if not self.dist.is_main:
+            return {}
+        start = time.perf_counter()
+        result = evaluate_rewards(
+            self.args.vllm_server_base_url,
+            self.processing_class,
+            self.eval_dataset,
+            self.reward_funcs,
+            weights=self.args.reward_weights,
+            samples_per_prompt=self.args.num_eval_generations(),
+            temperature=self.args.temperature,
+            max_tokens=self.args.max_completion_length,
+            tokens_endpoint=self.server.tokens_endpoint if self.server else True,
+        )
+        metrics = {"eval/reward": result.reward, "eval/completion_length": result.mean_length, "eval/seconds": time.perf_counter() - start}
+        metrics.update({f"eval/rewards/{name}": value for name, value in result.per_func.items()})
+        return metrics
+
+    # ------------------------------------------------------------------------------------------ saving
+    def save_model(self, output_dir: str | None = None) -> str:
+        """Write the policy as a servable Hugging Face folder (weights, config, tokenizer; LoRA: the adapter
+        too) to ``output_dir`` (default ``args.output_dir``); every rank calls it. Returns the folder."""
+        from pathlib import Path
+
+        from grpo_core.checkpoint.state import full_state, write_servable
+
+        folder = Path(output_dir or self.args.output_dir)
+        model_state, _ = full_state(self.model, self.optimizer)
+        if self.dist.is_main:
+            folder.mkdir(parents=True, exist_ok=True)
+            dtype = next(iter(model_state.values())).dtype if self.compute_dtype == torch.float32 else self.compute_dtype
+            write_servable(folder, self.model, model_state, self.processing_class, dtype)
+            if self.peft_config is not None:
+                from grpo_core.models.lora import adapter_files_state, write_adapter
+
+                write_adapter(self.model, str(folder), self.model_path, state=adapter_files_state(model_state))
+        return str(folder)
+
+    # ------------------------------------------------------------------------------------------ metrics
+    def _log(self, metrics: dict[str, float], same_step: bool = False) -> None:
+        """Record ``metrics`` for the current step; ``same_step`` adds them to the step logged last."""
+        metrics = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+        history = self.state.log_history
+        if same_step:
+            history[-1].update(metrics)
+        else:
+            history.append({"step": float(self.global_step), **metrics})
+        if self.dist.is_main and self.global_step % self.args.logging_steps == 0:
+            self.tracker.log_metrics(metrics, step=self.global_step)
+            if same_step:
+                return
+            log.info(
+                "step %d  reward %.3f  loss %.4f  gen %.0f tok/s  wait %.2fs",
+                self.global_step,
+                metrics.get("reward", float("nan")),
+                metrics.get("loss", float("nan")),
+                metrics.get("rollout/generated_tok_s", 0.0),
+                metrics.get("perf/rollout_wait_s", 0.0),
+            )
+
+    def _log_completions(self, batch: StepBatch) -> None:
+        """``log_completions``: a table of the step's prompts, completions and rewards to the tracker, and
+        the first ``num_completions_to_print`` to the console."""
+        if not (self.args.log_completions and self.dist.is_main and self.global_step % self.args.logging_steps == 0):
+            return
+        table: dict[str, list[Any]] = {"step": [], "prompt": [], "completion": [], "reward": []}
+        for report in batch.reports:
+            for text, reward in zip(report.completions, report.rewards, strict=False):
+                table["step"].append(self.global_step)
+                table["prompt"].append(report.prompt_text)
+                table["completion"].append(text)
+                table["reward"].append(None if np.isnan(reward) else float(reward))
+        if not table["step"]:
+            return
+        self.tracker.log_table("completions", table, step=self.global_step)
+        for prompt, completion, reward in list(zip(table["prompt"], table["completion"], table["reward"]))[: self.args.num_completions_to_print]:
+            log.info("step %d completion (reward %s)\n  prompt: %s\n  completion: %s", self.global_step, reward, prompt, completion)
+
+    # ------------------------------------------------------------------------------------------ teardown
+    def _teardown(self, finished: bool) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker = None
+        if self.weight_sync is not None:
+            self.weight_sync.close()
+            self.weight_sync = None
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+        if self._owns_process_group:
+            shutdown_distributed()
+            self._owns_process_group = False
+        if self._owns_tracker:
+            self.tracker.close("FINISHED" if finished else "FAILED")
+
+
+def _model_name(model: Any) -> str:
+    name = model if isinstance(model, (str, os.PathLike)) else getattr(getattr(model, "config", None), "_name_or_path", "model")
+    return os.path.basename(os.fspath(name).rstrip("/")) or "model"
+
+
+def _lr_scheduler(args: AsyncGRPOConfig, optimizer: torch.optim.Optimizer) -> Any:
+    """transformers' schedule of that name; decaying ones reach 0 at ``max_steps``."""
+    from transformers import get_scheduler
+
+    extra = {} if args.lr_scheduler_type == "constant" else {"num_warmup_steps": args.warmup_steps}
+    if args.lr_scheduler_type in ("linear", "cosine"):
+        if args.max_steps <= 0:
+            raise ValueError(f"lr_scheduler_type={args.lr_scheduler_type!r} decays to 0 at max_steps; set max_steps > 0")
+        extra["num_training_steps"] = args.max_steps
+    return get_scheduler(args.lr_scheduler_type, optimizer, **extra)

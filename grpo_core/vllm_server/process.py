@@ -1,0 +1,306 @@
+"""Start and stop a vLLM OpenAI-compatible server as a child process, with the flags the trainer needs.
+
+Shared by the Prefect flows, the CLI and the tests. The server runs in its own session (process
+group) so that ``stop()`` ends exactly the processes it started (API server, engine core, workers)
+and nothing else. Its output goes to a log file in the run's output folder; when the server dies,
+``VLLMServerError`` carries the end of that log.
+
+    with VLLMServer(VLLMServerSpec(model="path/to/model"), log_dir="out") as server:
+        print(server.base_url)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field
+
+from grpo_core.config import LoraRank, check_fields
+from grpo_core.vllm_server.cpu_placement import CpuPlacement, forked_on, format_cpus
+
+
+class VLLMServerError(RuntimeError):
+    """The vLLM server failed to start or died; the message ends with the tail of its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# The vLLM command-line flags and environment variables this project uses, spelled here only: the
+# launch command, the Kubernetes manifests and every "restart the server with" message derive from
+# them (tests/test_server_spec.py checks that no other module spells one).
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+CPU_OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+ENTRY_POINT = "vllm.entrypoints.openai.api_server"
+MODEL = "--model"
+HOST = "--host"
+PORT = "--port"
+MAX_MODEL_LEN = "--max-model-len"
+DTYPE = "--dtype"
+SEED = "--seed"
+LOGPROBS_MODE = "--logprobs-mode"
+MAX_LOGPROBS = "--max-logprobs"
+WEIGHT_TRANSFER_CONFIG = "--weight-transfer-config"
+ENABLE_SCALE_OUT = "--enable-scale-out"
+RETURN_SAMPLING_MASK = "--return-sampling-mask"
+ENABLE_LORA = "--enable-lora"
+MAX_LORA_RANK = "--max-lora-rank"
+MAX_LORAS = "--max-loras"
+API_SERVER_COUNT = "--api-server-count"
+LANGUAGE_MODEL_ONLY = "--language-model-only"
+
+
+@dataclass(kw_only=True)
+class ServerOptions:
+    """What a user chooses about a vLLM server: the flow's managed one, or the command a start-up error prints."""
+
+    __pydantic_config__ = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    max_model_len: Annotated[int, Field(ge=16)] = 512
+    """Longest prompt + completion the server accepts (sizes its KV cache per request)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    """Weight dtype on the server: float32 keeps CPU log-probs comparable to the trainer's; bfloat16 on GPUs."""
+    kv_cache_gib: Annotated[int, Field(ge=1)] = 1
+    """CPU KV-cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``); ignored on GPUs."""
+    enable_lora: bool = False
+    """Serve LoRA adapters loaded at run time (adapter-only weight sync)."""
+    max_lora_rank: LoraRank = 16
+    """Largest adapter rank the server accepts (one of 1, 8, 16, 32, 64, 128, 256, 320, 512)."""
+    max_loras: Annotated[int, Field(ge=1)] | None = None
+    """Adapters resident at once; None: the trainer's window, ``max_staleness + 2``."""
+    api_server_count: Annotated[int, Field(ge=1)] = 1
+    """API server processes (vLLM serialises top log-probs there; 8 on GPU servers)."""
+    language_model_only: bool = False
+    """Skip building a vision-language model's vision tower (text-only training)."""
+    cpu_placement: Literal["auto", "off"] = "auto"
+    """No GPU and the server started on the trainer's machine (the flow's local provisioner): ``auto`` splits the
+    cores, the trainer alone on the top half, the server and the rollout worker on the rest
+    (``grpo_core.vllm_server.cpu_placement``); ``off`` leaves them all to the OS scheduler. Ignored on GPUs and clusters."""
+    extra_args: list[str] = field(default_factory=list)
+    """Further command-line flags, appended as given."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for the server process."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(kw_only=True)
+class VLLMServerSpec(ServerOptions):
+    """One server launch: the user's options plus what the run decides (model, backend, log-probs)."""
+
+    model: str | os.PathLike[str]
+    """Model folder (a path object is fine) or hub id to serve."""
+    host: str = "127.0.0.1"
+    """Interface to bind; loopback by default."""
+    port: Annotated[int, Field(ge=0, le=65535)] = 0
+    """TCP port; 0 picks a free one."""
+    weight_transfer_backend: Literal["gloo", "nccl"] = "gloo"
+    """Weight-transfer backend: ``gloo`` on CPU (this package's plugin), ``nccl`` on GPUs."""
+    max_logprobs: Annotated[int, Field(ge=0)] = 20
+    """Server cap on requested top log-probs per token; must cover ``num_sampler_logprobs + 1``."""
+    return_sampling_mask: bool = False
+    """Return each token's top-k/top-p candidate set (needs vLLM's V2 model runner)."""
+    seed: int = 0
+    """Server sampling seed."""
+
+    @classmethod
+    def for_run(cls, model: str | os.PathLike[str], config: Any, options: ServerOptions | None = None,
+                cuda: bool = False, **launch: Any) -> VLLMServerSpec:
+        """The server a run with ``config`` (an ``AsyncGRPOConfig``) needs, with the user's ``options``."""
+        options = options or ServerOptions()
+        own = {f.name: getattr(options, f.name) for f in dataclasses.fields(ServerOptions)}
+        if own["enable_lora"] and own["max_loras"] is None:
+            own["max_loras"] = config.max_staleness + 2
+        return cls(
+            **own,
+            model=model,
+            weight_transfer_backend=config.resolved_weight_transfer_backend(cuda),
+            max_logprobs=max(20, config.num_sampler_logprobs + 1),
+            return_sampling_mask=config.needs_candidate_sets(),
+            seed=config.seed,
+            **launch,
+        )
+
+    def command(self, port: int) -> list[str]:
+        """The full command line (the CPU build has no ``vllm serve``; the module entry point works everywhere)."""
+        cmd = [
+            sys.executable, "-m", ENTRY_POINT,
+            MODEL, os.fspath(self.model),
+            HOST, self.host,
+            PORT, str(port),
+            *self.flags(),
+        ]
+        return cmd
+
+    def flags(self) -> list[str]:
+        """Every flag but the model and the address: what the trainer needs, then the user's options."""
+        flags = [
+            MAX_MODEL_LEN, str(self.max_model_len),
+            DTYPE, self.dtype,
+            SEED, str(self.seed),
+            LOGPROBS_MODE, "processed_logprobs",
+            MAX_LOGPROBS, str(self.max_logprobs),
+            WEIGHT_TRANSFER_CONFIG, json.dumps({"backend": self.weight_transfer_backend}),
+            ENABLE_SCALE_OUT,
+        ]
+        if self.return_sampling_mask:
+            flags.append(RETURN_SAMPLING_MASK)
+        if self.api_server_count > 1:
+            flags += [API_SERVER_COUNT, str(self.api_server_count)]
+        if self.language_model_only:
+            flags.append(LANGUAGE_MODEL_ONLY)
+        if self.enable_lora:
+            flags += [ENABLE_LORA, MAX_LORA_RANK, str(self.max_lora_rank)]
+            if self.max_loras is not None:
+                flags += [MAX_LORAS, str(self.max_loras)]
+        return flags + list(self.extra_args)
+
+    def server_environment(self) -> dict[str, str]:
+        """The variables the server needs beyond the caller's environment."""
+        env = {DEV_MODE_ENV: "1", CPU_KV_CACHE_ENV: os.environ.get(CPU_KV_CACHE_ENV, str(self.kv_cache_gib))}
+        if self.enable_lora:
+            env[RUNTIME_LORA_ENV] = "1"
+        return {**env, **self.env}
+
+    def environment(self) -> dict[str, str]:
+        return {**os.environ, **self.server_environment()}
+
+    def shell_command(self) -> str:
+        """The launch as a shell command for a person to run (in "restart the server with" messages)."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.server_environment().items() if k != CPU_KV_CACHE_ENV)
+        words = ["python", "-m", ENTRY_POINT, MODEL, os.fspath(self.model), *self.flags()]
+        lines, line = [], f"{env} {words[0]} {words[1]} {words[2]}"
+        rest = words[3:]
+        i = 0
+        while i < len(rest):
+            # One flag per line, with its value when it has one.
+            word = shlex.quote(rest[i])
+            if i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+                word += " " + shlex.quote(rest[i + 1])
+                i += 1
+            lines.append(line)
+            line = "    " + word
+            i += 1
+        lines.append(line)
+        return " \\\n".join(lines)
+
+
+class VLLMServer:
+    """A vLLM server child process: ``start()`` waits until it serves, ``stop()`` ends its process group.
+
+    ``placement`` (a ``CpuPlacement``, CPU servers only): the server's processes start on its generation cores
+    and its engine binds its OpenMP threads to the placement's engine cores."""
+
+    def __init__(self, spec: VLLMServerSpec, log_dir: str | Path, placement: CpuPlacement | None = None):
+        self.spec = spec
+        self.placement = placement
+        self.log_path = Path(log_dir) / "vllm_server.log"
+        self.port = spec.port or free_port(spec.host)
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.spec.host}:{self.port}"
+
+    def start(self, timeout_s: float = 600.0) -> "VLLMServer":
+        if self.process is not None:
+            raise RuntimeError("server already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        log.write(f"$ {' '.join(self.spec.command(self.port))}\n".encode())
+        log.flush()
+        env = self.spec.environment()
+        if self.placement is not None:
+            env[CPU_OMP_BIND_ENV] = format_cpus(self.placement.engine)
+            log.write(f"# cpu placement: {self.placement.describe()}\n".encode())
+            log.flush()
+        with forked_on(self.placement.generation if self.placement is not None else None):
+            self.process = subprocess.Popen(
+                self.spec.command(self.port),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # its own process group: stop() ends exactly what we started
+            )
+        log.close()
+        self._wait_ready(timeout_s)
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        from grpo_core.vllm_server.control import VLLMControlClient
+
+        deadline = time.monotonic() + timeout_s
+        client = VLLMControlClient(self.base_url)
+        try:
+            while time.monotonic() < deadline:
+                self.check_alive()
+                if client.answers("/v1/models", timeout=2.0):
+                    return
+                time.sleep(1.0)
+        finally:
+            client.close()
+        self.stop()
+        raise VLLMServerError(f"vLLM server did not serve within {timeout_s:.0f} s\n{self.log_tail()}")
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def check_alive(self) -> None:
+        """Raise ``VLLMServerError`` with the end of the log if the server process has exited."""
+        if self.process is not None and self.process.poll() is not None:
+            raise VLLMServerError(
+                f"vLLM server exited with code {self.process.returncode}; "
+                f"log {self.log_path}:\n{self.log_tail()}"
+            )
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(text[-lines:])
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM the server's process group, then SIGKILL what is left after ``timeout_s``."""
+        proc, self.process = self.process, None
+        if proc is None or proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        # The engine core and workers share the group; reap any that outlived the API server.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> "VLLMServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,151 @@
+"""Notice that the vLLM server restarted, so that the trainer pushes its weights to it again.
+
+An external server (``server.managed: false``: a crashed or rescheduled pod) comes back serving the
+weights it loaded from disk under the weight version ``"default"``, with no weight-transfer session.
+What it generates would otherwise be dated by the trainer's last version and trained as on-policy.
+
+Two things keep that from happening:
+
+* every generated token carries the server's weight version (``/inference/v1/generate``); a version
+  the trainer never pushed maps to ``rollout.stages.UNKNOWN_VERSION`` and the collector drops such
+  samples (``WeightVersions.was_pushed``), whenever they arrive;
+* ``ServerWatch.restarted()`` tells the trainer that the server is no longer the one it pushed to, so
+  it opens a new weight transfer and pushes again. It is one ``GET /weight_info`` (the served weight
+  version must be the one read back after the trainer's last push) made before each step's
+  collection and every few seconds while the collection waits for samples (the trainer's
+  ``grpo_core.training.collector.WatchedSource``). When the server does not answer it waits, with
+  backoff, for ``server_unavailable_timeout_s``; a server that answers again is also compared by
+  identity (its process start time and model root), which tells a restart apart from a network pause
+  even if someone set a matching version.
+
+Rank 0 only: the other ranks learn the answer from the trainer's broadcast.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from grpo_core.vllm_server.control import SERVER_UNREACHABLE, VLLMRequestError, backoff_delays
+
+log = logging.getLogger(__name__)
+
+_START_TIME = re.compile(r"^process_start_time_seconds\s+(\S+)$", re.M)
+
+
+class ServerUnavailableError(RuntimeError):
+    """The server did not answer for ``server_unavailable_timeout_s``; the message names it."""
+
+
+@dataclass(frozen=True)
+class ServerIdentity:
+    """What tells one server process from the next on the same address."""
+
+    start_time: float | None  # Prometheus' process_start_time_seconds of the API server (None: not exported)
+    model_root: str
+
+
+class ServerWatch:
+    """Remembers what the server reported after the trainer's last push; says when that changed."""
+
+    def __init__(self, control: Any, unavailable_timeout_s: float):
+        self.control = control
+        self.unavailable_timeout_s = unavailable_timeout_s
+        self.expected_version: str | None = None
+        self.identity: ServerIdentity | None = None
+        self.restarts = 0
+        self._known_restart: str | None = None  # noticed by WatchedSource, not yet acted on
+
+    def after_push(self, pushed: list[int]) -> None:
+        """Read back the version the push set; one the trainer never pushed means the server restarted
+        between the push and now."""
+        version, waited = self._weight_version()
+        if version not in {str(v) for v in pushed}:
+            self._known_restart = f"the server reports weight version {version!r} right after a push"
+            return
+        self.expected_version = version
+        if self.identity is None or waited:
+            self.identity = self._identity()
+
+    def restarted(self) -> str | None:
+        """Why the server is not the one the trainer last pushed to, or None when it is. Waits while the
+        server does not answer; raises ``ServerUnavailableError`` after ``unavailable_timeout_s``."""
+        if self._known_restart is not None:
+            reason, self._known_restart = self._known_restart, None
+            return reason
+        if self.expected_version is None:
+            return None  # nothing pushed yet: the start-up push comes next anyway
+        version, waited = self._weight_version()
+        if version != self.expected_version:
+            return f"it serves weight version {version!r}, the trainer last pushed {self.expected_version!r}"
+        if waited:
+            identity = self._identity()
+            if self.identity is not None and identity != self.identity:
+                return f"it answers as another process ({identity}, before {self.identity})"
+        return None
+
+    def note_restart(self, reason: str) -> None:
+        """Keep a restart noticed while collecting for the next ``restarted()``."""
+        self._known_restart = reason
+
+    # ---- reading the server -------------------------------------------------------------------------
+    def _weight_version(self) -> tuple[str, bool]:
+        """The served weight version, and whether the server had to be waited for."""
+        return self._answering(self.control.weight_version)
+
+    def _identity(self) -> ServerIdentity:
+        models, _ = self._answering(self.control.models)
+        match = _START_TIME.search(self.control.metrics_text() or "")
+        return ServerIdentity(start_time=float(match.group(1)) if match else None, model_root=str(models[0].get("root", "")))
+
+    def _answering(self, call: Any) -> tuple[Any, bool]:
+        """``call()``'s result once the server answers, and whether it failed first (backoff between tries)."""
+        first_failure: float | None = None
+        delays = backoff_delays()
+        while True:
+            try:
+                return call(), first_failure is not None
+            except (*SERVER_UNREACHABLE, httpx.ReadTimeout, VLLMRequestError) as err:
+                # A server that is starting may answer 404/503 for a moment: the same wait.
+                now = time.monotonic()
+                if first_failure is None:
+                    first_failure = now
+                    log.warning("the vLLM server at %s does not answer (%s); waiting up to %.0f s for it",
+                                self.control.base_url, err, self.unavailable_timeout_s)
+                if now - first_failure >= self.unavailable_timeout_s:
+                    raise ServerUnavailableError(
+                        f"the vLLM server at {self.control.base_url} did not answer for {now - first_failure:.0f} s "
+                        f"(server_unavailable_timeout_s={self.unavailable_timeout_s:g}); last error: {err}"
+                    ) from err
+                time.sleep(next(delays))
+
+
+# ---- a server a dead trainer left mid-push ---------------------------------------------------------
+def left_paused(control: Any) -> bool:
+    """Whether the server is paused, as a trainer that died during a weight sync leaves it."""
+    try:
+        paused = control.is_paused()
+    except VLLMRequestError:
+        return False  # no dev-mode routes: check_server names the missing flag
+    if paused:
+        log.warning("the vLLM server was left paused, by a trainer that died during a weight sync; pushing weights")
+    return paused
+
+
+def close_open_weight_update(control: Any) -> None:
+    """Finish the weight-update session a trainer killed between start and finish left open, so the
+    next push can start one. vLLM answers a start while a session is open, and a finish while none
+    is, with an error (the engine runs on) and cannot be asked which holds: finish, and accept the
+    refusal when there was nothing to finish."""
+    try:
+        control.finish_weight_update()
+    except VLLMRequestError as err:
+        if "without a matching start" not in str(err):
+            raise
+        return
+    log.warning("closed the weight-update session that the dead trainer left open")
