@@ -318,7 +318,8 @@ class AsyncGRPOTrainer:
             self.weight_sync = self._make_weight_sync()
             self._sync_weights()
         if self.dist.is_main:
-            self.server = check_server(self.control, args, model_name, self.model.config, cuda)
+            self.server = check_server(self.control, args, model_name, self.model.config, cuda,
+                                       train_dtype=str(self.compute_dtype).removeprefix("torch."))
         self.server = broadcast_object(self.server)  # every rank must compute the same loss
         self.weight_sync = self.weight_sync or self._make_weight_sync()
         if self.dist.is_main:
