@@ -66,8 +66,10 @@ class AsyncGRPOConfig:
     """Seed for data order, sampling and dropout."""
     run_name: str | None = None
     """Name of the tracking run; default: ``<model>-<task>-<config hash>`` from the flow, else the output folder's name."""
-    report_to: Literal["mlflow", "none"] = "mlflow"
-    """Where metrics go: ``mlflow`` (the server in ``MLFLOW_TRACKING_URI``, else MLflow's default store) or ``none``."""
+    report_to: Literal["mlflow", "none"] = "none"
+    """Where metrics go: ``none`` (the default, as in transformers' ``TrainingArguments`` and so TRL: metrics stay in
+    ``trainer.state.log_history``) or ``mlflow`` (the server in ``MLFLOW_TRACKING_URI``, else MLflow's default store;
+    needs the ``mlflow`` package, in the ``flows`` extra). A job run by the flow tracks in MLflow by default."""
     tracking_flush_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     """Metrics, tags and checkpoint references reach MLflow from a queue that keeps retrying while the server is
     unreachable (training goes on; nothing is lost or logged twice); when training ends (or fails) the trainer waits up

@@ -22,6 +22,10 @@ from grpo_core.vllm_server.process import ServerOptions
 
 ImportString = Annotated[str, Field(pattern=r"^[\w.]+:[\w.]+$", description="package.module:attribute")]
 
+JOB_TRAINER_DEFAULTS: dict[str, Any] = {"report_to": "mlflow"}
+"""Where a job's trainer differs from ``AsyncGRPOConfig``'s defaults, for keys the job does not set: the flow
+tracks every job in MLflow (the library itself reports nowhere by default, as transformers does)."""
+
 
 class _Strict(BaseModel):
     """Refuses unknown keys with a suggestion (pydantic's own message names no alternative)."""
@@ -115,8 +119,9 @@ class JobConfig(_Strict):
     """The vLLM server."""
     tracking: TrackingParams = Field(default_factory=TrackingParams)
     """MLflow."""
-    trainer: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
-    """The trainer's settings (``AsyncGRPOConfig``)."""
+    trainer: AsyncGRPOConfig = Field(default_factory=lambda: AsyncGRPOConfig(**JOB_TRAINER_DEFAULTS))
+    """The trainer's settings (``AsyncGRPOConfig``). A job's trainer reports to MLflow unless it says otherwise
+    (``report_to: none``): the flow opens the run, follows progress and reads the summary from it."""
 
     @field_validator("server", "trainer", mode="before")
     @classmethod
@@ -124,6 +129,8 @@ class JobConfig(_Strict):
         owner = {"server": ServerParams, "trainer": AsyncGRPOConfig}[info.field_name]
         if isinstance(value, dict):
             check_known_keys(owner.__name__, value, [f.name for f in dataclasses.fields(owner)])
+            if owner is AsyncGRPOConfig:
+                value = {**JOB_TRAINER_DEFAULTS, **value}
         return value
 
     @field_validator("peft_config")
