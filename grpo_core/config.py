@@ -80,6 +80,12 @@ class AsyncGRPOConfig:
     """With ``log_completions``: also print this many of each logged step's completions to the console."""
 
     # ---- evaluation -----------------------------------------------------------------------------
+    # One set of held-out settings, under transformers' and TRL's names; a job's flow derives its evaluation
+    # before and after training from them too (``runs_evaluation``).
+    do_eval: bool = False
+    """Evaluate on the held-out prompts, as transformers' ``do_eval`` tells a training script to: the job flow
+    samples ``eval_dataset`` (the data set's ``eval`` split) from the server before training and after the final
+    weight sync, scored by ``reward_funcs`` (``eval_accuracy_before``/``_after``: the first one's mean)."""
     eval_strategy: Literal["no", "steps"] = "no"
     """``steps``: sample ``eval_dataset`` from the server every ``eval_steps`` (right after a weight sync) and log
     ``eval/reward`` and each reward function's mean; ``no``: never."""
@@ -354,6 +360,11 @@ class AsyncGRPOConfig:
 
     def num_eval_generations(self) -> int:
         return self.num_generations_eval or self.num_generations
+
+    def runs_evaluation(self) -> bool:
+        """Whether held-out prompts are evaluated at all: ``do_eval``, or during training (``eval_strategy``), as
+        transformers reads the pair."""
+        return self.do_eval or self.eval_strategy != "no"
 
     # ---- (de)serialisation ----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
