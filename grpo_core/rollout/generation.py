@@ -66,8 +66,9 @@ class VLLMGenerateClient:
         first turn together) are sent as one request with ``n`` = their count, and each call gets one
         of its choices. The draws are the same independent samples from the same weights either way;
         the server prefills the prompt once and decodes them in lock-step, and the HTTP and per-request
-        work on both sides is paid once: on two CPU cores with the tiny model, 8 completions per
-        request generate 5-6x the tokens/s of 8 requests (``benchmarks/rollout_throughput.py``).
+        work on both sides is paid once: on two CPU cores with the tiny model, several completions per request
+        generate several times the tokens/s of as many requests (benchmarks/README.md, "Rollout generation:
+        request shape and core sharing"; ``benchmarks/rollout_throughput.py``).
         Calls with a ``seed`` (identical seeds would repeat one draw) or ``n`` > 1 go out as they are.
         """
         n = int(sampling_params.get("n", 1) or 1)

@@ -43,7 +43,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 # The vLLM command-line flags and environment variables this project uses, spelled here only: the
 # launch command, the Kubernetes manifests and every "restart the server with" message derive from
-# them (tests/test_server_spec.py checks that no other module spells one).
+# them (tests/test_config.py::test_each_vllm_flag_is_spelled_in_one_module checks that no other module
+# spells one).
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
