@@ -173,8 +173,9 @@ class LocalProvisioner(Provisioner):
         """The trainers' environment. With no GPU and the server on this machine (one this
         provisioner started, or any on a loopback address), both share the CPU cores: the vLLM CPU
         worker binds its OpenMP threads to them, and trainers that also spin one OpenMP thread per
-        core stall each other's barriers (a forward+backward of about 1 s alone took 13-22 s beside a
-        busy server). The trainers then get half the cores between them, unless ``OMP_NUM_THREADS``
+        core stall each other's barriers (a forward+backward took many times as long beside a busy server:
+        benchmarks/README.md, "Where the CPU goes beside a local CPU server, and the core split"). The trainers
+        then get half the cores between them, unless ``OMP_NUM_THREADS``
         is set already. A server this provisioner started placed also names the rollout worker's cores
         (``GRPO_ROLLOUT_CPUS``); ``run_training`` starts the trainers on the others."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}

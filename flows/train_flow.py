@@ -87,26 +87,30 @@ def start_server(provisioner: Provisioner, job: JobConfig, model_path: str, log_
 
 @task(name="evaluate")
 def evaluate(job: JobConfig, model_path: str, server_url: str, label: str) -> float | None:
-    if job.eval_prompts == 0:
+    """The held-out accuracy (the first reward function's mean) of what the server serves, with the trainer's
+    evaluation settings: ``do_eval``, ``num_generations_eval``, the reward functions and their weights."""
+    trainer = job.trainer
+    if not trainer.runs_evaluation():
         return None
     from transformers import AutoTokenizer
 
-    from grpo_core.training.evaluation import evaluate_on_server
+    from grpo_core.training.evaluation import evaluate_rewards
 
     data = resolve_dataset(job.dataset)
     if "eval" not in data:
         return None
-    result = evaluate_on_server(
+    result = evaluate_rewards(
         server_url,
         AutoTokenizer.from_pretrained(model_path),
         data["eval"],
-        import_string(job.eval_reward),
-        samples_per_prompt=job.eval_samples_per_prompt,
-        temperature=job.trainer.temperature,
-        max_tokens=job.trainer.max_completion_length,
-        max_prompts=job.eval_prompts,
+        [import_string(name) for name in job.reward_funcs],
+        weights=trainer.reward_weights,
+        samples_per_prompt=trainer.num_eval_generations(),
+        temperature=trainer.temperature,
+        max_tokens=trainer.max_completion_length,
     )
-    _logger().info("held-out accuracy %s: %.3f over %d samples", label, result.accuracy, result.num_samples)
+    _logger().info("held-out accuracy %s: %.3f over %d samples (%s)", label, result.accuracy, result.num_samples,
+                   ", ".join(f"{k} {v:.3f}" for k, v in result.per_func.items()))
     return result.accuracy
 
 

@@ -39,7 +39,8 @@ AttentionBackendName = Literal["auto", "kernels", "flash_attn_cute", "torch_varl
 AUTO_DENSE_MAX_LOGITS = 2**32
 """``logprob_chunk_size="auto"``: a row whose trained tokens x vocabulary exceed this takes the chunked head
 (2^32 fp32 logits are 16 GiB; 28k trained tokens at Qwen3's 151,936-token vocabulary). Below it the dense head,
-which benchmarks/README.md measured fitting at 16k and 32k rows of Qwen3-1.7B on one H200, and faster."""
+which fits and is faster at the row sizes measured (benchmarks/README.md, "The log-prob head's share of the
+remaining gap")."""
 AUTO_CHUNK_LOGITS = 2**29
 """``logprob_chunk_size="auto"``: logits per chunk (2 GiB in fp32; 3,533 tokens at a 151,936-token vocabulary)."""
 
@@ -66,8 +67,10 @@ class AsyncGRPOConfig:
     """Seed for data order, sampling and dropout."""
     run_name: str | None = None
     """Name of the tracking run; default: ``<model>-<task>-<config hash>`` from the flow, else the output folder's name."""
-    report_to: Literal["mlflow", "none"] = "mlflow"
-    """Where metrics go: ``mlflow`` (the server in ``MLFLOW_TRACKING_URI``, else MLflow's default store) or ``none``."""
+    report_to: Literal["mlflow", "none"] = "none"
+    """Where metrics go: ``none`` (the default, as in transformers' ``TrainingArguments`` and so TRL: metrics stay in
+    ``trainer.state.log_history``) or ``mlflow`` (the server in ``MLFLOW_TRACKING_URI``, else MLflow's default store;
+    needs the ``mlflow`` package, in the ``flows`` extra). A job run by the flow tracks in MLflow by default."""
     tracking_flush_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     """Metrics, tags and checkpoint references reach MLflow from a queue that keeps retrying while the server is
     unreachable (training goes on; nothing is lost or logged twice); when training ends (or fails) the trainer waits up
@@ -78,6 +81,12 @@ class AsyncGRPOConfig:
     """With ``log_completions``: also print this many of each logged step's completions to the console."""
 
     # ---- evaluation -----------------------------------------------------------------------------
+    # One set of held-out settings, under transformers' and TRL's names; a job's flow derives its evaluation
+    # before and after training from them too (``runs_evaluation``).
+    do_eval: bool = False
+    """Evaluate on the held-out prompts, as transformers' ``do_eval`` tells a training script to: the job flow
+    samples ``eval_dataset`` (the data set's ``eval`` split) from the server before training and after the final
+    weight sync, scored by ``reward_funcs`` (``eval_accuracy_before``/``_after``: the first one's mean)."""
     eval_strategy: Literal["no", "steps"] = "no"
     """``steps``: sample ``eval_dataset`` from the server every ``eval_steps`` (right after a weight sync) and log
     ``eval/reward`` and each reward function's mean; ``no``: never."""
@@ -126,9 +135,9 @@ class AsyncGRPOConfig:
     """``torch.compile`` per decoder layer: ``none``; ``pointwise`` (the MLP and the norms: element-wise
     ops fuse, attention stays eager); ``layers`` (whole layers, tree attention traced too); ``auto``:
     ``layers`` when training on CUDA, ``none`` elsewhere. ``layers`` is the default on GPUs because it is
-    both the fastest (42.5% against 29.2% MFU on one H200) and, against an fp32 reference, no less
-    accurate than eager bf16 in loss, log-probs and gradients (benchmarks/README.md, "compile
-    numerics"); the first step pays the compilation (about 20 s for a 1.7B model)."""
+    both the fastest and, against an fp32 reference, no less accurate than eager bf16 in loss, log-probs and
+    gradients; the first step pays the compilation. Figures: benchmarks/README.md, "MFU: FA2 against FA4" and
+    "Compile numerics: the rule for the default"."""
     attention_backend: AttentionBackendName = "auto"
     """Kernel of tree attention. ``auto``: the first that loads and passes a start-up probe on a small tree (output and
     gradients against the dense reference), in the order of the GPU type (``BACKEND_ORDER`` in
@@ -147,18 +156,18 @@ class AsyncGRPOConfig:
     copied along every root-to-segment path and one causal varlen call (any kernel; see ``tree_kv_regather``).
     ``auto``: per row, ``split`` where the row's paths hold at least 3 keys per token of the row
     (``SPLIT_MIN_PATHS_PER_TOKEN``; long prompts shared by many completions) and the kernel has the entry points and
-    passes the start-up probe that way, else ``gather``: on one H200 split was ahead at packing ratios ~3.4 and ~6 and
-    behind at ~2 and below (benchmarks/README.md). ``perf/attention_backend`` shows the plan (``+split``,
-    ``+split/gather``). Ignored by ``reference``."""
+    passes the start-up probe that way, else ``gather``: split is ahead where paths are long and behind where they
+    are short (benchmarks/README.md, "Tree attention split by ancestor level"). ``perf/attention_backend`` shows the
+    plan (``+split``, ``+split/gather``). Ignored by ``reference``."""
     tree_kv_regather: Literal["eager", "always", "never"] = "eager"
     """The gather plan (``tree_attention_plan``): whether a tree row's attention keeps, for backward, the K/V it
     gathered along every root-to-segment path
     (several times the row's own K/V at high packing ratios) or gathers it again there (bitwise the same
     result). ``eager``: re-gather where attention runs eagerly (``compile_mode`` ``none``/``pointwise``, the CPU);
     compiled layers keep the copy. ``always``: under compiled layers too, by running each tree row's attention
-    outside the compiled graph. ``never``: keep it. Measured on an H200 (Qwen3-1.7B shape, packing ratio ~6,
-    benchmarks/README.md "Re-gathering K/V in backward"): eager, tree-row peak 1.36x -> 1.17x a flat row's
-    for 0.5-0.8% of the step; compiled (``always``), 1.46x -> 1.18x for 3.4-4.8%."""
+    outside the compiled graph. ``never``: keep it. Re-gathering lowers a tree row's peak memory towards a flat
+    row's for a small share of the step, a larger one under compiled layers (benchmarks/README.md, "Re-gathering
+    K/V in backward")."""
     attention_kernel: str | None = None
     """The ``kernels`` backend's kernel: a Hub kernel at a major version or a revision
     (``kernels-community/flash-attn3@1``, ``owner/name@main``) or a local kernel folder (``/path``, ``./path``,
@@ -167,8 +176,8 @@ class AsyncGRPOConfig:
     logprob_chunk_size: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
     """Log-probs of a row's trained tokens this many at a time, from the final hidden states: each chunk's
     ``[chunk, vocab]`` logits exist only while it is computed and again in backward, never the row's whole
-    ``[trained, vocab]`` (bf16 logits plus their fp32 log-softmax, which do not fit one H200 at 64k-token rows of
-    a 152k vocabulary). Costs the head's matmul once more in backward. None: one pass through the model's head
+    ``[trained, vocab]`` (bf16 logits plus their fp32 log-softmax: 64k trained tokens of a 152k vocabulary are
+    56 GiB). Costs the head's matmul once more in backward. None: one pass through the model's head
     (fastest while it fits); ``auto``: one pass while trained tokens x vocabulary <= 2^32, else chunks of 2^29
     logits' worth of tokens (``AUTO_DENSE_MAX_LOGITS``, ``AUTO_CHUNK_LOGITS``). Refused for models that rescale
     their logits after the head (Gemma's softcapping, Cohere's and Granite's scales)."""
@@ -352,6 +361,11 @@ class AsyncGRPOConfig:
 
     def num_eval_generations(self) -> int:
         return self.num_generations_eval or self.num_generations
+
+    def runs_evaluation(self) -> bool:
+        """Whether held-out prompts are evaluated at all: ``do_eval``, or during training (``eval_strategy``), as
+        transformers reads the pair."""
+        return self.do_eval or self.eval_strategy != "no"
 
     # ---- (de)serialisation ----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

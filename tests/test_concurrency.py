@@ -14,7 +14,7 @@ from grpo_core.rollout.concurrency import (
     parse_vllm_metrics,
 )
 
-# A /metrics page shaped like vLLM 0.32's (names and labels from the fact sheet §5), trimmed to a few
+# A /metrics page shaped like vLLM 0.32's (its metric names and labels), trimmed to a few
 # families plus the kinds of lines a parser must skip: HELP/TYPE comments, histograms, _created series.
 RECORDED_METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -1,4 +1,4 @@
-"""The start-up check of the weight-transfer backend, against replies shaped as vLLM's (no server).
+"""Start-up checks (weight-transfer backend, sampling flags, dtype) against replies shaped as vLLM's (no server).
 
 A real server's refusal of the probe is exercised in tests/integration/test_multi_node.py (a gloo
 server, an ``nccl`` trainer); here both directions and a server without a weight-transfer config.
@@ -106,3 +106,59 @@ def test_a_server_with_candidate_sets_passes_quietly(caplog) -> None:
         assert _check_candidate_sets(probe, AsyncGRPOConfig(top_k=20, top_p=0.95), COMMAND) is True
     assert not caplog.records and probe.asked[0]["top_k"] == 20 and probe.asked[0]["top_p"] == 0.95
     assert _check_candidate_sets(probe, AsyncGRPOConfig(), COMMAND) is False and len(probe.asked) == 1
+
+
+# ---- precision: the server runs the model in the dtype the trainer computes in -----------------------------
+class ServerInfo:
+    """A control client whose ``/server_info`` reports ``dtype`` as vLLM's JSON config dump writes it."""
+
+    base_url = "http://server"
+
+    def __init__(self, dtype: str | None, status: int = 200):
+        self.dtype, self.status = dtype, status
+
+    def probe(self, method: str, route: str, **kwargs: object) -> httpx.Response:
+        assert (method, route) == ("GET", "/server_info")
+        model_config = {"dtype": self.dtype, "max_model_len": 512} if self.dtype else {}
+        return httpx.Response(self.status, json={"vllm_config": {"model_config": model_config}})
+
+
+@pytest.mark.parametrize("cuda,bf16,fp16,want", [
+    (True, None, False, "bfloat16"), (False, None, False, "float32"), (True, False, False, "float32"),
+    (True, None, True, "float16"), (False, True, False, "bfloat16"),
+])
+def test_the_served_dtype_follows_the_training_dtype(cuda: bool, bf16: bool | None, fp16: bool, want: str) -> None:
+    from grpo_core.config import AsyncGRPOConfig
+    from grpo_core.vllm_server.process import ServerOptions, VLLMServerSpec
+
+    spec = VLLMServerSpec.for_run("m", AsyncGRPOConfig(bf16=bf16, fp16=fp16), ServerOptions(), cuda=cuda)
+    assert spec.dtype == want
+    assert spec.flags()[spec.flags().index("--dtype") + 1] == want
+    # A dtype the user chose is kept (the start-up check then compares it with the trainer's).
+    assert VLLMServerSpec.for_run("m", AsyncGRPOConfig(), ServerOptions(dtype="float32"), cuda=True).dtype == "float32"
+
+
+def test_a_dtype_mismatch_names_both_and_the_command() -> None:
+    from grpo_core.config import AsyncGRPOConfig
+    from grpo_core.vllm_server.checks import _check_dtype, served_dtype
+
+    assert served_dtype(ServerInfo("torch.float32")) == "float32"
+    with pytest.raises(ServerConfigError) as refused:
+        _check_dtype(ServerInfo("torch.float32"), "bfloat16", "bfloat16", AsyncGRPOConfig(), "m", True)
+    message = str(refused.value)
+    assert "server runs the model in float32" in message and "trainer computes in bfloat16" in message
+    assert "--dtype bfloat16" in message and "python -m vllm.entrypoints.openai.api_server" in message
+    _check_dtype(ServerInfo("torch.bfloat16"), "bfloat16", "bfloat16", AsyncGRPOConfig(), "m", True)
+    # A server that cannot report it is not refused for it (the other checks still run).
+    _check_dtype(ServerInfo(None, status=500), "bfloat16", "bfloat16", AsyncGRPOConfig(), "m", True)
+
+
+def test_a_model_that_needs_a_bf16_cpu_server_may_train_in_fp32() -> None:
+    from transformers import PretrainedConfig
+
+    from grpo_core.vllm_server.checks import expected_server_dtype
+
+    hybrid = PretrainedConfig(layer_types=["linear_attention", "full_attention"])
+    assert expected_server_dtype("float32", hybrid, cuda=False) == "bfloat16"
+    assert expected_server_dtype("float32", hybrid, cuda=True) == "float32"
+    assert expected_server_dtype("bfloat16", PretrainedConfig(), cuda=True) == "bfloat16"

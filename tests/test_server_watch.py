@@ -12,7 +12,7 @@ another process) from a pause. The real restart is ``tests/integration/test_serv
 from __future__ import annotations
 
 import asyncio
-import itertools
+import dataclasses
 import time
 
 import httpx
@@ -40,7 +40,7 @@ REPLY = {"choices": [{"token_ids": [7], "logprobs": {"content": [{"logprob": -0.
 
 def generate_with(failures: int, window_s: float, monkeypatch) -> tuple[list, int]:
     """Generate through a transport that refuses ``failures`` connections first."""
-    monkeypatch.setattr(generation_module, "backoff_delays", lambda **_: itertools.repeat(0.01))
+    monkeypatch.setattr(generation_module, "RESEND", dataclasses.replace(generation_module.RESEND, first_s=0.01, max_s=0.01))
     calls = []
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -162,7 +162,7 @@ class FakeServer:
 def fast_backoff(monkeypatch):
     import grpo_core.vllm_server.watch as watch_module
 
-    monkeypatch.setattr(watch_module, "backoff_delays", lambda: itertools.repeat(0.01))
+    monkeypatch.setattr(watch_module, "ANSWER", dataclasses.replace(watch_module.ANSWER, first_s=0.01, max_s=0.01))
 
 
 def test_watch_notices_a_version_it_did_not_push(fast_backoff):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from grpo_core.checkpoint import CheckpointError, StorageError, verify_local
-from grpo_core.storage import retry as retry_module
+from grpo_core import retry as retry_module  # the retry policy's clock and sleep
 from grpo_core.storage.retry import is_transient, retrying
 from tests.test_checkpoint import make_trainer, model_path, params, start, step, train_rows  # noqa: F401 - fixtures
 

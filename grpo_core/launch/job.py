@@ -22,6 +22,18 @@ from grpo_core.vllm_server.process import ServerOptions
 
 ImportString = Annotated[str, Field(pattern=r"^[\w.]+:[\w.]+$", description="package.module:attribute")]
 
+JOB_TRAINER_DEFAULTS: dict[str, Any] = {"report_to": "mlflow", "do_eval": True}
+"""Where a job's trainer differs from ``AsyncGRPOConfig``'s defaults, for keys the job does not set: the flow
+tracks every job in MLflow (the library itself reports nowhere by default, as transformers does) and reports
+the held-out accuracy before and after training."""
+
+REPLACED_JOB_KEYS = {
+    "eval_reward": "reward_funcs (the held-out accuracy is the first reward function's mean)",
+    "eval_prompts": "trainer.do_eval (false skips the held-out evaluation, which covers the data set's eval split)",
+    "eval_samples_per_prompt": "trainer.num_generations_eval",
+}
+"""Job keys of an earlier version, and the field that holds each setting now."""
+
 
 class _Strict(BaseModel):
     """Refuses unknown keys with a suggestion (pydantic's own message names no alternative)."""
@@ -77,6 +89,14 @@ class TrackingParams(_Strict):
 class JobConfig(_Strict):
     """Everything one run needs. Defaults are the embedded tiny-model demo."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _replaced_keys(cls, values: Any) -> Any:
+        old = [k for k in REPLACED_JOB_KEYS if isinstance(values, dict) and k in values]
+        if old:
+            raise ConfigError("; ".join(f"JobConfig.{k} is gone: set {REPLACED_JOB_KEYS[k]}" for k in old))
+        return values
+
     model: str = "tiny:arithmetic"
     """Model folder or hub id, or ``tiny:<variant>`` for an offline tiny model."""
     dataset: str = "tiny:arithmetic"
@@ -93,12 +113,6 @@ class JobConfig(_Strict):
     """Import string of an ``AsyncRolloutLoop`` subclass to run the rollout stages with (a trainer's ``loop_cls``)."""
     peft_config: dict[str, Any] | None = None
     """LoRA: keyword arguments of peft's ``LoraConfig`` (e.g. ``{r: 16, lora_alpha: 32, target_modules: all-linear}``)."""
-    eval_reward: ImportString = "grpo_core.rewards:accuracy_reward"
-    """Reward used as held-out accuracy before and after training."""
-    eval_prompts: Annotated[int, Field(ge=0)] = 100
-    """Held-out prompts sampled before and after training (0 skips)."""
-    eval_samples_per_prompt: Annotated[int, Field(ge=1)] = 4
-    """Completions per held-out prompt."""
     nproc_per_node: Annotated[int, Field(ge=1)] = 1
     """Training processes per node (torchrun)."""
     nnodes: Annotated[int, Field(ge=1)] = 1
@@ -115,8 +129,11 @@ class JobConfig(_Strict):
     """The vLLM server."""
     tracking: TrackingParams = Field(default_factory=TrackingParams)
     """MLflow."""
-    trainer: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
-    """The trainer's settings (``AsyncGRPOConfig``)."""
+    trainer: AsyncGRPOConfig = Field(default_factory=lambda: AsyncGRPOConfig(**JOB_TRAINER_DEFAULTS))
+    """The trainer's settings (``AsyncGRPOConfig``), held-out evaluation included (``do_eval``,
+    ``num_generations_eval``, ``eval_strategy``, ``eval_steps``). A job's trainer reports to MLflow and evaluates
+    before and after training unless it says otherwise (``report_to: none``, ``do_eval: false``): the flow opens
+    the run, follows progress and reads the summary from it."""
 
     @field_validator("server", "trainer", mode="before")
     @classmethod
@@ -124,6 +141,8 @@ class JobConfig(_Strict):
         owner = {"server": ServerParams, "trainer": AsyncGRPOConfig}[info.field_name]
         if isinstance(value, dict):
             check_known_keys(owner.__name__, value, [f.name for f in dataclasses.fields(owner)])
+            if owner is AsyncGRPOConfig:
+                value = {**JOB_TRAINER_DEFAULTS, **value}
         return value
 
     @field_validator("peft_config")

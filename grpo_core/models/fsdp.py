@@ -70,8 +70,9 @@ class FSDPSettings:
 
 
 def resolve_compile_mode(mode: str, device_type: str) -> str:
-    """``auto`` → ``layers`` on CUDA (fastest, and within eager bf16's error against fp32 as measured),
-    ``none`` elsewhere (the CPU path stays eager); any other mode is kept as asked."""
+    """``auto`` → ``layers`` on CUDA (fastest, and within eager bf16's error against fp32: benchmarks/README.md,
+    "Compile numerics: the rule for the default"), ``none`` elsewhere (the CPU path stays eager); any other
+    mode is kept as asked."""
     if mode == "auto":
         return "layers" if device_type == "cuda" else "none"
     return mode

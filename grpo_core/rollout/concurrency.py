@@ -68,7 +68,7 @@ class VllmMetrics:
     (the cap must protect the worst one), request counts, KV capacity and token counters are summed.
     """
 
-    kv_cache_usage_perc: float | None = None  # fraction 0..1 despite the name (fact sheet §5)
+    kv_cache_usage_perc: float | None = None  # fraction 0..1 despite the name (vLLM 0.32's /metrics)
     num_requests_waiting: int | None = None
     num_requests_running: int | None = None
     kv_cache_size_tokens: int | None = None  # from the vllm:cache_config_info labels
@@ -152,7 +152,7 @@ class ConcurrencyController:
     unknown gauge (None) is never clean: a failed scrape usually means an overloaded server.
 
     Feed no observations while the server is paused for a weight swap: its gauges are only refreshed on
-    scheduler steps and are stale then (fact sheet §5). Not thread-safe: drive it from one event loop.
+    scheduler steps (vLLM 0.32) and are stale then. Not thread-safe: drive it from one event loop.
     """
 
     def __init__(self, ceiling: int, initial_cap: int | None = None) -> None:

@@ -10,18 +10,21 @@ Identical calls are coalesced into one request, and requests are resent while th
 from __future__ import annotations
 
 import asyncio
-import time
+import dataclasses
 from typing import Any
 
 import httpx
 
-from grpo_core.vllm_server.control import SERVER_UNREACHABLE, VLLMRequestError, backoff_delays, raise_for
+from grpo_core.retry import RetryPolicy
+from grpo_core.vllm_server.control import SERVER_UNREACHABLE, VLLMRequestError, raise_for
 from grpo_core.vllm_server.replies import GeneratedChoice, parse_completion_choice, parse_generate_choice
 
-_GENERATE_ATTEMPTS = 3
-# Generation retries more often than the trainer polls a down server: connection refusals cost the
-# server nothing, and samples resume within seconds of it coming back.
-_GENERATE_BACKOFF_MAX_S = 2.0
+# A request whose connection failed before a reply: the first two resends go out at once (a keep-alive
+# connection the server closed as the request went out), then with backoff for the client's
+# ``unavailable_timeout_s``. Generation retries more often than the trainer polls a down server: connection
+# refusals cost the server nothing, and samples resume within seconds of it coming back.
+RESEND = RetryPolicy(passes=lambda err: isinstance(err, SERVER_UNREACHABLE), deadline_s=0.0, first_s=0.5, max_s=2.0,
+                     immediate=2)
 # Event-loop passes a coalesced generation call waits for more identical calls (it stops at the first
 # pass that brings none).
 _COALESCE_MAX_PASSES = 64
@@ -63,8 +66,9 @@ class VLLMGenerateClient:
         first turn together) are sent as one request with ``n`` = their count, and each call gets one
         of its choices. The draws are the same independent samples from the same weights either way;
         the server prefills the prompt once and decodes them in lock-step, and the HTTP and per-request
-        work on both sides is paid once: on two CPU cores with the tiny model, 8 completions per
-        request generate 5-6x the tokens/s of 8 requests (``benchmarks/rollout_throughput.py``).
+        work on both sides is paid once: on two CPU cores with the tiny model, several completions per request
+        generate several times the tokens/s of as many requests (benchmarks/README.md, "Rollout generation:
+        request shape and core sharing"; ``benchmarks/rollout_throughput.py``).
         Calls with a ``seed`` (identical seeds would repeat one draw) or ``n`` > 1 go out as they are.
         """
         n = int(sampling_params.get("n", 1) or 1)
@@ -134,24 +138,12 @@ class VLLMGenerateClient:
         The server closes idle keep-alive connections after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE) while
         httpx may still hold them, so a request sent on one as it closes fails without reaching the
         server: the first resends go out at once on a new connection. A server that is down (killed,
-        restarting) is tried again with backoff for ``unavailable_timeout_s`` after the first failure.
+        restarting) is tried again with backoff for ``unavailable_timeout_s`` after the first failure (``RESEND``).
         A sample is a fresh draw, so a resend is harmless; one that lands on a restarted server carries
         its weight version, which the trainer never pushed, and is dropped there.
         """
-        first_failure: float | None = None
-        delays = backoff_delays(max_s=_GENERATE_BACKOFF_MAX_S)
-        attempts = 0
-        while True:
-            attempts += 1
-            try:
-                return await self._http.post(route, json=body)
-            except SERVER_UNREACHABLE:
-                first_failure = first_failure if first_failure is not None else time.monotonic()
-                if attempts < _GENERATE_ATTEMPTS:
-                    continue
-                if time.monotonic() - first_failure >= self.unavailable_timeout_s:
-                    raise
-                await asyncio.sleep(next(delays))
+        policy = dataclasses.replace(RESEND, deadline_s=self.unavailable_timeout_s)
+        return await policy.attempts().acall(lambda: self._http.post(route, json=body))
 
     async def max_model_len(self) -> int:
         response = await self._http.get("/v1/models")

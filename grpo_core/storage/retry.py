@@ -4,7 +4,8 @@ Object stores fail for a while: HTTP 503 ``SlowDown`` or ``ServiceUnavailable`` 
 ``OSError(EBUSY)`` once botocore's own retries are spent), 500s (``EREMOTEIO``), timeouts, and refused
 or dropped connections while the endpoint restarts (botocore's ``ConnectionError`` family). Those are
 *transient*: ``retrying`` calls again, waiting 0.5 s, 1 s, 2 s, ... (at most 15 s) until it succeeds or
-``timeout_s`` has passed since the first failure. Anything else (a missing file, no permission, a full
+``timeout_s`` has passed since the first failure (``grpo_core.retry``'s policy, with ``is_transient`` as what
+passes). Anything else (a missing file, no permission, a full
 disk) is not retried, and neither is a transient failure past its time: ``StorageError`` names the
 operation, the URL and the cause. ``FileNotFoundError`` passes through as it is: callers ask with it.
 
@@ -16,9 +17,10 @@ from __future__ import annotations
 
 import errno
 import logging
-import time
 from collections.abc import Callable
 from typing import TypeVar
+
+from grpo_core.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 
@@ -73,33 +75,27 @@ def _is_client_connection_error(err: BaseException) -> bool:
 def retrying(what: str, url: str, call: Callable[[], T], *, local: bool, timeout_s: float = DEFAULT_TIMEOUT_S) -> T:
     """``call()``, again with backoff while it fails transiently, for up to ``timeout_s`` after the first
     failure. ``what`` and ``url`` name the operation in log lines and in the ``StorageError`` raised."""
-    first_failure: float | None = None
-    delay = _FIRST_DELAY_S
-    attempts = 0
-    while True:
-        attempts += 1
-        try:
-            result = call()
-        except FileNotFoundError:
-            raise
-        except Exception as err:  # noqa: BLE001 - classified right below
-            now = time.monotonic()
-            if not is_transient(err, local):
-                raise StorageError(getattr(err, "errno", None) or errno.EIO,
-                                   f"{what} {url} failed: {_cause(err)}") from err
-            if first_failure is None:
-                first_failure = now
-                log.warning("%s %s failed (%s); retrying with backoff for up to %.0f s", what, url, _cause(err), timeout_s)
-            if now - first_failure >= timeout_s:
-                raise StorageError(getattr(err, "errno", None) or errno.EIO,
-                                   f"{what} {url} failed {attempts} times over {now - first_failure:.0f} s "
-                                   f"(retried for up to {timeout_s:g} s): {_cause(err)}") from err
-            time.sleep(delay)
-            delay = min(_MAX_DELAY_S, 2 * delay)
-            continue
-        if first_failure is not None:
-            log.warning("%s %s succeeded after %d attempts over %.0f s", what, url, attempts, time.monotonic() - first_failure)
-        return result
+    policy = RetryPolicy(passes=lambda err: is_transient(err, local), deadline_s=timeout_s,
+                         first_s=_FIRST_DELAY_S, max_s=_MAX_DELAY_S)
+    attempts = policy.attempts()
+
+    def first_failure(err: BaseException) -> None:
+        if attempts.count == 1:
+            log.warning("%s %s failed (%s); retrying with backoff for up to %.0f s", what, url, _cause(err), timeout_s)
+
+    try:
+        result = attempts.call(call, before_wait=first_failure)
+    except FileNotFoundError:
+        raise  # callers ask with it
+    except Exception as err:  # noqa: BLE001 - classified right below
+        code = getattr(err, "errno", None) or errno.EIO
+        if not is_transient(err, local):
+            raise StorageError(code, f"{what} {url} failed: {_cause(err)}") from err
+        raise StorageError(code, f"{what} {url} failed {attempts.count} times over {attempts.failing_for_s:.0f} s "
+                                 f"(retried for up to {timeout_s:g} s): {_cause(err)}") from err
+    if attempts.count > 1:
+        log.warning("%s %s succeeded after %d attempts over %.0f s", what, url, attempts.count, attempts.failing_for_s)
+    return result
 
 
 def _cause(err: BaseException) -> str:

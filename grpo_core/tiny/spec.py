@@ -21,7 +21,7 @@ How the defaults were chosen (1 torch thread, temperature-1 sampling, 128-256 pr
   ``arithmetic-vlm``: that language model with a random vision tower) take the arithmetic warm-up
   unchanged: accuracy 0.28 (train) / 0.20 (held out), format 0.96-0.99 (128 samples each). Linear
   heads are 64 wide because vLLM's CPU kernels refuse 32, and the short convolution 4 wide because
-  that is the width its CPU build prepacks. The warm-up costs about 2.5x the Qwen3 one per step (the
+  that is the width its CPU build prepacks. The warm-up costs more than the Qwen3 one per step (the
   transformers fallback of the gated delta rule); the VLM reuses the hybrid build and trains nothing.
 """
 
@@ -190,7 +190,7 @@ class TinySpec:
     (0 skips it)."""
     num_threads: int = 1
     """Torch threads during the build; CPU reductions depend on it, so it is part of the spec. One
-    thread: on a shared 2-core box two OpenMP threads ran the warm-up 6x slower than one."""
+    thread: on a shared 2-core box two OpenMP threads ran the warm-up several times slower than one."""
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:

@@ -2,7 +2,8 @@
 
 The training loop must not stop because MLflow is restarting: ``Outbox.put(what, call)`` returns at
 once and a single thread makes the calls in the order they were put, each one again with backoff
-while it fails for a reason that passes (a refused connection, a timeout, HTTP 5xx or throttling).
+(``grpo_core.retry``'s policy, with no deadline) while it fails for a reason that passes (a refused
+connection, a timeout, HTTP 5xx or throttling).
 A call that the server refuses for good (a bad value, a missing run) is logged with what it was and
 dropped, so one bad metric cannot hold back the rest.
 
@@ -22,6 +23,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from grpo_core.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +95,6 @@ class Outbox:
 
     # ---- the delivering thread ----------------------------------------------------------------------
     def _run(self) -> None:
-        delay = _BACKOFF_FIRST_S
         while True:
             with self._cond:
                 while not self._pending and not self._closed:
@@ -101,25 +103,43 @@ class Outbox:
                     return  # closed and drained
                 item = self._pending[0]
                 self._busy = True
-            try:
-                item.call()
-            except Exception as err:  # noqa: BLE001 - every failure is either retried or reported
-                if self.permanent(err):
-                    log.error("%s: the server refused %s for good, dropped: %s", self.name, item.what, err)
-                    self._finish(item, refused=True)
-                    continue
+            if not self._deliver(item):
+                return  # close() already waited its time for this call
+
+    def _deliver(self, item: _Call) -> bool:
+        """Make ``item``'s call until it succeeds or is refused for good (True), or the outbox closes (False)."""
+        # Read when each call starts, so that a test can shorten the waits.
+        policy = RetryPolicy(passes=lambda err: not self.permanent(err), deadline_s=None,
+                             first_s=_BACKOFF_FIRST_S, max_s=_BACKOFF_MAX_S)
+
+        def failed(err: BaseException) -> None:
+            with self._cond:
+                self._busy = False
+            self._note_failure(item, err)
+
+        try:
+            policy.attempts().call(item.call, before_wait=failed, stop_when=self._is_closed, sleep=self._pause)
+        except Exception as err:  # noqa: BLE001 - every failure is either retried or reported
+            if not self.permanent(err):
                 with self._cond:
                     self._busy = False
-                    if self._closed:
-                        return  # close() already waited its time for this call
-                self._note_failure(item, err)
-                # Wait, but wake up for close() so that a final flush can end on time.
-                with self._cond:
-                    self._cond.wait(delay)
-                delay = min(_BACKOFF_MAX_S, 2 * delay)
-                continue
-            delay = _BACKOFF_FIRST_S
-            self._finish(item, refused=False)
+                return False
+            log.error("%s: the server refused %s for good, dropped: %s", self.name, item.what, err)
+            self._finish(item, refused=True)
+            return True
+        self._finish(item, refused=False)
+        return True
+
+    def _is_closed(self) -> bool:
+        with self._cond:
+            return self._closed
+
+    def _pause(self, seconds: float) -> None:
+        """The wait between attempts; ``close()`` cuts it short so that a final flush can end on time."""
+        with self._cond:
+            if not self._closed:
+                self._cond.wait(seconds)
+            self._busy = True
 
     def _finish(self, item: _Call, refused: bool) -> None:
         with self._cond:

@@ -220,6 +220,13 @@ def make_tracker(config: Any, is_main: bool = True, experiment: str = "grpo") ->
     output folder, with the config logged under TRL's parameter names. Only rank 0 tracks."""
     if config.report_to == "none" or not is_main:
         return NullTracker()
+    try:
+        import mlflow  # noqa: F401 - only whether it is there
+    except ImportError as exc:
+        raise ImportError(
+            f"{type(config).__name__}.report_to='mlflow' needs the mlflow package, which the base install leaves out: "
+            "pip install 'grpo-core[flows]' (or mlflow), or set report_to='none'"
+        ) from exc
     name = config.run_name or Path(str(config.output_dir).rstrip("/")).name or None
     tracker = MLflowTracker(os.environ.get("MLFLOW_TRACKING_URI"), experiment, name,
                             flush_timeout_s=config.tracking_flush_timeout_s)

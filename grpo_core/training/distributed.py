@@ -14,8 +14,8 @@ the trie rank 0 built, so all ranks hold the same ``StepPlan``:
   pickled once on rank 0 and broadcast over gloo, on the CPU, also on GPU runs.
 
 The alternative, scattering each rank only its own rows, moves ``world_size`` times fewer bytes
-per rank but leaves the other ranks without the step's totals; at the sizes we run (measured in
-benchmarks/README.md) the broadcast is a small fraction of a step.
+per rank but leaves the other ranks without the step's totals; at the sizes we run the broadcast is a
+small fraction of a step (benchmarks/README.md, "FSDP2 and MFU", step broadcast).
 
 ``gather_step_results`` merges the per-rank loss and metric parts after the backward passes, so
 the logged loss is the step's, not rank 0's share.

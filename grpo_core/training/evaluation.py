@@ -1,9 +1,10 @@
 """Held-out evaluation by sampling from the vLLM server (whatever weights it serves right now).
 
-Used by the flow before training and after the final weight sync (``evaluate_on_server``: one reward
-as the held-out accuracy), and by the trainer every ``eval_steps`` right after a push
-(``evaluate_rewards``: every reward function and their weighted sum), so both measure the policy
-the server actually serves, not a copy in the trainer.
+``evaluate_rewards`` (every reward function's mean and their weighted sum) is used by the job flow before
+training and after the final weight sync (the first function's mean as the held-out accuracy) and by the
+trainer every ``eval_steps`` right after a push, with the same settings (``AsyncGRPOConfig.do_eval``,
+``num_generations_eval``, ``eval_strategy``, ``eval_steps``), so both measure the policy the server actually
+serves, not a copy in the trainer.
 """
 
 from __future__ import annotations
@@ -96,32 +97,6 @@ def _nan_mean(values: np.ndarray) -> float:
     return float(np.nanmean(values)) if np.isfinite(values).any() else float("nan")
 
 
-def evaluate_on_server(
-    base_url: str,
-    tokenizer: Any,
-    dataset: Any,
-    reward_func: Callable[..., list[float | None]],
-    *,
-    samples_per_prompt: int = 4,
-    temperature: float = 1.0,
-    max_tokens: int = 64,
-    seed: int | None = None,
-    concurrency: int = 32,
-    max_prompts: int | None = None,
-) -> EvalResult:
-    """Mean of ``reward_func`` over sampled completions of ``dataset``'s prompts (NaN-scored ones skipped).
-
-    ``seed`` (prompt i gets ``seed + i``) makes the samples repeatable on GPU servers. It stays off by
-    default because vLLM's CPU build fails its engine on a seeded request whose prefill is split
-    across scheduler steps ("CPU Generator does not use offset"), which happens as soon as the
-    prompts in flight exceed the server's batched-token budget.
-    """
-    return evaluate_rewards(
-        base_url, tokenizer, dataset, [reward_func], samples_per_prompt=samples_per_prompt, temperature=temperature,
-        max_tokens=max_tokens, seed=seed, concurrency=concurrency, max_prompts=max_prompts,
-    )
-
-
 def evaluate_rewards(
     base_url: str,
     tokenizer: Any,
@@ -134,11 +109,17 @@ def evaluate_rewards(
     max_tokens: int = 64,
     seed: int | None = None,
     concurrency: int = 32,
-    max_prompts: int | None = None,
     tokens_endpoint: bool = True,
 ) -> EvalResult:
-    """Every reward function's mean (and their weighted sum) over sampled completions of ``dataset``."""
-    rows = first_rows(dataset, max_prompts if max_prompts is not None else 1 << 62)
+    """Every reward function's mean (and their weighted sum) over sampled completions of ``dataset``'s prompts
+    (NaN-scored ones skipped); ``accuracy`` is the first function's.
+
+    ``seed`` (prompt i gets ``seed + i``) makes the samples repeatable on GPU servers. It stays off by
+    default because vLLM's CPU build fails its engine on a seeded request whose prefill is split
+    across scheduler steps ("CPU Generator does not use offset"), which happens as soon as the
+    prompts in flight exceed the server's batched-token budget.
+    """
+    rows = first_rows(dataset, 1 << 62)
     prompts = [as_messages(r["prompt"]) for r in rows]
     for prompt, row in zip(prompts, rows):
         refuse_images(prompt, row)

@@ -24,6 +24,7 @@ import httpx
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.vllm_server import process as flags
 from grpo_core.vllm_server.control import VLLMControlClient
+from grpo_core.vllm_server.model_needs import server_needs
 from grpo_core.vllm_server.process import ServerOptions, VLLMServerSpec
 from grpo_core.vllm_server.replies import parse_completion_choice, parse_generate_choice
 
@@ -77,8 +78,11 @@ def check_server(
     model: str = "<model>",
     model_config: Any = None,
     cuda: bool = False,
+    *,
+    train_dtype: str,
 ) -> ServerCapabilities:
-    """Probe the server; raise ``ServerConfigError`` naming the first missing setting."""
+    """Probe the server; raise ``ServerConfigError`` naming the first missing setting. ``train_dtype``: what the
+    trainer computes in (``float32``, ``bfloat16``, ``float16``)."""
     command = recommended_command(config, model, cuda)
     models = control.probe("GET", "/v1/models")
     if models.status_code != 200:
@@ -92,6 +96,7 @@ def check_server(
             f"{flags.DEV_MODE_ENV}=1 and restart it:\n{command}"
         )
     _check_weight_transfer_backend(control, config.resolved_weight_transfer_backend(cuda), command)
+    _check_dtype(control, expected_server_dtype(train_dtype, model_config, cuda), train_dtype, config, model, cuda)
 
     probe = _Prober(control, list(range(5, 13)))  # ordinary tokens; a one-token prompt can give a flat distribution
     if model_config is not None:
@@ -110,6 +115,39 @@ def check_server(
         served_model=str(served["id"]),
         tokens_endpoint=probe.tokens_endpoint,
         candidate_sets=candidate_sets,
+    )
+
+
+# ---- the precision ---------------------------------------------------------------------------------
+def expected_server_dtype(train_dtype: str, model_config: Any, cuda: bool) -> str:
+    """The dtype the server must run in: the trainer's, unless the model needs another of its server
+    (Gated DeltaNet layers on a CPU server run in bf16 only: ``model_needs.server_needs``)."""
+    needed = server_needs(model_config, cuda).get("dtype") if model_config is not None else None
+    return str(needed[0]) if needed else train_dtype
+
+
+def served_dtype(control: VLLMControlClient) -> str | None:
+    """The dtype the server loaded the model in (``/server_info``'s ``model_config.dtype``, ``torch.bfloat16``
+    written as ``bfloat16``), or None when the server does not say."""
+    info = control.probe("GET", "/server_info", params={"config_format": "json"})
+    if info.status_code != 200:
+        log.warning("could not compare the server's dtype with the trainer's: %s", _server_info_failure(control.base_url, info))
+        return None
+    dtype = ((info.json().get("vllm_config") or {}).get("model_config") or {}).get("dtype")
+    return str(dtype).removeprefix("torch.") if dtype else None
+
+
+def _check_dtype(control: VLLMControlClient, expected: str, train_dtype: str, config: AsyncGRPOConfig, model: str,
+                 cuda: bool) -> None:
+    served = served_dtype(control)
+    if served is None or served == expected:
+        return
+    why = "" if expected == train_dtype else f" (this model needs {expected} of its server)"
+    raise ServerConfigError(
+        f"the server runs the model in {served} and the trainer computes in {train_dtype}{why}: sampler and trainer "
+        f"log-probs must come from the same precision. Restart the server with {flags.DTYPE} {expected} "
+        f"(ServerOptions.dtype / the job's server.dtype; leave it unset to follow the trainer):\n"
+        f"{recommended_command(config, model, cuda, dtype=expected)}"
     )
 
 
@@ -330,18 +368,18 @@ def probe_lora_serving(control: VLLMControlClient) -> LoraServing:
 
 
 def _server_info_failure(base_url: str, response: httpx.Response) -> str:
-    """Why ``/server_info`` (the only place vLLM reports its LoRA limits) failed, and what fixes it."""
+    """Why ``/server_info`` (the only place vLLM reports its LoRA limits and dtype) failed, and what fixes it."""
     text = response.text[:300]
     if response.status_code == 500 and "splitlines" in text:
         # vLLM builds the report with a package listing: `python -m pip list` when pip is importable
         # in the server's environment, else `uv pip list`, which fails when uv is not on its PATH.
         return (
             f"{base_url}/server_info failed while the server listed its installed packages (HTTP 500: {text}). "
-            "The LoRA limits were not read; the server itself is fine. vLLM lists packages with pip, or with uv in a "
+            "The server's settings were not read; the server itself is fine. vLLM lists packages with pip, or with uv in a "
             "uv-made environment without pip: install pip into the server's environment (or put `uv` on the "
             "server's PATH) and restart the server"
         )
-    return f"{base_url}/server_info answered HTTP {response.status_code} ({text}); it is needed to read the LoRA limits"
+    return f"{base_url}/server_info answered HTTP {response.status_code} ({text}); it is needed to read the server's settings"
 
 
 def check_lora_limits(serving: LoraServing, config: AsyncGRPOConfig, adapter_rank: int, model: str = "<model>") -> None:

@@ -10,7 +10,6 @@ trainer, the start-up checks, the restart watch, weight sync and the flows speak
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -20,18 +19,6 @@ import httpx
 DROPPED_CONNECTION = (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError)
 # ... and of a server that is not there at all (stopped, or restarting on the same port).
 SERVER_UNREACHABLE = (*DROPPED_CONNECTION, httpx.ConnectError, httpx.ConnectTimeout)
-_BACKOFF_FIRST_S = 0.5
-_BACKOFF_MAX_S = 10.0
-
-
-def backoff_delays(first_s: float = _BACKOFF_FIRST_S, max_s: float = _BACKOFF_MAX_S) -> Iterator[float]:
-    """Waits between attempts at an unreachable server: doubling from ``first_s``, at most ``max_s``."""
-    delay = first_s
-    while True:
-        yield delay
-        delay = min(max_s, 2 * delay)
-
-
 class VLLMRequestError(RuntimeError):
     """A vLLM route answered with an error; the message names the route and the server's reply."""
 

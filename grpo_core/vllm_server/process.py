@@ -43,7 +43,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 # The vLLM command-line flags and environment variables this project uses, spelled here only: the
 # launch command, the Kubernetes manifests and every "restart the server with" message derive from
-# them (tests/test_server_spec.py checks that no other module spells one).
+# them (tests/test_config.py::test_each_vllm_flag_is_spelled_in_one_module checks that no other module
+# spells one).
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
@@ -67,6 +68,19 @@ API_SERVER_COUNT = "--api-server-count"
 LANGUAGE_MODEL_ONLY = "--language-model-only"
 
 
+ServedDtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def training_dtype(config: Any, cuda: bool) -> ServedDtype:
+    """The dtype a run with ``config`` (an ``AsyncGRPOConfig``) computes in, as vLLM's ``--dtype`` names it.
+
+    On CUDA ``bf16=None`` counts as bf16 (the trainer turns it on where the GPU supports it; on one that does
+    not, the start-up checks name the difference)."""
+    if config.fp16:
+        return "float16"
+    return "bfloat16" if config.resolved_bf16(cuda) else "float32"
+
+
 @dataclass(kw_only=True)
 class ServerOptions:
     """What a user chooses about a vLLM server: the flow's managed one, or the command a start-up error prints."""
@@ -75,8 +89,10 @@ class ServerOptions:
 
     max_model_len: Annotated[int, Field(ge=16)] = 512
     """Longest prompt + completion the server accepts (sizes its KV cache per request)."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
-    """Weight dtype on the server: float32 keeps CPU log-probs comparable to the trainer's; bfloat16 on GPUs."""
+    dtype: ServedDtype | None = None
+    """Weight dtype on the server. None: the trainer's compute dtype (``training_dtype``): bfloat16 where the
+    trainer trains in bf16 (the default on CUDA), float16 with ``fp16``, else float32 (the default on CPU), so
+    that sampler and trainer log-probs come from the same precision; the start-up checks compare the two."""
     kv_cache_gib: Annotated[int, Field(ge=1)] = 1
     """CPU KV-cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``); ignored on GPUs."""
     enable_lora: bool = False
@@ -120,6 +136,8 @@ class VLLMServerSpec(ServerOptions):
     """Return each token's top-k/top-p candidate set (needs vLLM's V2 model runner)."""
     seed: int = 0
     """Server sampling seed."""
+    dtype: ServedDtype = "float32"
+    """Weight dtype of this launch; ``for_run`` sets it from ``ServerOptions.dtype``, else from the training dtype."""
 
     @classmethod
     def for_run(cls, model: str | os.PathLike[str], config: Any, options: ServerOptions | None = None,
@@ -129,6 +147,8 @@ class VLLMServerSpec(ServerOptions):
         own = {f.name: getattr(options, f.name) for f in dataclasses.fields(ServerOptions)}
         if own["enable_lora"] and own["max_loras"] is None:
             own["max_loras"] = config.max_staleness + 2
+        if own["dtype"] is None:
+            own["dtype"] = training_dtype(config, cuda)
         return cls(
             **own,
             model=model,

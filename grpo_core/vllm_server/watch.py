@@ -23,17 +23,23 @@ Rank 0 only: the other ranks learn the answer from the trainer's broadcast.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from grpo_core.vllm_server.control import SERVER_UNREACHABLE, VLLMRequestError, backoff_delays
+from grpo_core.retry import RetryPolicy
+from grpo_core.vllm_server.control import SERVER_UNREACHABLE, VLLMRequestError
 
 log = logging.getLogger(__name__)
+
+# A server that is starting may answer 404/503 for a moment: the same wait as for one that does not answer.
+ANSWER_FAILURES = (*SERVER_UNREACHABLE, httpx.ReadTimeout, VLLMRequestError)
+ANSWER = RetryPolicy(passes=lambda err: isinstance(err, ANSWER_FAILURES), deadline_s=None, first_s=0.5, max_s=10.0)
+"""How the watch waits for a server that does not answer (the deadline is ``server_unavailable_timeout_s``)."""
 
 _START_TIME = re.compile(r"^process_start_time_seconds\s+(\S+)$", re.M)
 
@@ -104,25 +110,22 @@ class ServerWatch:
         return ServerIdentity(start_time=float(match.group(1)) if match else None, model_root=str(models[0].get("root", "")))
 
     def _answering(self, call: Any) -> tuple[Any, bool]:
-        """``call()``'s result once the server answers, and whether it failed first (backoff between tries)."""
-        first_failure: float | None = None
-        delays = backoff_delays()
-        while True:
-            try:
-                return call(), first_failure is not None
-            except (*SERVER_UNREACHABLE, httpx.ReadTimeout, VLLMRequestError) as err:
-                # A server that is starting may answer 404/503 for a moment: the same wait.
-                now = time.monotonic()
-                if first_failure is None:
-                    first_failure = now
-                    log.warning("the vLLM server at %s does not answer (%s); waiting up to %.0f s for it",
-                                self.control.base_url, err, self.unavailable_timeout_s)
-                if now - first_failure >= self.unavailable_timeout_s:
-                    raise ServerUnavailableError(
-                        f"the vLLM server at {self.control.base_url} did not answer for {now - first_failure:.0f} s "
-                        f"(server_unavailable_timeout_s={self.unavailable_timeout_s:g}); last error: {err}"
-                    ) from err
-                time.sleep(next(delays))
+        """``call()``'s result once the server answers, and whether it failed first (``ANSWER``'s backoff between
+        tries, for ``unavailable_timeout_s`` after the first failure)."""
+        attempts = dataclasses.replace(ANSWER, deadline_s=self.unavailable_timeout_s).attempts()
+
+        def waiting(err: BaseException) -> None:
+            if attempts.count == 1:
+                log.warning("the vLLM server at %s does not answer (%s); waiting up to %.0f s for it",
+                            self.control.base_url, err, self.unavailable_timeout_s)
+
+        try:
+            return attempts.call(call, before_wait=waiting), attempts.count > 1
+        except ANSWER_FAILURES as err:
+            raise ServerUnavailableError(
+                f"the vLLM server at {self.control.base_url} did not answer for {attempts.failing_for_s:.0f} s "
+                f"(server_unavailable_timeout_s={self.unavailable_timeout_s:g}); last error: {err}"
+            ) from err
 
 
 # ---- a server a dead trainer left mid-push ---------------------------------------------------------

@@ -135,7 +135,7 @@ def test_bad_parameters_are_refused_naming_the_field(prefect, deployments, worke
     runs_before = len(HTTP.post(f"{api}/flow_runs/filter", json=of_this_deployment).json())
 
     # Refused by the API before a run exists: the schema says why and names the field.
-    for path, value, field in [(("eval_prompts",), -1, "eval_prompts"),
+    for path, value, field in [(("max_resumes",), -1, "max_resumes"),
                                (("trainer", "learning_rate"), "fast", "learning_rate"),
                                (("server", "max_model_len"), 8, "max_model_len")]:
         bad = copy.deepcopy(job)
@@ -206,9 +206,7 @@ def test_embedded_default_run_completes_with_metrics_in_mlflow(
     job["server"] = {"managed": False, "base_url": vllm_server.base_url}
     registered = f"tiny-arithmetic-{uuid.uuid4().hex[:6]}"
     job["tracking"] = {"tracking_uri": mlflow_server, "experiment": experiment, "registered_model_name": registered}
-    job["eval_prompts"] = 4
-    job["eval_samples_per_prompt"] = 1
-    job["trainer"].update(max_steps=3, per_device_train_batch_size=16, output_dir=str(tmp_path / "run"),
+    job["trainer"].update(do_eval=True, num_generations_eval=1, max_steps=3, per_device_train_batch_size=16, output_dir=str(tmp_path / "run"),
                           learning_rate=1.7e-4, log_completions=True)
 
     started = time.monotonic()

@@ -164,8 +164,7 @@ def test_two_nodes_train_through_the_flows_launch(second_host_server, tiny_model
         num_sampler_logprobs=4, worker_heartbeat_timeout_s=60.0, token_budget=4096, max_staleness=4, seed=0,
     )
     job = JobConfig(model="tiny:arithmetic", dataset="grpo_core.tiny:arithmetic_dataset", nproc_per_node=1, nnodes=2,
-                    rendezvous_address="127.0.0.1", rendezvous_port=free_port("127.0.0.1"), eval_prompts=0,
-                    trainer=trainer)
+                    rendezvous_address="127.0.0.1", rendezvous_port=free_port("127.0.0.1"), trainer={**trainer, "do_eval": False})
     assert job.trainer.weight_transfer_address is None
     job_file = tmp_path / "job.json"
     job_file.write_text(job.model_dump_json())

@@ -253,7 +253,7 @@ def test_flow_launch_runs_two_ranks(vllm_server, tiny_model_path, tmp_path):
     trainer.pop("vllm_server_base_url")
     trainer["max_steps"] = 2
     job = JobConfig(model="tiny:arithmetic", dataset="grpo_core.tiny:arithmetic_dataset", nproc_per_node=2,
-                    nnodes=1, eval_prompts=0, trainer=trainer)
+                    nnodes=1, trainer={**trainer, "do_eval": False})
     job_file = tmp_path / "job.json"
     job_file.write_text(job.model_dump_json())
     launch = TrainingLaunch(

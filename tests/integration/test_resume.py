@@ -355,11 +355,10 @@ def job_for(output_dir: str, tracking_uri: str, experiment: str, server_url: str
         "managed": False, "base_url": server_url}
     return JobConfig.model_validate({
         "dataset": "grpo_core.tiny:arithmetic_dataset",
-        "eval_prompts": 0,
         "max_resumes": 3,
         "server": server,
         "tracking": {"tracking_uri": tracking_uri, "experiment": experiment, "system_metrics": False},
-        "trainer": {**TRAINER, "output_dir": output_dir},
+        "trainer": {**TRAINER, "do_eval": False, "output_dir": output_dir},
     })
 
 

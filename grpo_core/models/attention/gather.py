@@ -111,9 +111,9 @@ _kv_regather = True
 
 def set_kv_regather(enabled: bool) -> bool:
     """Re-gather tree rows' K/V in backward (``True``, the default) or save the gathered copy; returns the
-    previous setting. Both give bitwise-identical results. Measured on an H200 (Qwen3-1.7B shape, eager
-    layers, packing ratio ~6): tree-row peak 71.9 -> 61.5 GiB; the tree step 0.5-0.8% slower at ratios 2-6
-    (``benchmarks/tree_packing.py --kv-regather off,on``). Compiled layers: ``set_kv_regather_compiled``."""
+    previous setting. Both give bitwise-identical results; re-gathering lowers a tree row's peak memory for a
+    small share of the step (benchmarks/README.md, "Re-gathering K/V in backward"; ``benchmarks/tree_packing.py
+    --kv-regather off,on``). Compiled layers: ``set_kv_regather_compiled``."""
     global _kv_regather
     previous, _kv_regather = _kv_regather, bool(enabled)
     return previous
@@ -133,8 +133,8 @@ def set_kv_regather_compiled(enabled: bool) -> bool:
     Saved-tensor hooks are not traced, and the compiled graph's partitioner keeps the gathered K/V by
     itself (putting the gather in a checkpoint region did not change that with inductor and
     ``torch_varlen`` on an H200), so this breaks the graph around a tree row's attention and runs it
-    eagerly, under the hooks. Measured at packing ratios ~2 to ~6 (Qwen3-1.7B shape, H200):
-    tree-row peak 54.5 -> 44.0 GiB at ~6, the tree step 3.4-4.8% slower (benchmarks/README.md)."""
+    eagerly, under the hooks: less memory for a few percent of the step (benchmarks/README.md, "Re-gathering K/V
+    in backward")."""
     global _kv_regather_compiled
     previous, _kv_regather_compiled = _kv_regather_compiled, bool(enabled)
     return previous

@@ -327,8 +327,8 @@ _add_rows_kernel = None
 def _triton_add_rows():
     """``dst[rows] += src[rows]`` as one Triton kernel (rows are distinct: no atomics), or None without Triton.
 
-    ``index_add_`` of a gathered copy would read ``src`` twice and add with atomics; at a packing ratio of ~6
-    that pair of kernels for the level calls' dQ, dK and dV was about 3% of a tree row's step on an H200."""
+    ``index_add_`` of a gathered copy would read ``src`` twice and add with atomics; what that pair of kernels
+    cost the level calls' dQ, dK and dV is in benchmarks/README.md, "The fused head and in-place level calls"."""
     global _add_rows_kernel
     if _add_rows_kernel is not None:
         return _add_rows_kernel or None

@@ -111,10 +111,9 @@ def _split_backend(name: str, kernel: LSEKernel, needs_cuda: bool) -> Backend:
 
 SPLIT_MIN_PATHS_PER_TOKEN = 3.0
 """``auto`` plan: a row runs split where its root-to-segment paths hold at least this many keys per token of
-the row (``kv_index`` length / ``U``), else gather. Measured on one H200 (Qwen3-1.7B shape, benchmarks/README.md
-"Tree attention split by ancestor level"): split is ahead at packing ratios ~3.4 and ~6 (about 3.7 and 7 path
-keys per token), behind at ~2 (2.1) and on the MFU rows (1.4), where its extra launches, query gathers and
-merge outweigh the copy it saves."""
+the row (``kv_index`` length / ``U``), else gather: where paths are short, split's extra launches, query gathers
+and merge outweigh the copy it saves. Where the line falls was measured (benchmarks/README.md, "Tree attention
+split by ancestor level")."""
 
 
 def _per_row_backend(name: str, split: Backend, gather: Backend) -> Backend:

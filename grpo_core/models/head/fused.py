@@ -87,8 +87,9 @@ def fused_by_default(device: torch.device) -> bool:
     """Whether the trainer's head takes this module's functions on ``device``: where they are compiled (CUDA,
     with Triton for ``torch.compile`` to generate kernels with).
 
-    Uncompiled, the written-out backward is slower than autograd's (0.70x at 512 tokens x 32k vocabulary on
-    the CPU, ``benchmarks/logprob_head.py``): its comparisons with the column index cost a pass each."""
+    Uncompiled, the written-out backward is slower than autograd's (benchmarks/README.md, "The log-prob head's
+    share of the remaining gap"; ``benchmarks/logprob_head.py``): its comparisons with the column index cost a
+    pass each."""
     if device.type != "cuda":
         return False
     from torch.utils._triton import has_triton  # private, but the check torch.compile itself makes
@@ -181,8 +182,9 @@ class _LogitsToLogprobs(torch.autograd.Function):
         args = lambda rows: (lse[rows], target_ids[rows], grad_target[rows], _pick(top_ids, rows),  # noqa: E731
                              _pick(grad_top, rows), _pick(candidate_masks, rows), ctx.temperature)
         if ctx.overwrite_logits:
-            # The logits are read for the last time here: their gradient takes their place (at 8k trained
-            # tokens of a 152k vocabulary, 2.3 GiB less at the step's peak, which is here).
+            # The logits are read for the last time here: their gradient takes their place, one [T, V] tensor
+            # less at the step's peak, which is here (benchmarks/README.md, "The fused head and in-place level
+            # calls").
             for rows in _chunks(logits.shape[0], ctx.chunk_size):
                 grad_into(logits[rows], *args(rows))
             return logits, None, None, None, None, None, None

@@ -1,8 +1,9 @@
 """The fused log-prob head's logits gradient (``fused.chunk_grad``) as a hand-written Triton kernel.
 
 ``torch.compile`` fuses ``chunk_grad`` into one pass, but with the row count dynamic its kernel walks the
-``[c, V]`` gradient as one flat index and divides it by ``V`` at every entry to find the row; on one H200 it
-moved about 1 TB/s (5.1 ms for 8k tokens of a 152k vocabulary, read and written once in bf16). Here one
+``[c, V]`` gradient as one flat index and divides it by ``V`` at every entry to find the row, far below the
+memory bandwidth (the two side by side: benchmarks/README.md, "The fused head and in-place level calls";
+``benchmarks/device/check_logprob_grad.py``). Here one
 program owns one token's row and walks its vocabulary in blocks, so the row's ``lse``, sampled id and upstream
 gradients are loaded once and the column is the block's offset. The arithmetic is ``chunk_grad``'s, in fp32,
 rounded once to the output's dtype (the one difference: ``exp`` is Triton's, within a few fp32 ulps).
