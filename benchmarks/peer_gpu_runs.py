@@ -43,9 +43,9 @@ from peer_gpu_stream import EPSILON, EPSILON_HIGH, Stream, trl_fields  # noqa: E
 from trainer_loop import QuietWatch, ReplaySource  # noqa: E402
 
 LEARNING_RATE = 1e-12
-"""The step benchmark's learning rate: AdamW does all its arithmetic, but the weights stay put (1e-12 per
-step is below an fp32 weight's rounding step), so every step's loss is taken at the initial weights in both
-trainers and can be compared between them and with the fp32 reference."""
+"""The step benchmark's learning rate: AdamW does all its arithmetic, but a weight moves by at most about 1e-12
+per step, which rounds away for every fp32 weight larger than 2e-5 in magnitude, so every step's loss is taken at
+the initial weights in both trainers and can be compared between them and with the fp32 reference."""
 
 
 def constant_reward(completions: list[Any], **kwargs: Any) -> list[float]:
