@@ -34,12 +34,7 @@ from grpo_core.vllm_server.replies import RoutesFormatError, decode_routed_exper
 from tests.test_packing_trie import make_sample
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---- routes from replies, through sequences and rows ---------------------------------------------------------------

@@ -29,12 +29,7 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=2, num_key_v
               num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=48, max_position_embeddings=256)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_moe(kind: str) -> torch.nn.Module:

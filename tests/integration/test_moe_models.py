@@ -39,10 +39,7 @@ from grpo_core.config import AsyncGRPOConfig
 from grpo_core.tiny import build_tiny_model
 from grpo_core.vllm_server.model_needs import model_server_options
 from grpo_core.vllm_server.process import RETURN_ROUTED_EXPERTS, ServerOptions, VLLMServerSpec
-from tests.integration.test_hybrid_models import (
-    RecordingControl, Served, bf16_rounding, perturb, sampled_sequences, server_logprobs, serving, trainer_logprobs,
-    within_rounding,
-)
+from tests.integration.test_hybrid_models import Served, push_and_follow, sampled_sequences, server_logprobs, serving
 from tests.startup import BACKGROUND
 from tests.tiny_variants import build_check_variant
 
@@ -60,11 +57,6 @@ def check_servers(server_logs: Path) -> Iterator[dict[str, Served]]:
         yield servers
 
 
-@pytest.fixture(params=VARIANTS)
-def served(request: pytest.FixtureRequest, check_servers: dict[str, Served]) -> Served:
-    return check_servers[request.param]
-
-
 @pytest.fixture(scope="module")
 def tuned_servers(server_logs: Path) -> Iterator[dict[str, Served]]:
     """The variants as users get them (``tiny:<variant>``), for the learning runs."""
@@ -72,9 +64,6 @@ def tuned_servers(server_logs: Path) -> Iterator[dict[str, Served]]:
         yield servers
 
 
-@pytest.fixture(params=VARIANTS)
-def served_tuned(request: pytest.FixtureRequest, tuned_servers: dict[str, Served]) -> Served:
-    return tuned_servers[request.param]
 
 
 def load(path: str) -> torch.nn.Module:
@@ -84,7 +73,9 @@ def load(path: str) -> torch.nn.Module:
     return model.eval()
 
 
-def test_server_options_come_from_the_model(served: Served) -> None:
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_server_options_come_from_the_model(check_servers: dict[str, Served], variant: str) -> None:
+    served = check_servers[variant]
     assert served.spec.dtype == ("bfloat16" if "hybrid" in served.variant else "float32")
     assert RETURN_ROUTED_EXPERTS not in served.spec.flags()  # the CPU build refuses it (module docstring)
     gpu = model_server_options(served.path, ServerOptions(), cuda=True)
@@ -93,38 +84,15 @@ def test_server_options_come_from_the_model(served: Served) -> None:
 
 
 # ---- weight sync: fused expert tensors under the trainer's names ------------------------------------------------
-def test_sync_follows_the_trainer(served: Served) -> None:
-    from grpo_core.sync.protocol import ProtocolWeightSync
-    from grpo_core.sync.source import ModelWeightSource
-
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_sync_follows_the_trainer(check_servers: dict[str, Served], variant: str) -> None:
+    served = check_servers[variant]
     model = load(served.path)
-    loaded = {n: p.detach().clone() for n, p in model.named_parameters()}
     seqs = sampled_sequences(served.path, served.url)
     as_loaded = server_logprobs(served.url, seqs)
-    control = RecordingControl(served.url)
-    sync = ProtocolWeightSync(control, ModelWeightSource(model), backend="gloo")
     report: dict[str, float] = {"tokens": len(seqs)}
-    try:
-        sync.push(1)
-        assert torch.equal(server_logprobs(served.url, seqs), as_loaded), "a push of the loaded weights changed the server"
-        for label, only, scale in [("experts", "mlp.experts.", 0.3), ("all", None, 0.05)]:
-            perturb(model, scale, only)
-            trainer = trainer_logprobs(model, seqs)
-            sync.push(2)
-            server = server_logprobs(served.url, seqs)
-            rounding = bf16_rounding(model, seqs, trainer)
-            ok, stats = within_rounding(server, trainer, rounding)
-            moved = (server - as_loaded).abs().mean().item()
-            report |= {f"{label}_moved_mean": moved, **{f"{label}_{k}": v for k, v in stats.items()}}
-            assert moved > 20 * rounding.mean().item(), f"{label}: the push hardly moved the server ({report})"
-            assert ok, f"{label}: server and trainer differ beyond bf16 rounding ({report})"
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(loaded[name])
-        sync.push(3)
-        assert torch.equal(server_logprobs(served.url, seqs), as_loaded), "restoring the loaded weights did not restore the server"
-    finally:
-        sync.close()
+    control = push_and_follow(served, model, seqs, as_loaded, [("experts", "mlp.experts.", 0.3), ("all", None, 0.05)],
+                              report)
     print(json.dumps({served.variant: report}))
     sent = {name for update in control.updates for name in update["names"]}
     assert sent == {n for n, p in model.named_parameters() if p.requires_grad}
@@ -221,7 +189,10 @@ def replayed_forward(model: torch.nn.Module, samples, replay_on: bool) -> tuple[
     return logprobs[torch.as_tensor(order)], per_sample
 
 
-def test_replay_dispatches_every_completion_token_to_the_sampler_routes(served: Served) -> None:
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_replay_dispatches_every_completion_token_to_the_sampler_routes(check_servers: dict[str, Served],
+                                                                       variant: str) -> None:
+    served = check_servers[variant]
     rollouts = server_rollouts(served)
     model = load(served.path)
     sampler = copy.deepcopy(model).to(torch.bfloat16 if served.spec.dtype == "bfloat16" else torch.float32)
@@ -280,13 +251,14 @@ MARGIN = 0.15
 
 @pytest.mark.long
 @pytest.mark.slow
-def test_variant_learns_on_its_server(served_tuned: Served, tmp_path: Path) -> None:
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_learns_on_its_server(tuned_servers: dict[str, Served], variant: str, tmp_path: Path) -> None:
     from flows.cli import DEMO_TRAINER
     from grpo_core.rewards import accuracy_reward, format_reward
     from grpo_core.tiny import arithmetic_dataset
     from grpo_core.training.trainer import AsyncGRPOTrainer
 
-    served = served_tuned
+    served = tuned_servers[variant]
     settings = {**DEMO_TRAINER, "max_steps": LEARN_STEPS, "learning_rate": LEARN_RATE, "save_strategy": "no", "seed": 0}
     args = AsyncGRPOConfig(output_dir=str(tmp_path / "run"), vllm_server_base_url=served.url, report_to="none", **settings)
     trainer = AsyncGRPOTrainer(model=served.path, reward_funcs=[accuracy_reward, format_reward],
