@@ -18,3 +18,8 @@ def write_report(path: str, report: Any, indent: int = 1, announce: bool = True)
         json.dump(report, f, indent=indent)
     if announce:
         print(f"wrote {path}", flush=True)
+
+
+def brief(result: dict[str, Any]) -> dict[str, Any]:
+    """A result's scalar fields, floats rounded: the line a script prints after each configuration."""
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.items() if not isinstance(v, (list, dict))}

@@ -250,6 +250,15 @@ class AsyncGRPOConfig:
     """Kernel of Gated DeltaNet layers (Qwen3.5/3.6, Qwen3-Next) in packed rows: ``fla`` (flash-linear-attention's
     varlen kernels, CUDA), ``reference`` (PyTorch, any device), or ``auto``: fla where it imports and its forward and
     backward match the reference on a probe tree, else the reference. Unused for attention-only models."""
+    routing_replay: bool = True
+    """Mixture-of-experts policies: forward every sampled token through the experts the sampler routed it to
+    (the router's top-k replaced by the sampler's; its weights still the trainer's softmax, so the router keeps
+    learning). Needs a server that returns routes (``ServerOptions.return_routed_experts``); without them the run
+    warns once and trains with the trainer's own routing. Unused for dense models."""
+    moe_aux_loss_coef: Annotated[float, Field(ge=0)] = 0.0
+    """Weight of the mixture-of-experts load-balancing loss (``grpo_core.models.moe.balance``): each forwarded
+    position counts once, so a prompt shared by a group counts once. 0 (the default) leaves it out, as RL usually
+    does: it moves the router for a reason other than the reward."""
 
     # ---- vLLM server and weight transfer -----------------------------------------------------------
     vllm_server_base_url: str = "http://localhost:8000"

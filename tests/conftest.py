@@ -84,6 +84,17 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     BACKGROUND.shutdown()
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module's tiny models: on 2 shared cores, OpenMP's two threads stall each
+    other in their many small matmuls and batched solves (a forward took seconds instead of milliseconds).
+    Use with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
     from grpo_core.tiny import build_tiny_model

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 INTEGRATION_ORDER = (
     "test_async_loop", "test_drop_in", "test_curriculum", "test_lora_sync", "test_multi_node", "test_multi_rank",
     "test_flaky_services", "test_lora_learning", "test_deployments", "test_notebook", "test_examples",
-    "test_tools", "test_hybrid_models", "test_server_restart", "test_resume", "test_soak",
+    "test_tools", "test_hybrid_models", "test_moe_models", "test_server_restart", "test_resume", "test_soak",
 )
 
 
@@ -89,6 +89,7 @@ BACKGROUND = Background()
 NEEDS = {
     "tools": ("test_tools", "test_examples"),
     "hybrid": ("test_hybrid_models",),
+    "moe": ("test_moe_models",),
 }
 
 
@@ -107,3 +108,8 @@ def begin(items: list[pytest.Item], start_server: Callable[[], Any]) -> None:
         BACKGROUND.submit("build:hybrid", lambda: build_in_child(
             "from tests.tiny_variants import build_hybrid_variants; build_hybrid_variants()"),
             after=("build:tools",) if BACKGROUND.has("build:tools") else ("build:arithmetic",))
+    if selected & set(NEEDS["moe"]):
+        # The Qwen3.5-MoE check build is upcycled from the hybrid's: after it, where it is being built.
+        BACKGROUND.submit("build:moe", lambda: build_in_child(
+            "from tests.tiny_variants import build_moe_variants; build_moe_variants()"),
+            after=("build:hybrid",) if BACKGROUND.has("build:hybrid") else ("build:arithmetic",))

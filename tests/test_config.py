@@ -151,7 +151,7 @@ def test_the_loss_takes_its_settings_from_the_config():
 # vLLM's flags and variables, spelled only in grpo_core/vllm_server/process.py (one source for launches and messages).
 VLLM_SPELLINGS = ["--enable-scale-out", "--logprobs-mode", "--max-logprobs", "--weight-transfer-config",
                   "--return-sampling-mask", "--enable-lora", "--max-lora-rank", "--max-loras", "--max-model-len",
-                  "--api-server-count", "--language-model-only", "VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+                  "--api-server-count", "--language-model-only", "--enable-return-routed-experts", "VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
                   "vllm.entrypoints.openai.api_server"]
 
 

@@ -40,14 +40,7 @@ from tests.test_packing_trie import make_sample, sample_sets
 VOCAB = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # On 2 shared cores, OpenMP's two threads stall each other in the many small batched solves and
-    # matmuls of these tiny models (a forward took seconds instead of tens of milliseconds).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ------------------------------------------------------------------------------------------ kernels

@@ -283,7 +283,7 @@ def make_trainer(model_path, rows, tmp_path, **overrides):
     args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", **overrides)
     trainer = AsyncGRPOTrainer(model=model_path, reward_funcs=accuracy_reward, train_dataset=rows, args=args,
                                tracker=ParamsTracker())
-    trainer.server = SimpleNamespace(candidate_sets=False)  # what _setup learns from the server
+    trainer.server = SimpleNamespace(candidate_sets=False)  # what _setup learns from the server (MicroBatch keeps False)
     trainer.model.double()  # fp64 for tight bounds; the optimizer never steps here
     return trainer
 
@@ -308,7 +308,7 @@ def test_trainer_logs_its_backend_and_trains_with_the_chunked_head(model_path, t
     chunked.model.lm_head.register_forward_hook(lambda m, args, out: heads_seen.append(out.shape[1]))
     grads = []
     for trainer in (dense, chunked):
-        trainer._forward_backward(packed, num_tokens)
+        trainer.micro_batch.run(packed, num_tokens, packed.num_tokens)
         grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
     assert heads_seen == [0]
     for name, grad in grads[0].items():

@@ -39,13 +39,7 @@ VOCAB = 64
 TOWER = "model.visual."
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two OpenMP threads on 2 shared cores stall each other in these tiny models' many small ops.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_vlm(kind: str, seed: int = 0) -> torch.nn.Module:

@@ -16,16 +16,32 @@ from pathlib import Path
 from grpo_core.tiny import TinySpec, build_from_spec, default_spec
 
 CHECK_WARMUP_STEPS = 40
+MOE_CHECK_WARMUP_STEPS = 10
+"""The mixture-of-experts variants' own warm-up in the checks: the upcycled model starts from the dense
+build's trained weights (every tensor already moved), so a few steps are enough to move the routers."""
 
 
 def check_spec(variant: str) -> TinySpec:
-    """``variant``'s default spec with a short warm-up and no build-time evaluation."""
+    """``variant``'s default spec with a short warm-up and no build-time evaluation.
+
+    A mixture-of-experts variant is upcycled from its dense variant's check build, except ``arithmetic-moe``,
+    which starts from the default ``arithmetic`` build that the session's server already needs."""
     spec = default_spec(variant)
+    if spec.moe_warmup is not None:
+        warmup = spec.warmup if variant == "arithmetic-moe" else replace(spec.warmup, steps=CHECK_WARMUP_STEPS)
+        return replace(spec, warmup=warmup, moe_warmup=replace(spec.moe_warmup, steps=MOE_CHECK_WARMUP_STEPS),
+                       eval_samples=0 if variant != "arithmetic-moe" else spec.eval_samples)
     return replace(spec, warmup=replace(spec.warmup, steps=CHECK_WARMUP_STEPS), eval_samples=0)
 
 
 def build_check_variant(variant: str) -> Path:
     return build_from_spec(check_spec(variant))
+
+
+def build_moe_variants() -> None:
+    """Both mixture-of-experts variants for the checks."""
+    for variant in ("arithmetic-moe", "arithmetic-hybrid-moe"):
+        build_check_variant(variant)
 
 
 def build_hybrid_variants() -> None:

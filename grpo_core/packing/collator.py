@@ -52,6 +52,12 @@ class PackedRow:
     sampling_mask_ids: torch.Tensor | None = None  # int64 [M]
     sampling_mask_offsets: torch.Tensor | None = None  # int64 [T + 1]
     sampling_mask_valid: torch.Tensor | None = None  # bool [T]
+    # The sampler's expert routes of a mixture-of-experts policy, per forwarded position: int16 [U, layers, k],
+    # NO_ROUTE (-1) where the position's samples have none; None when no sample in the row has routes. A
+    # position shared by samples takes the first one's (in row order); route_conflicts counts the shared
+    # positions where a later sample's expert set differs from it.
+    routes: torch.Tensor | None = None
+    route_conflicts: int = 0
     is_dummy: bool = False  # an empty row: one pad position and no trained token (keeps ranks in step)
 
     @property
@@ -178,6 +184,7 @@ def pack_row(row: TreeRow) -> PackedRow:
     )
     _add_top_n(packed, row)
     _add_sampling_masks(packed, row)
+    _add_routes(packed, row)
     return packed
 
 
@@ -201,6 +208,36 @@ def _add_top_n(packed: PackedRow, row: TreeRow) -> None:
     packed.sampler_top_ids = torch.as_tensor(ids)
     packed.sampler_top_logprobs = torch.as_tensor(logprobs)
     packed.top_valid = torch.as_tensor(valid)
+
+
+NO_ROUTE = -1
+"""A route entry of a position whose samples carry no routes: the model routes it itself."""
+
+
+def _add_routes(packed: PackedRow, row: TreeRow) -> None:
+    shapes = {s.routed_experts.shape[1:] for s in row.samples if s.routed_experts is not None}
+    if not shapes:
+        return
+    if len(shapes) > 1:
+        raise ValueError(f"samples of one row carry routes of different shapes {sorted(shapes)}")
+    ((layers, k),) = shapes
+    routes = np.full((packed.num_tokens, layers, k), NO_ROUTE, dtype=np.int16)
+    written = np.zeros(packed.num_tokens, dtype=bool)
+    conflicts = 0
+    for i, sample in enumerate(row.samples):
+        if sample.routed_experts is None:
+            continue
+        for seg, used in row.sample_segments(i):
+            at = slice(seg.offset, seg.offset + used)
+            given = sample.routed_experts[seg.start : seg.start + used]
+            seen = written[at]
+            if seen.any():  # a shared position: the first sample's routes stay
+                differ = np.sort(routes[at][seen], -1) != np.sort(given[seen].astype(np.int16), -1)
+                conflicts += int(differ.any(axis=(1, 2)).sum())
+            routes[at][~seen] = given[~seen]
+            written[at] = True
+    packed.routes = torch.as_tensor(routes)
+    packed.route_conflicts = conflicts
 
 
 def _add_sampling_masks(packed: PackedRow, row: TreeRow) -> None:

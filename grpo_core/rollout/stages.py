@@ -40,10 +40,11 @@ from grpo_core.rollout.agent import (
 )
 from grpo_core.rollout.generation import VLLMGenerateClient
 from grpo_core.rollout.reconcile import ReconcileResult, gather_sampling_masks, gather_top_logprobs, reconcile_turns
+from grpo_core.rollout.routes import sequence_routes
 from grpo_core.rollout.tool_calls import ParsedToolCalls, parse_tool_calls
 from grpo_core.rollout.types import Rollout, RolloutGroup, RolloutSample, TurnRecord
 from grpo_core.vllm_server.control import VLLMRequestError
-from grpo_core.vllm_server.replies import GeneratedChoice
+from grpo_core.vllm_server.replies import GeneratedChoice, check_routes
 
 
 def reward_func_name(func: Callable[..., Any]) -> str:
@@ -280,6 +281,7 @@ class AsyncRolloutLoop:
             top_logprobs=choice.top_logprobs,
             sampling_masks=choice.sampling_masks,
             finish_reason=choice.finish_reason,
+            routed_experts=_checked_routes(choice, len(prompt_ids)),
             # In adapter mode the server's weight version is the base's; the adapter is the policy. Without
             # per-token versions (/v1/completions), the version the request started under is the oldest.
             policy_version=pinned[1] if pinned is not None else oldest_version(choice, started_under),
@@ -372,10 +374,17 @@ class AsyncRolloutLoop:
                         sampler_top_ids=top[0] if top is not None else None,
                         sampler_top_logprobs=top[1] if top is not None else None,
                         sampling_masks=gather_sampling_masks(seq, rollout.turns),
+                        routed_experts=sequence_routes(seq, rollout.turns),
                         metrics={"turns": float(seq.last_turn - seq.first_turn + 1)},
                     )
                 )
         return samples
+
+
+def _checked_routes(choice: GeneratedChoice, num_prompt_tokens: int) -> np.ndarray | None:
+    if choice.routed_experts is not None:
+        check_routes(choice.routed_experts, num_prompt_tokens + len(choice.token_ids))
+    return choice.routed_experts
 
 
 def rollout_rewards(group: RolloutGroup) -> np.ndarray:

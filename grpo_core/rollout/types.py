@@ -29,6 +29,10 @@ class TurnRecord:
     finish_reason: str | None = None
     # Policy version that produced the tokens (the adapter version in LoRA adapter mode).
     policy_version: int = 0
+    # Experts the sampler routed each forwarded token to: [len(prompt_ids) + len(output_ids) - 1, layers, k]
+    # (uint8 up to 256 experts, else uint16), the prompt and every output token but the last; None when the
+    # model has no MoE layer or the server does not return routes.
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass
@@ -120,6 +124,9 @@ class RolloutSample:
     sampler_top_ids: np.ndarray | None = None  # int32 [T, N]
     sampler_top_logprobs: np.ndarray | None = None  # float32 [T, N]
     sampling_masks: list[np.ndarray] | None = None  # per trained token: candidate ids (int32)
+    # uint8/uint16 [L - 1, layers, k]: the experts the sampler routed token i to, for every token but the
+    # last (which nothing forwards); None without routes (a dense model, a server that does not return them).
+    routed_experts: np.ndarray | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -133,6 +140,9 @@ class RolloutSample:
             raise ValueError("RolloutSample.completion_mask[0] must be False: no position predicts token 0")
         if not math.isfinite(self.advantage):
             raise ValueError(f"RolloutSample.advantage must be finite, got {self.advantage}")
+        if self.routed_experts is not None and (self.routed_experts.ndim != 3 or len(self.routed_experts) != max(n - 1, 0)):
+            raise ValueError(f"RolloutSample.routed_experts must be [token_ids - 1, layers, k] = [{max(n - 1, 0)}, ...], "
+                             f"got {list(self.routed_experts.shape)}")
 
     @property
     def num_trained(self) -> int:

@@ -9,9 +9,11 @@ of the time, and cached as an HF folder that transformers and vLLM both load.
     dataset = arithmetic_dataset()                  # DatasetDict with "train" and "eval"
 
 Variants (``build_tiny_model(variant=...)``, ``model: tiny:<variant>`` in a job): ``arithmetic``
-(Qwen3), ``tools`` (calls a calculator), ``arithmetic-hybrid`` (Qwen3.5 Gated DeltaNet hybrid) and
-``arithmetic-vlm`` (Qwen3.5 vision-language model, trained on text). The last two are served in
-bf16 on CPU, the VLM without its tower (``grpo_core.vllm_server.model_needs``).
+(Qwen3), ``tools`` (calls a calculator), ``arithmetic-hybrid`` (Qwen3.5 Gated DeltaNet hybrid),
+``arithmetic-vlm`` (Qwen3.5 vision-language model, trained on text), and the mixture-of-experts models
+upcycled from the dense ones: ``arithmetic-moe`` (Qwen3-MoE) and ``arithmetic-hybrid-moe`` (Qwen3.5-MoE:
+Gated DeltaNet and MoE). The Qwen3.5 ones are served in bf16 on CPU, the VLM without its tower
+(``grpo_core.vllm_server.model_needs``).
 
 Modules: ``spec`` (hyper-parameters), ``tasks`` (problems, prompts, split, calculator tool),
 ``tokenizer`` (BPE + chat template), ``warmup`` (model init and supervised warm-up),

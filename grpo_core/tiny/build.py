@@ -9,7 +9,9 @@ training ranks) wait for the first one instead of all burning CPU on the same bu
 
 Variants: ``arithmetic`` (Qwen3), ``tools`` (fine-tuned from it to call a calculator),
 ``arithmetic-hybrid`` (a Qwen3.5 Gated DeltaNet hybrid warmed up the same way) and
-``arithmetic-vlm`` (that hybrid's language model inside a Qwen3.5 vision-language model).
+``arithmetic-vlm`` (that hybrid's language model inside a Qwen3.5 vision-language model), and the
+mixture-of-experts models upcycled from the dense builds: ``arithmetic-moe`` (Qwen3-MoE, from
+``arithmetic``) and ``arithmetic-hybrid-moe`` (Qwen3.5-MoE, from ``arithmetic-hybrid``).
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def _build_into(spec: TinySpec, out: Path, cache_dir: str | Path | None, *, verb
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from grpo_core.tiny.tokenizer import train_tokenizer
-    from grpo_core.tiny.warmup import add_vision_tower, encode_pool, init_model, torch_threads, warmup_train
+    from grpo_core.tiny.warmup import add_vision_tower, encode_pool, init_model, torch_threads, upcycle, warmup_train
 
     start = time.perf_counter()
     info: dict[str, Any] = {"spec": json.loads(spec.to_json())}
@@ -113,6 +115,11 @@ def _build_into(spec: TinySpec, out: Path, cache_dir: str | Path | None, *, verb
             tokenizer = AutoTokenizer.from_pretrained(base)
             model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
             stage, with_tools = spec.tools_warmup, True
+        elif spec.model.moe is not None:  # the dense base's weights in every expert, then a short warm-up
+            tokenizer = AutoTokenizer.from_pretrained(base)
+            dense = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            model = upcycle(spec.model, tokenizer, dense, spec.seed)
+            stage, with_tools = spec.moe_warmup, False
         else:  # the VLM: the base's warmed-up language model, a random tower, no further training
             tokenizer = AutoTokenizer.from_pretrained(base)
             model = add_vision_tower(spec.model, tokenizer, AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),

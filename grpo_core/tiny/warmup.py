@@ -57,7 +57,15 @@ def make_config(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast) -> Pretrain
         pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
         dtype="float32",
     )
+    if spec.moe is not None:
+        # Every expert as wide as the dense MLP it is upcycled from; top-k weights renormalised.
+        text.update(num_experts=spec.moe.num_experts, num_experts_per_tok=spec.moe.experts_per_token,
+                    moe_intermediate_size=spec.intermediate_size)
     if spec.linear_attention is None:
+        if spec.moe is not None:
+            from transformers import Qwen3MoeConfig
+
+            return Qwen3MoeConfig(**text, norm_topk_prob=True, architectures=["Qwen3MoeForCausalLM"])
         return Qwen3Config(**text, architectures=["Qwen3ForCausalLM"])
     from transformers import Qwen3_5Config, Qwen3_5TextConfig
 
@@ -70,6 +78,12 @@ def make_config(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast) -> Pretrain
         linear_value_head_dim=linear.value_head_dim,
         linear_conv_kernel_dim=linear.conv_kernel_dim,
     )
+    if spec.moe is not None:
+        from transformers import Qwen3_5MoeTextConfig
+
+        # Qwen3.5-MoE always renormalises its top-k and adds a sigmoid-gated shared expert.
+        return Qwen3_5MoeTextConfig(**text, shared_expert_intermediate_size=spec.intermediate_size,
+                                    architectures=["Qwen3_5MoeForCausalLM"])
     if spec.vision is None:
         return Qwen3_5TextConfig(**text, architectures=["Qwen3_5ForCausalLM"])
     # Qwen3.5 checkpoints rotate a quarter of each head with M-RoPE over (time, height, width); the
@@ -115,6 +129,43 @@ def add_vision_tower(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast, langua
     if not spec.tie_word_embeddings:
         model.lm_head.load_state_dict(language_model.lm_head.state_dict())
     return model
+
+
+def upcycle(spec: ModelSpec, tokenizer: PreTrainedTokenizerFast, dense: PreTrainedModel, seed: int) -> PreTrainedModel:
+    """The MoE model of ``spec`` from its dense counterpart ``dense`` (same sizes, ``moe=None``).
+
+    Everything but the MLPs is copied. Each expert is the dense MLP plus ``expert_noise`` times each
+    matrix's RMS of seeded noise; the router starts random (``router_std``). With the top-k weights
+    summing to 1, noiseless experts would compute the dense MLP exactly whatever the router picks.
+    Qwen3.5-MoE's shared expert starts as the dense MLP with its output projection at zero, so it
+    adds nothing until trained.
+    """
+    moe = spec.moe
+    if moe is None:
+        raise ValueError("upcycle needs spec.moe")
+    model = init_model(spec, tokenizer, seed)
+    missing, unexpected = model.load_state_dict(dense.state_dict(), strict=False)
+    if any(".mlp." not in name for name in [*missing, *unexpected]):
+        raise ValueError(f"upcycle: the dense model does not match outside the MLPs ({[*missing, *unexpected][:4]})")
+    gen = torch.Generator().manual_seed(seed)
+
+    def noisy(weight: torch.Tensor) -> torch.Tensor:
+        return weight + moe.expert_noise * weight.pow(2).mean().sqrt() * torch.randn(weight.shape, generator=gen)
+
+    with torch.no_grad():
+        for layer, dense_layer in zip(model.model.layers, dense.model.layers, strict=True):
+            mlp, block = dense_layer.mlp, layer.mlp
+            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            for e in range(moe.num_experts):
+                block.experts.gate_up_proj[e].copy_(noisy(gate_up))
+                block.experts.down_proj[e].copy_(noisy(mlp.down_proj.weight))
+            block.gate.weight.normal_(0.0, moe.router_std, generator=gen)
+            shared = getattr(block, "shared_expert", None)
+            if shared is not None:
+                shared.load_state_dict(mlp.state_dict())
+                shared.down_proj.weight.zero_()
+                block.shared_expert_gate.weight.zero_()
+    return model.float()
 
 
 def warmup_conversations(

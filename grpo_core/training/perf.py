@@ -14,10 +14,12 @@ attention kernel's backward is not counted, norms and element-wise ops are ignor
 
     6 * P_layers * U  +  6 * P_head * T  +  12 * L * (H * d_head) * pairs
 
-``P_layers`` = weights of the linear layers of all decoder layers, ``U`` = forwarded (unique)
-positions, ``P_head`` = the LM head's weights (``d_model x vocab``), ``T`` = trained tokens (the
-head runs only where a trained token is predicted), ``L`` = decoder layers, ``H * d_head`` = query
-width, and ``pairs`` = the query-key pairs attention really computes: a segment of ``q`` queries
+``P_layers`` = weights of the linear layers of all decoder layers that a token runs through (of a
+mixture-of-experts block: its router and ``k`` of its experts, ``grpo_core.models.moe.experts``),
+``U`` = forwarded (unique) positions, ``P_head`` = the LM head's weights (``d_model x vocab``),
+``T`` = trained tokens (the head runs only where a trained token is predicted), ``L`` = decoder
+layers with softmax attention (a Gated DeltaNet layer's recurrence is not counted, its projections
+are), ``H * d_head`` = query width, and ``pairs`` = the query-key pairs attention really computes: a segment of ``q`` queries
 starting at depth ``s`` sees its ``s`` ancestors and its own causal past, ``q*s + q*(q+1)/2`` pairs.
 Per pair and layer the forward does 2 FLOPs for ``QK^T`` and 2 for ``PV`` per query channel; the
 backward twice that, hence 12. The common ``6N + 12 L d n`` per token counts all ``n`` keys for
@@ -80,21 +82,26 @@ class ModelFlops:
     layer_params: int
     head_params: int
     num_layers: int
+    """Decoder layers with softmax attention."""
     query_width: int
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> ModelFlops:
         from grpo_core.models.fsdp import decoder_layers
+        from grpo_core.models.moe.experts import active_expert_params
 
         layers = decoder_layers(model)
         linear = sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
+        experts, _ = active_expert_params(layers)
         head = model.get_output_embeddings()
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kinds = getattr(config, "layer_types", None) or ()
+        attention_layers = sum(kind != "linear_attention" for kind in kinds) if kinds else len(layers)
         return cls(
-            layer_params=int(linear),
+            layer_params=int(linear + experts),
             head_params=int(head.weight.numel()),
-            num_layers=len(layers),
+            num_layers=attention_layers,
             query_width=int(config.num_attention_heads * head_dim),
         )
 

@@ -34,9 +34,10 @@ from grpo_core.data.prompts import is_streaming
 from grpo_core.models.attention.tree import enable_tree_attention
 from grpo_core.models.fsdp import FSDPSettings, full_value, needs_fsdp, shard_policy
 from grpo_core.models.head.lm_head import output_head, vocab_size
-from grpo_core.models.head.reference import candidate_mask_from_ids
 from grpo_core.models.loading import load_policy, load_tokenizer
-from grpo_core.packing.collator import PackedRow, pack_row
+from grpo_core.models.moe.experts import use_grouped_experts
+from grpo_core.models.moe.policy import MoEPolicy, finalize_moe_metrics
+from grpo_core.packing.collator import pack_row
 from grpo_core.rollout.stages import AsyncRolloutLoop
 from grpo_core.rollout.tool_calls import ToolRegistry
 from grpo_core.rollout.worker import RolloutWorker, WorkerSpec
@@ -57,9 +58,9 @@ from grpo_core.training.distributed import (
     init_distributed,
     shutdown_distributed,
 )
-from grpo_core.training.forward import row_logprobs
 from grpo_core.training.host_memory import release_free_heap
-from grpo_core.training.loss import LossConfig, LossInputs, finalize_metrics, grpo_loss
+from grpo_core.training.loss import LossConfig, finalize_metrics, reduce_metric_parts
+from grpo_core.training.micro_batch import MicroBatch
 from grpo_core.training.perf import PerfMeter, synchronize
 from grpo_core.training.step_metrics import sample_and_queue_metrics
 from grpo_core.training.weight_push import WeightPushing
@@ -136,6 +137,10 @@ class AsyncGRPOTrainer(WeightPushing):
             compute_dtype=self.compute_dtype, kv_regather=self.args.tree_kv_regather,
             plan=self.args.tree_attention_plan,
         )
+        # Mixture-of-experts policies: experts as grouped GEMMs, routers that can replay the sampler's routes
+        # (switched on in _setup once the server is known to return them).
+        self.experts_implementation = use_grouped_experts(self.model)
+        self.moe = MoEPolicy.for_model(self.model, replay=False, aux_loss_coef=self.args.moe_aux_loss_coef)
         if self.args.logprob_chunk_size is not None:
             output_head(self.model)  # a model the chunked head cannot run is refused before anything starts
         self.vocab_size = vocab_size(self.model)
@@ -151,11 +156,14 @@ class AsyncGRPOTrainer(WeightPushing):
         self.lr_scheduler = _lr_scheduler(self.args, self.optimizer)
         self.grad_scaler = torch.amp.GradScaler("cuda") if self.args.fp16 else None
         self.loss_config = LossConfig.from_config(self.args)
+        self.micro_batch = MicroBatch(self.model, self.args, self.loss_config, self.vocab_size, self.moe, self.grad_scaler)
         self._owns_tracker = tracker is None  # one this trainer made (report_to) is closed when train() ends
         self.tracker: Tracker = tracker or make_tracker(self.args, is_main=self.dist.is_main)
         if self.dist.is_main:
             self.tracker.log_params({"perf/attention_backend": self.attention_backend,
-                                     "perf/compile_mode": self.compile_mode})
+                                     "perf/compile_mode": self.compile_mode,
+                                     **({"perf/experts_implementation": self.experts_implementation}
+                                        if self.experts_implementation else {})})
         self.state = TrainerState()
         self.frontier = TrainingFrontier()
         self.versions = WeightVersions()
@@ -313,6 +321,9 @@ class AsyncGRPOTrainer(WeightPushing):
             self.server = check_server(self.control, args, model_name, self.model.config, cuda,
                                        train_dtype=str(self.compute_dtype).removeprefix("torch."))
         self.server = broadcast_object(self.server)  # every rank must compute the same loss
+        self.micro_batch.candidate_sets = self.server.candidate_sets
+        if self.moe is not None:
+            self.moe.replay = args.routing_replay and self.server.routed_experts
         self.weight_sync = self.weight_sync or self._make_weight_sync()
         if self.dist.is_main:
             self.tracker.set_tags({"sync/mode": self.weight_sync.mode})
@@ -368,11 +379,12 @@ class AsyncGRPOTrainer(WeightPushing):
         self.model.train()
         rows = [pack_row(row) for row in batch.plan.rows_for_rank(self.dist.rank)]
         num_tokens = max(1, sum(row.num_trained_tokens for row in batch.plan.rows))
+        step_positions = sum(row.num_unique_tokens for row in batch.plan.rows)
         parts: list[dict[str, torch.Tensor]] = []
         losses = []
         start = time.perf_counter()
         for row in rows:
-            loss, part = self._forward_backward(row.to(self.device), num_tokens)
+            loss, part = self.micro_batch.run(row.to(self.device), num_tokens, step_positions)
             losses.append(loss)
             parts.append(part)
         synchronize(self.device)  # kernels still queued belong to the forward/backward time
@@ -392,6 +404,7 @@ class AsyncGRPOTrainer(WeightPushing):
         # The step's loss and metrics over all ranks, and the slowest rank's time.
         parts, loss_sum, fwd_bwd_s = gather_step_results(parts, float(sum(losses)), fwd_bwd_s)
         metrics = finalize_metrics(parts)
+        metrics.update(finalize_moe_metrics({k: v.item() for k, v in reduce_metric_parts(parts).items()}))
         metrics.update(
             {
                 "loss": loss_sum,
@@ -402,37 +415,6 @@ class AsyncGRPOTrainer(WeightPushing):
         )
         return metrics
 
-    def _forward_backward(self, row: PackedRow, num_tokens: int) -> tuple[float, dict[str, torch.Tensor]]:
-        top_ids = None
-        if self.loss_config.score_centering and row.sampler_top_ids is not None:
-            top_ids = row.sampler_top_ids.clamp(min=0)
-        head = row_logprobs(
-            self.model, row, self.args.temperature, top_ids=top_ids,
-            candidate_masks=self._candidate_masks(row, self.vocab_size),
-            chunk_size=self.args.resolved_logprob_chunk_size(row.num_trained, self.vocab_size),
-        )
-        if row.num_trained == 0:
-            # Every rank runs forward and backward so that sharded collectives stay in step.
-            head.anchor.backward()
-            return 0.0, {}
-        inputs = LossInputs(
-            logprobs=head.logprobs,
-            sampler_logprobs=row.sampler_logprobs,
-            advantages=row.advantages,
-            top_logprobs=head.top_logprobs,
-            sampler_top_logprobs=row.sampler_top_logprobs if top_ids is not None else None,
-            top_valid=row.top_valid if top_ids is not None else None,
-        )
-        loss, part = grpo_loss(inputs, self.loss_config, num_tokens)
-        (self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss).backward()
-        return float(loss.detach()), part
-
-    def _candidate_masks(self, row: PackedRow, vocab_size: int) -> torch.Tensor | None:
-        if not self.server.candidate_sets or row.sampling_mask_ids is None:
-            return None
-        offsets = row.sampling_mask_offsets.tolist()
-        ids = [row.sampling_mask_ids[offsets[t] : offsets[t + 1]] for t in range(row.num_trained)]
-        return candidate_mask_from_ids(ids, vocab_size, device=row.target_ids.device)
 
     # ------------------------------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:

@@ -24,7 +24,7 @@ import httpx
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.vllm_server import process as flags
 from grpo_core.vllm_server.control import VLLMControlClient
-from grpo_core.vllm_server.model_needs import server_needs
+from grpo_core.vllm_server.model_needs import is_mixture_of_experts, server_needs
 from grpo_core.vllm_server.process import ServerOptions, VLLMServerSpec
 from grpo_core.vllm_server.replies import parse_completion_choice, parse_generate_choice
 
@@ -43,6 +43,7 @@ class ServerCapabilities:
     served_model: str  # the ``model`` field requests name
     tokens_endpoint: bool  # /inference/v1/generate (per-token weight versions, candidate sets)
     candidate_sets: bool  # the server returns each token's top-k/top-p candidate set
+    routed_experts: bool = False  # the server returns each token's routed experts (an MoE model)
 
 
 def recommended_command(config: AsyncGRPOConfig, model: str = "<model>", cuda: bool = False, **options: Any) -> str:
@@ -110,11 +111,14 @@ def check_server(
     _check_processed_logprobs(probe, command)
     _check_max_logprobs(probe, config, command)
     candidate_sets = _check_candidate_sets(probe, config, command)
+    routed = _check_routed_experts(probe, config, model_config,
+                                   recommended_command(config, model, cuda, return_routed_experts=True))
     return ServerCapabilities(
         max_model_len=int(served["max_model_len"]),
         served_model=str(served["id"]),
         tokens_endpoint=probe.tokens_endpoint,
         candidate_sets=candidate_sets,
+        routed_experts=routed,
     )
 
 
@@ -316,6 +320,25 @@ def _check_candidate_sets(probe: _Prober, config: AsyncGRPOConfig, command: str)
         "runner: VLLM_USE_V2_MODEL_RUNNER=1 where the server refuses the flag, and Triton). Command:\n%s",
         config.top_k, config.top_p, missing, command,
     )
+    return False
+
+
+def _check_routed_experts(probe: _Prober, config: AsyncGRPOConfig, model_config: Any, command: str) -> bool:
+    """Whether the server returns routes; for a mixture-of-experts policy without them, one warning."""
+    if model_config is None or not is_mixture_of_experts(model_config):
+        return False
+    if probe.tokens_endpoint:
+        reply = probe.generate({"max_tokens": 1, "temperature": 1.0, "logprobs": 0})
+        if reply.status_code == 200 and reply.json()["choices"][0].get("routed_experts") is not None:
+            return True
+    missing = flags.RETURN_ROUTED_EXPERTS if probe.tokens_endpoint else f"{flags.ENABLE_SCALE_OUT} and {flags.RETURN_ROUTED_EXPERTS}"
+    if config.routing_replay:
+        log.warning(
+            "routing_replay: this server does not return the experts it routed each token to, so the trainer routes "
+            "every token itself (its top-k can differ from the sampler's; sampling/routing_mismatch is not logged). "
+            "It needs %s, which vLLM serves from its V2 model runner only (a GPU build; the CPU build refuses the "
+            "flag). Command:\n%s", missing, command,
+        )
     return False
 
 

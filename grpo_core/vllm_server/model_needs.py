@@ -9,6 +9,11 @@ Two architectures need server settings that the user's ``ServerOptions`` default
 * vision-language models (a ``vision_config``): the trainer trains them on text only with a frozen
   tower (``grpo_core.models.vision``), so the server is started language-model-only
   (``ServerOptions.language_model_only``) and builds no tower either.
+* mixture-of-experts models (``num_experts`` and ``num_experts_per_tok`` in the config) on a GPU
+  server: it returns each token's routed experts (``ServerOptions.return_routed_experts``), which
+  routing replay and the routing-mismatch metric need. Not on a CPU server: vLLM returns routes only
+  from its V2 model runner, which needs Triton, so the CPU build refuses to start with the flag
+  ("AuxOutput Connector requires Model Runner V2"); there the trainer warns once and routes itself.
 
 ``model_server_options`` applies these to the user's options and logs each change with its reason;
 the flow's managed server goes through it, so ``model: tiny:arithmetic-hybrid`` in a job file or
@@ -35,6 +40,14 @@ def has_gated_delta_layers(config: Any) -> bool:
     return "linear_attention" in (getattr(_text_config(config), "layer_types", None) or ())
 
 
+def is_mixture_of_experts(config: Any) -> bool:
+    """Whether the (text) model routes tokens to experts: ``num_experts`` (or ``num_local_experts``) and
+    ``num_experts_per_tok`` both set in its config."""
+    text = _text_config(config)
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    return bool(experts) and bool(getattr(text, "num_experts_per_tok", None))
+
+
 def has_vision_tower(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 
@@ -46,6 +59,8 @@ def server_needs(config: Any, cuda: bool) -> dict[str, tuple[Any, str]]:
         needs["dtype"] = ("bfloat16", "vLLM's CPU Gated DeltaNet kernels run in bfloat16 only")
     if has_vision_tower(config):
         needs["language_model_only"] = (True, "training is text-only, so the server need not build the vision tower")
+    if is_mixture_of_experts(config) and cuda:
+        needs["return_routed_experts"] = (True, "routing replay needs the experts the sampler routed each token to")
     return needs
 
 

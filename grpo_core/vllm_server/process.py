@@ -66,6 +66,7 @@ MAX_LORA_RANK = "--max-lora-rank"
 MAX_LORAS = "--max-loras"
 API_SERVER_COUNT = "--api-server-count"
 LANGUAGE_MODEL_ONLY = "--language-model-only"
+RETURN_ROUTED_EXPERTS = "--enable-return-routed-experts"
 
 
 ServedDtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -105,6 +106,9 @@ class ServerOptions:
     """API server processes (vLLM serialises top log-probs there; 8 on GPU servers)."""
     language_model_only: bool = False
     """Skip building a vision-language model's vision tower (text-only training)."""
+    return_routed_experts: bool = False
+    """Return the experts each token was routed to (a mixture-of-experts model; routing replay and the
+    ``sampling/routing_mismatch`` metric need them; set by the model's needs, ``grpo_core.vllm_server.model_needs``)."""
     cpu_placement: Literal["auto", "off"] = "auto"
     """No GPU and the server started on the trainer's machine (the flow's local provisioner): ``auto`` splits the
     cores, the trainer alone on the top half, the server and the rollout worker on the rest
@@ -187,6 +191,8 @@ class VLLMServerSpec(ServerOptions):
             flags += [API_SERVER_COUNT, str(self.api_server_count)]
         if self.language_model_only:
             flags.append(LANGUAGE_MODEL_ONLY)
+        if self.return_routed_experts:
+            flags.append(RETURN_ROUTED_EXPERTS)
         if self.enable_lora:
             flags += [ENABLE_LORA, MAX_LORA_RANK, str(self.max_lora_rank)]
             if self.max_loras is not None:

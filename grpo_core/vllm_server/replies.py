@@ -7,6 +7,9 @@ reply) share them.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +31,9 @@ class GeneratedChoice:
     sampling_masks: list[np.ndarray] | None = None
     # (version, start, end) spans over output-token indexes.
     weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
+    # [prompt + output - 1, layers, k] experts each forwarded token was routed to (mixture-of-experts models,
+    # servers that return routes: ServerOptions.return_routed_experts), else None.
+    routed_experts: np.ndarray | None = None
 
 
 def parse_generate_choice(choice: dict[str, Any], num_top: int) -> GeneratedChoice:
@@ -68,7 +74,35 @@ def parse_generate_choice(choice: dict[str, Any], num_top: int) -> GeneratedChoi
         top_logprobs=top_lp,
         sampling_masks=sampling_masks,
         weight_versions=versions,
+        routed_experts=decode_routed_experts(choice.get("routed_experts")),
     )
+
+
+class RoutesFormatError(ValueError):
+    """A reply's ``routed_experts`` is not a base64 ``.npy`` array of the expected shape."""
+
+
+def decode_routed_experts(value: object, num_tokens: int | None = None) -> np.ndarray | None:
+    """A reply's ``routed_experts`` as the ``[num_tokens - 1, layers, k]`` integer array the server sent
+    (None stays None): the experts every forwarded token (prompt and output, all but the last output
+    token, which nothing forwards) was routed to, uint8 up to 256 experts. ``num_tokens`` is the choice's
+    prompt plus output tokens (None: not checked here)."""
+    if value is None:
+        return None
+    try:
+        routes = np.load(io.BytesIO(base64.b64decode(str(value), validate=True)), allow_pickle=False)
+    except (binascii.Error, ValueError, OSError) as exc:
+        raise RoutesFormatError(f"routed_experts is not a base64 .npy array: {exc}") from exc
+    check_routes(routes, num_tokens)
+    return routes
+
+
+def check_routes(routes: np.ndarray, num_tokens: int | None) -> None:
+    """Refuse routes that are not ``[num_tokens - 1, layers, k]`` integers."""
+    if routes.ndim != 3 or routes.dtype.kind not in "ui" or (num_tokens is not None and len(routes) != num_tokens - 1):
+        want = "tokens - 1" if num_tokens is None else num_tokens - 1
+        raise RoutesFormatError(f"routed_experts has shape {list(routes.shape)} ({routes.dtype}); expected "
+                                f"[{want}, layers, experts per token] of integers")
 
 
 def parse_completion_choice(choice: dict[str, Any], num_top: int) -> GeneratedChoice:

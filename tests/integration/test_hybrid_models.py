@@ -197,30 +197,21 @@ def within_rounding(server: torch.Tensor, trainer: torch.Tensor, rounding: torch
     return bool(gap.mean() <= 2 * rounding.mean() and gap.max() <= 3 * rounding.max()), stats
 
 
-def test_sync_follows_the_trainer_within_bf16_rounding(served: Served) -> None:
-    from grpo_core.models.loading import load_policy
+def push_and_follow(served: Served, model: torch.nn.Module, seqs: list[tuple[list[int], int]], as_loaded: torch.Tensor,
+                    perturbations: list[tuple[str, str | None, float]], report: dict[str, Any]) -> RecordingControl:
+    """Push the loaded weights (the server's log-probs stay bit-identical), then each ``(label, names containing,
+    scale)`` perturbation in turn (the server follows the trainer within bf16 rounding), then the loaded weights
+    again (bit-identical). Figures go into ``report``; returns the control client that recorded the wire."""
     from grpo_core.sync.protocol import ProtocolWeightSync
     from grpo_core.sync.source import ModelWeightSource
 
-    model, _ = load_policy(served.path, torch.device("cpu"))
-    model.eval()
     loaded = {n: p.detach().clone() for n, p in model.named_parameters()}
-    seqs = sampled_sequences(served.path, served.url)
-    # As the server loaded the checkpoint (no sync yet): the gap is bf16 rounding alone.
-    as_loaded = server_logprobs(served.url, seqs)
-    trainer = trainer_logprobs(model, seqs)
-    ok, report = within_rounding(as_loaded, trainer, bf16_rounding(model, seqs, trainer))
-    report = {"tokens": len(trainer), **report}
-    assert ok, f"the server's bf16 gap as loaded is not the trainer's bf16 rounding ({report})"
-
     control = RecordingControl(served.url)
     sync = ProtocolWeightSync(control, ModelWeightSource(model), backend="gloo")
     try:
         sync.push(1)  # the checkpoint's own weights
         assert torch.equal(server_logprobs(served.url, seqs), as_loaded), "a push of the loaded weights changed the server"
-
-        # Only the short convolutions (prepacked by the CPU build), then everything.
-        for label, only, scale in [("conv", "conv1d", 1.0), ("all", None, 0.05)]:
+        for label, only, scale in perturbations:
             perturb(model, scale, only)
             trainer = trainer_logprobs(model, seqs)
             sync.push(2)
@@ -231,7 +222,6 @@ def test_sync_follows_the_trainer_within_bf16_rounding(served: Served) -> None:
             report |= {f"{label}_moved_mean": moved, **{f"{label}_{k}": v for k, v in stats.items()}}
             assert moved > 20 * rounding.mean().item(), f"{label}: the push hardly moved the server ({report})"
             assert ok, f"{label}: server and trainer differ beyond bf16 rounding ({report})"
-
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(loaded[name])
@@ -239,6 +229,24 @@ def test_sync_follows_the_trainer_within_bf16_rounding(served: Served) -> None:
         assert torch.equal(server_logprobs(served.url, seqs), as_loaded), "restoring the loaded weights did not restore the server"
     finally:
         sync.close()
+    return control
+
+
+def test_sync_follows_the_trainer_within_bf16_rounding(served: Served) -> None:
+    from grpo_core.models.loading import load_policy
+
+    model, _ = load_policy(served.path, torch.device("cpu"))
+    model.eval()
+    seqs = sampled_sequences(served.path, served.url)
+    # As the server loaded the checkpoint (no sync yet): the gap is bf16 rounding alone.
+    as_loaded = server_logprobs(served.url, seqs)
+    trainer = trainer_logprobs(model, seqs)
+    ok, report = within_rounding(as_loaded, trainer, bf16_rounding(model, seqs, trainer))
+    report = {"tokens": len(trainer), **report}
+    assert ok, f"the server's bf16 gap as loaded is not the trainer's bf16 rounding ({report})"
+
+    # Only the short convolutions (prepacked by the CPU build), then everything.
+    control = push_and_follow(served, model, seqs, as_loaded, [("conv", "conv1d", 1.0), ("all", None, 0.05)], report)
     print(json.dumps({served.variant: report}))
 
     # What went on the wire: every trainable tensor, nothing of a vision tower.

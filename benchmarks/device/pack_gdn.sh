@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Pack flash-linear-attention with tilelang (its Gated DeltaNet backward on Hopper with the image's Triton 3.6)
+# for a GPU machine without network, in two folders under 64 MiB each (the most one device call carries):
+# .gdna (call 1: tilelang, fla-core and their small needs) and .gdnb (call 2, on the same warm machine:
+# z3-solver, which tilelang imports). Python 3.12, manylinux x86_64, as the device image has.
+#
+#     bash benchmarks/device/pack_gdn.sh        # writes .gdna/ and .gdnb/ at the repository root
+#
+# On the device: `source .gdna/setup.sh` in call 1, `source .gdnb/setup.sh` in call 2 (both install into
+# /tmp/site, which outlives the checkout's carried folders on a warm machine). tilelang pins
+# apache-tvm-ffi < 0.1.13, FlashAttention-4 (pack_fa4.sh) 0.1.15: do not source both in one machine's life.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+get() {
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$1" "${@:2}"
+}
+rm -rf .gdna .gdnb && mkdir -p .gdna/w .gdnb/w
+get .gdna/w tilelang==0.1.15 fla-core==0.6.0 einops==0.8.2 apache-tvm-ffi==0.1.12 torch-c-dlpack-ext==0.1.5 ml-dtypes==0.7.0
+get .gdnb/w z3-solver==4.15.4.0
+cp benchmarks/device/gdna_setup.sh .gdna/setup.sh && cp benchmarks/device/gdnb_setup.sh .gdnb/setup.sh
+du -sh .gdna .gdnb
