@@ -25,9 +25,8 @@ How the defaults were chosen (1 torch thread, temperature-1 sampling, 128-256 pr
   transformers fallback of the gated delta rule); the VLM reuses the hybrid build and trains nothing.
 - The mixture-of-experts variants (``arithmetic-moe``: Qwen3-MoE, ``arithmetic-hybrid-moe``: Qwen3.5-MoE)
   are upcycled from the cached dense builds (``MoESpec``: 8 experts as wide as the dense MLP, top-2) and
-  warmed up for 40 more steps at lr 1e-3: measured on the busy 2-core machine, 73 s and 330 s of
-  warm-up (65 s and 151 s of CPU time for the whole builds), accuracy (train / held out, 128 samples)
-  0.29 / 0.27 and 0.17 / 0.28, format 0.98-0.99.
+  warmed up for 40 more steps at lr 1e-3 (65 s and 151 s of CPU time for the whole builds on two
+  cores), accuracy (train / held out, 128 samples) 0.29 / 0.27 and 0.17 / 0.28, format 0.98-0.99.
 """
 
 from __future__ import annotations
