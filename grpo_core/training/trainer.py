@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import numpy as np
 import torch
 
@@ -57,18 +56,15 @@ from grpo_core.training.distributed import (
     init_distributed,
     shutdown_distributed,
 )
-from grpo_core.training.forward import row_logprobs
+from grpo_core.training.forward import probe_logprobs, row_logprobs
 from grpo_core.training.host_memory import release_free_heap
 from grpo_core.training.loss import LossConfig, LossInputs, finalize_metrics, grpo_loss
 from grpo_core.training.perf import PerfMeter, synchronize
 from grpo_core.training.step_metrics import sample_and_queue_metrics
-from grpo_core.vllm_server.control import VLLMRequestError
+from grpo_core.training.weight_push import WeightPusher
 from grpo_core.vllm_server.watch import ServerWatch, close_open_weight_update, left_paused
 
 log = logging.getLogger(__name__)
-
-# What a push to a server that went away raises: its HTTP calls, the server's reply, the gloo transfer.
-PUSH_FAILURES = (httpx.TransportError, VLLMRequestError, RuntimeError)
 
 
 class ServerRestartError(RuntimeError):
@@ -169,7 +165,7 @@ class AsyncGRPOTrainer:
         self.versions = WeightVersions()
         self.checkpointer = Checkpointer(self.args, self.dist, self._checkpoint_parts(), self.tracker)
         self.worker: RolloutWorker | None = None
-        self.weight_sync: Any = None
+        self.pusher: WeightPusher | None = None  # pushes to the server, confirms them, recovers (rank 0 talks)
         self.control: Any = None
         self.server: Any = None  # ServerCapabilities, once checked
         self.feed: StepFeed | None = None
@@ -315,14 +311,12 @@ class AsyncGRPOTrainer:
             # weights, on which the next request would crash it: complete a push (it resumes) first.
             if self.dist.is_main:
                 close_open_weight_update(self.control)
-            self.weight_sync = self._make_weight_sync()
             self._sync_weights()
         if self.dist.is_main:
             self.server = check_server(self.control, args, model_name, self.model.config, cuda)
         self.server = broadcast_object(self.server)  # every rank must compute the same loss
-        self.weight_sync = self.weight_sync or self._make_weight_sync()
         if self.dist.is_main:
-            self.tracker.set_tags({"sync/mode": self.weight_sync.mode})
+            self.tracker.set_tags({"sync/mode": self.weight_pusher().mode})
         # The server may hold other weights than ours (another revision, a resumed run): push first.
         self._sync_weights()
         self.worker = self._start_worker() if self.dist.is_main else None  # rank 0 owns the rollout worker
@@ -345,19 +339,22 @@ class AsyncGRPOTrainer:
         )
         return StepFeed(collector, self.dist.rank, self.dist.world_size)
 
-    def _make_weight_sync(self) -> Any:
-        from grpo_core.sync.factory import SyncSetup, make_weight_sync, wire_dtype
+    @property
+    def weight_sync(self) -> Any:
+        """The open weight sync (None before setup and after teardown)."""
+        return self.pusher.sync if self.pusher is not None else None
 
-        setup = SyncSetup(
-            config=self.args,
-            model=self.model,
-            rank=self.dist.rank,
-            backend=self.args.resolved_weight_transfer_backend(self.device.type == "cuda"),
-            wire_dtype=wire_dtype(self.bf16),
-            model_path=self.model_path,
-            peft_config=self.peft_config,
-        )
-        return make_weight_sync(setup, self.control)
+    def weight_pusher(self) -> WeightPusher:
+        """The run's pusher, made on first use (``training.weight_push``)."""
+        if self.pusher is None:
+            from grpo_core.sync.factory import SyncSetup, wire_dtype
+
+            setup = SyncSetup(config=self.args, model=self.model, rank=self.dist.rank,
+                              backend=self.args.resolved_weight_transfer_backend(self.device.type == "cuda"),
+                              wire_dtype=wire_dtype(self.bf16), model_path=self.model_path, peft_config=self.peft_config)
+            self.pusher = WeightPusher.for_run(setup, self.dist, self.control, self.watch, self.vocab_size,
+                                               probe=lambda ids: probe_logprobs(self.model, ids, self.device))
+        return self.pusher
 
     def _start_worker(self) -> RolloutWorker:
         loop_kwargs = dict(
@@ -457,31 +454,19 @@ class AsyncGRPOTrainer:
 
     # ------------------------------------------------------------------------------------------ sync
     def _sync_weights(self, force: bool = False) -> dict[str, float]:
-        """Push this step's weights (``force``: even if they were pushed already, to a restarted server)."""
-        from grpo_core.sync.factory import SYNC_MODE_CODES
-
+        """Push this step's weights and confirm them (``force``: even if they were pushed already, to a
+        restarted server); a failed push is recovered from or named (``training.weight_push``)."""
         if not force and self.versions.pushed and self.versions.current == self.global_step:
             return {}  # this step's weights are already on the server
         self.model.eval()
-        try:
-            stats = self.weight_sync.push(self.global_step)
-        except PUSH_FAILURES as err:
-            return self._push_again_after_failed_push(err)
+        outcome = self.weight_pusher().push(self.global_step)
         self.versions.record(self.global_step)
         if self.dist.is_main:
             self.watch.after_push(self.versions.pushed)
         if self.worker is not None:
             # With what the trainer consumed so far: the worker keeps its lead within max_staleness.
             self.worker.publish_version(self.global_step, consumed=self.feed.collector.consumed_total if self.feed else 0)
-        metrics = {
-            "sync/bytes": float(stats.bytes),
-            "sync/seconds": stats.seconds,
-            "sync/mode": SYNC_MODE_CODES[stats.mode],
-            "weight_version": float(self.global_step),
-        }
-        if stats.adapters_registered is not None:
-            metrics["sync/adapters_registered"] = float(stats.adapters_registered)
-        return metrics
+        return outcome.metrics(self.global_step, self.pusher.recoveries)
 
     def _push_again_if_server_restarted(self) -> None:
         """Before each step's collection: a server that restarted since the last push (rank 0's
@@ -492,31 +477,18 @@ class AsyncGRPOTrainer:
             self._push_to_restarted_server(reason)
 
     def _push_to_restarted_server(self, reason: str) -> dict[str, float]:
-        if self.weight_sync.mode == "adapter":
+        if self.weight_pusher().mode == "adapter":
             raise ServerRestartError(
                 f"the vLLM server restarted ({reason}); adapter-only LoRA sync cannot register its adapters on "
                 "the new server from here: resume the run (the flow does) or use lora_sync_mode='merged'"
             )
         log.warning("the vLLM server restarted (%s); pushing the weights of step %d again", reason, self.global_step)
-        try:
-            self.weight_sync.close()  # its session died with the server's workers
-        except Exception as err:  # noqa: BLE001 - whatever the dead session says, a new one follows
-            log.info("closing the weight transfer to the old server: %s", err)
-        self.weight_sync = self._make_weight_sync()
+        self.pusher.reopen()  # the old session died with the server's workers
         metrics = self._sync_weights(force=True)
         self.server_restarts += 1
         log.warning("re-pushed weight version %d to the restarted server in %.1f s (server restart %d of this attempt)",
                     self.global_step, metrics.get("sync/seconds", 0.0), self.server_restarts)
         return metrics
-
-    def _push_again_after_failed_push(self, err: Exception) -> dict[str, float]:
-        """A push that failed because the server went away (one rank: with several, the others are inside
-        the push's collectives and the attempt fails; the flow resumes it) waits for the server, then
-        pushes to it again when it restarted; any other failure is raised."""
-        reason = self.watch.restarted() if self.dist.world_size == 1 and self.watch is not None else None
-        if reason is None:
-            raise err
-        return self._push_to_restarted_server(f"{reason}; the push failed with {type(err).__name__}: {err}")
 
     # ------------------------------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
@@ -609,9 +581,9 @@ class AsyncGRPOTrainer:
         if self.worker is not None:
             self.worker.stop()
             self.worker = None
-        if self.weight_sync is not None:
-            self.weight_sync.close()
-            self.weight_sync = None
+        if self.pusher is not None:
+            self.pusher.close()
+            self.pusher = None
         if self.control is not None:
             self.control.close()
             self.control = None
