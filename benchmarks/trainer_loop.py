@@ -200,8 +200,7 @@ class ReplayTrainer(AsyncGRPOTrainer):
         # The product's pusher around the stand-in sync: no control client, so no server-side checks.
         self.pusher = WeightPusher(
             lambda: ReceiverSync(self.model, self.receiver_url, self.dist.rank, self.device, bucket_mb=256), self.dist,
-            None, self.watch, attempts=1, verify=VerifyConfig(every=0), probe=None, vocab_size=self.vocab_size,
-            wire_dtype=torch.bfloat16)
+            None, self.watch, attempts=1, verify=VerifyConfig(every=0), probe=None, vocab_size=self.vocab_size)
         self._sync_weights()  # version 0, as the recording run started with
         self.feed = self._make_feed(ReplaySource(self.recording["items"]) if self.dist.is_main else None)
 

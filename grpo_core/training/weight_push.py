@@ -79,13 +79,13 @@ class WeightPusher:
     """Pushes, confirms and recovers (module docstring). ``make_sync`` opens a new session to the server."""
 
     def __init__(self, make_sync: Callable[[], WeightSync], dist: DistInfo, control: Any, watch: Any,
-                 attempts: int, verify: VerifyConfig, probe: Probe | None, vocab_size: int, wire_dtype: torch.dtype):
+                 attempts: int, verify: VerifyConfig, probe: Probe | None, vocab_size: int):
         self.make_sync = make_sync
         self.dist = dist
         self.control = control
         self.watch = watch
         self.attempts = attempts
-        self.verifier = PushVerifier(verify, vocab_size, wire_dtype) if verify.every > 0 else None
+        self.verifier = PushVerifier(verify, vocab_size) if verify.every > 0 else None
         self.probe = probe
         self.sync: WeightSync | None = None
         self.confirmed = 0
@@ -101,8 +101,7 @@ class WeightPusher:
             setup.publisher = make_patch_publisher(setup)  # one writer for the run, whatever the sessions
         return cls(lambda: make_weight_sync(setup, control), dist, control, watch, attempts=args.weight_sync_attempts,
                    verify=VerifyConfig(every=args.weight_sync_verify_every, logprob_atol=args.weight_sync_verify_atol),
-                   probe=probe, vocab_size=vocab_size,
-                   wire_dtype=setup.wire_dtype or next(setup.model.parameters()).dtype)
+                   probe=probe, vocab_size=vocab_size)
 
     @property
     def mode(self) -> str:
