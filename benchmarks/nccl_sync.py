@@ -148,9 +148,9 @@ class TimedClient:
     def __init__(self, client: Any):
         self.client, self.update_sent = client, 0.0
 
-    def update_weights(self, update_info: Any) -> None:
+    def update_weights(self, update_info: Any, timeout: float | None = None) -> None:
         self.update_sent = time.perf_counter()
-        self.client.update_weights(update_info)
+        self.client.update_weights(update_info, timeout=timeout)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.client, name)

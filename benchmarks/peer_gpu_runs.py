@@ -35,10 +35,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from grpo_core import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
 # grpo_core internals used here (module paths may move): these four lines only.
-from grpo_core.models.attention_backends import load_flash_attn_cute, load_torch_varlen  # noqa: E402
-from grpo_core.models.tree_gather import _emulated_kernel  # noqa: E402
-from grpo_core.server_checks import ServerCapabilities  # noqa: E402
+from grpo_core.models.attention.backends import load_flash_attn_cute, load_torch_varlen  # noqa: E402
+from grpo_core.models.attention.gather import _emulated_kernel  # noqa: E402
+from grpo_core.vllm_server.checks import ServerCapabilities  # noqa: E402
 from grpo_core.sync.base import SyncStats  # noqa: E402
+from grpo_core.sync.verify import VerifyConfig  # noqa: E402
+from grpo_core.training.weight_push import WeightPusher  # noqa: E402
 from peer_gpu_stream import EPSILON, EPSILON_HIGH, Stream, trl_fields  # noqa: E402
 from trainer_loop import QuietWatch, ReplaySource  # noqa: E402
 
@@ -105,7 +107,9 @@ class StreamTrainer(AsyncGRPOTrainer):
         self.server = ServerCapabilities(max_model_len=self.max_model_len, served_model="stream",
                                          tokens_endpoint=True, candidate_sets=False)
         self.watch = QuietWatch()
-        self.weight_sync = NoSync()
+        # The product's pusher around a sync that sends nothing: no control client, no server-side checks.
+        self.pusher = WeightPusher(NoSync, self.dist, None, self.watch, attempts=1, verify=VerifyConfig(every=0),
+                                   probe=None, vocab_size=self.vocab_size)
         self._sync_weights()  # version 0, which the stream's oldest samples were "sampled" from
         self.feed = self._make_feed(ReplaySource(self.stream_samples) if self.dist.is_main else None)
 

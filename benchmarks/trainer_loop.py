@@ -53,7 +53,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from grpo_core.config import AsyncGRPOConfig  # noqa: E402
 from grpo_core.rollout.scheduler import END_OF_DATA  # noqa: E402
 from grpo_core.sync.base import SyncStats  # noqa: E402
+from grpo_core.sync.verify import VerifyConfig  # noqa: E402
 from grpo_core.training.trainer import AsyncGRPOTrainer  # noqa: E402
+from grpo_core.training.weight_push import WeightPusher  # noqa: E402
 from bench_io import write_report  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -195,7 +197,10 @@ class ReplayTrainer(AsyncGRPOTrainer):
         self.checkpointer.begin_attempt()
         self.server = self.recording["server"]
         self.watch = QuietWatch()
-        self.weight_sync = ReceiverSync(self.model, self.receiver_url, self.dist.rank, self.device, bucket_mb=256)
+        # The product's pusher around the stand-in sync: no control client, so no server-side checks.
+        self.pusher = WeightPusher(
+            lambda: ReceiverSync(self.model, self.receiver_url, self.dist.rank, self.device, bucket_mb=256), self.dist,
+            None, self.watch, attempts=1, verify=VerifyConfig(every=0), probe=None, vocab_size=self.vocab_size)
         self._sync_weights()  # version 0, as the recording run started with
         self.feed = self._make_feed(ReplaySource(self.recording["items"]) if self.dist.is_main else None)
 

@@ -283,6 +283,38 @@ class AsyncGRPOConfig:
     weight_sync_bucket_mb: Annotated[int, Field(ge=1)] = 256
     """Weights travel in buckets of about this many MiB (one gather and one send each; a bucket closes after the
     tensor that passes it); the sender holds at most two buckets of extra device memory."""
+    weight_sync_transport: Literal["group", "storage"] = "group"
+    """``group``: pushes travel over the transfer group the server joins (``weight_transfer_backend``).
+    ``storage``: each pushed version is written once as a weight patch under ``weight_patch_url`` and the
+    server is told to apply it (for a server that cannot join the group: another cluster, one catching up);
+    the server needs this package's vLLM plugin (its ``gloo`` engine applies patches), not a group."""
+    weight_sync_encoding: Literal["dense", "delta"] = "dense"
+    """``dense``: every push sends every weight. ``delta``: after the first push, each tensor travels as the
+    elements that changed since the last push (indices and values) where that is smaller, else whole (gloo
+    and storage; the server keeps a copy of what it loaded to apply them to). Storage patches are always
+    deltas after a keyframe."""
+    weight_patch_url: str | None = None
+    """``weight_sync_transport="storage"``: where the patches go, any fsspec URL; None: ``<output_dir>/weight_patches``."""
+    weight_patch_keyframe_every: Annotated[int, Field(ge=1)] = 20
+    """``weight_sync_transport="storage"``: a whole-model patch (keyframe) every this many pushes, so a server
+    that holds nothing (just restarted) applies at most this many patches to catch up."""
+    weight_sync_deadline_floor_s: Annotated[float, Field(gt=0)] = 60.0
+    """Least time any phase of a push may take (pause, init, start, transfer, update, finish, resume); a phase
+    that moves the weights gets ``max(this, weight_sync_deadline_slack x bytes / measured bandwidth)``. A phase
+    past its deadline ends the push with an error naming the phase and the server (``grpo_core.sync.deadline``)."""
+    weight_sync_deadline_slack: Annotated[float, Field(gt=0)] = 4.0
+    """Multiple of the time a push's bytes take at the slowest bandwidth measured on the last pushes."""
+    weight_sync_assumed_mb_s: Annotated[float, Field(gt=0)] = 50.0
+    """Bandwidth (MB/s) the deadlines assume before the first push has been measured."""
+    weight_sync_attempts: Annotated[int, Field(ge=1)] = 2
+    """Pushes of one version tried before the run fails: after a failed or unconfirmed push the trainer waits
+    for the server (``server_unavailable_timeout_s``), opens a new transfer session and pushes again."""
+    weight_sync_verify_every: Annotated[int, Field(ge=0)] = 1
+    """After every N-th push, compare the server's log-probs of a fixed probe sequence with the trainer's
+    (0: never). The served version is read back after every push regardless."""
+    weight_sync_verify_atol: Annotated[float, Field(gt=0)] | None = None
+    """Largest |server - trainer| probe log-prob accepted; None: 1e-4 when the server computes in fp32 (what the
+    dense push meets on a CPU server), else 5e-2 (16-bit servers: not measured by this package)."""
     lora_sync_mode: Literal["auto", "merged", "adapter"] = "auto"
     """With ``peft_config`` only. ``merged``: every sync merges the adapter into the base weights and pushes
     them all over ``weight_transfer_backend``. ``adapter``: only the adapter is written under
@@ -324,6 +356,9 @@ class AsyncGRPOConfig:
                 parse_kernel_ref(self.attention_kernel)
             except ValueError as exc:
                 _fail(self, "attention_kernel", str(exc).split(": ", 1)[1])
+        if self.weight_sync_encoding == "delta" and self.weight_transfer_backend == "nccl" \
+                and self.weight_sync_transport == "group":
+            _fail(self, "weight_sync_encoding", "delta pushes need the gloo backend or weight_sync_transport='storage'")
         if self.weight_transfer_port_range is not None:
             low, high = (int(p) for p in self.weight_transfer_port_range.split("-"))
             if not 1 <= low <= high <= 65535:

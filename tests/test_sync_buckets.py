@@ -128,24 +128,24 @@ class _Receiver:
     def world_size(self) -> int:
         return 1
 
-    def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
+    def pause(self, mode: str = "keep", clear_cache: bool = True, timeout: float | None = None) -> None:
         self.calls.append(("pause", mode))
 
-    def resume(self) -> None:
+    def resume(self, timeout: float | None = None) -> None:
         self.calls.append(("resume", None))
 
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
+    def init_weight_transfer_engine(self, init_info: dict, timeout: float | None = None) -> None:
         self.calls.append(("init", init_info))
         self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))
 
-    def start_weight_update(self) -> None:
+    def start_weight_update(self, timeout: float | None = None) -> None:
         pass  # the layerwise-reload bookkeeping needs a vLLM model; not what is checked here
 
-    def update_weights(self, update_info: dict) -> None:
+    def update_weights(self, update_info: dict, timeout: float | None = None) -> None:
         self.calls.append(("update", update_info))
         self.engine.update_weights(update_info)
 
-    def finish_weight_update(self, weight_version=None) -> None:
+    def finish_weight_update(self, weight_version=None, timeout: float | None = None) -> None:
         self.calls.append(("finish", weight_version))
 
 

@@ -203,22 +203,22 @@ class _Receiver:
         self.update_infos: list[dict] = []
 
     # the trainer engine's client: what the HTTP routes would do on the server
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
+    def init_weight_transfer_engine(self, init_info: dict, timeout: float | None = None) -> None:
         self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))
 
-    def start_weight_update(self) -> None:
+    def start_weight_update(self, timeout: float | None = None) -> None:
         pass  # the server's layerwise-reload bookkeeping needs a vLLM model; not what is checked here
 
-    def update_weights(self, update_info: dict) -> None:
+    def update_weights(self, update_info: dict, timeout: float | None = None) -> None:
         self.update_infos.append(update_info)
         self.engine.update_weights(update_info)
 
-    def finish_weight_update(self, weight_version=None) -> None:
+    def finish_weight_update(self, weight_version=None, timeout: float | None = None) -> None:
         pass
 
 
 def test_no_tower_tensor_goes_on_the_wire():
-    from grpo_core.sync.gloo_engine import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
+    from grpo_core.sync.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
     from grpo_core.sync.source import ModelWeightSource
 
     model, _ = load_policy(tiny_vlm("qwen3_vl"), torch.device("cpu"))

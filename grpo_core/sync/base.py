@@ -22,8 +22,13 @@ class SyncStats:
 
     mode: str
     bytes: int
+    """Bytes the push moved to the server (a delta: its headers and changes; storage: the patch read)."""
     seconds: float
     adapters_registered: int | None = None  # adapter sync: versions the server holds after the push
+    dense_bytes: int | None = None
+    """Bytes of the whole model in the wire dtype (what a dense push moves); None where not known."""
+    changed_share: float | None = None
+    """Share of the elements that differ from the previous push (None: a whole push, nothing compared)."""
 
 
 class WeightSync(ABC):
@@ -43,6 +48,12 @@ class WeightSync(ABC):
         """Adapter sync: the shared pointer through which the rollout worker names the newest
         registered adapter in its requests (None: requests name no adapter)."""
         return None
+
+    @property
+    def server_url(self) -> str | None:
+        """The server this sync pushes to (None off rank 0)."""
+        control = getattr(self, "control", None)
+        return getattr(control, "base_url", None)
 
     def close(self) -> None:
         """Release transport resources."""

@@ -95,3 +95,21 @@ def update_info(meta: Sequence[TensorMeta]) -> dict[str, list]:
         "dtype_names": [str(m.dtype).removeprefix("torch.") for m in meta],
         "shapes": [[int(d) for d in m.shape] for m in meta],
     }
+
+
+def plan_from_sizes(meta: Sequence[TensorMeta], group_sizes: Sequence[int]) -> list[Bucket]:
+    """The plan whose buckets hold ``group_sizes`` consecutive tensors of ``meta`` (as a sender announced it)."""
+    if sum(group_sizes) != len(meta) or any(size < 1 for size in group_sizes):
+        raise ValueError(f"bucket sizes {list(group_sizes)} do not cover {len(meta)} tensors")
+    plan: list[Bucket] = []
+    first = 0
+    for size in group_sizes:
+        slots: list[Slot] = []
+        offset = 0
+        for m in meta[first : first + size]:
+            nbytes = tensor_nbytes(m.dtype, m.shape)
+            slots.append(Slot(m.name, m.dtype, tuple(int(d) for d in m.shape), offset, nbytes))
+            offset += nbytes
+        plan.append(Bucket(tuple(slots), offset, first))
+        first += size
+    return plan

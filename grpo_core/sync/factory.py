@@ -55,6 +55,36 @@ class SyncSetup:
     wire_dtype: Any  # torch dtype the weights travel in (None: their own)
     model_path: str | None  # the base model's folder or hub id (names adapters, fills commands)
     peft_config: Any = None  # LoRA: adapter sync or merged sync; None: full weights
+    publisher: Any = None  # weight_sync_transport="storage": the run's PatchPublisher (outlives each sync)
+
+
+def deadline_config(config: Any) -> Any:
+    """The push deadlines a run's config asks for (``AsyncGRPOConfig.weight_sync_deadline_*``)."""
+    from grpo_core.sync.deadline import DeadlineConfig
+
+    return DeadlineConfig(floor_s=config.weight_sync_deadline_floor_s, slack=config.weight_sync_deadline_slack,
+                          assumed_mb_s=config.weight_sync_assumed_mb_s)
+
+
+def make_patch_publisher(setup: SyncSetup) -> Any:
+    """The writer of a storage-fed run's weight patches (one per trainer, kept across syncs)."""
+    from grpo_core.sync.source import ModelWeightSource
+    from grpo_core.sync.storage_sync import PatchPublisher
+
+    config = setup.config
+    url = config.weight_patch_url or f"{config.output_dir.rstrip('/')}/weight_patches"
+    return PatchPublisher(ModelWeightSource(setup.model, wire_dtype=setup.wire_dtype, named_tensors=_named(setup)),
+                          url, setup.rank, bucket_bytes=config.weight_sync_bucket_mb << 20,
+                          keyframe_every=config.weight_patch_keyframe_every)
+
+
+def _named(setup: SyncSetup) -> Any:
+    """LoRA: the merged weights (storage and group pushes of a LoRA run send them); else the parameters."""
+    if setup.peft_config is None:
+        return None
+    from grpo_core.models.lora import merged_named_tensors
+
+    return functools.partial(merged_named_tensors, setup.model)
 
 
 def make_weight_sync(setup: SyncSetup, control: Any) -> WeightSync:
@@ -65,6 +95,15 @@ def make_weight_sync(setup: SyncSetup, control: Any) -> WeightSync:
     from grpo_core.sync.address import parse_port_range
 
     config, model = setup.config, setup.model
+    if config.weight_sync_transport == "storage":
+        from grpo_core.sync.storage_sync import StoragePatchSync
+
+        if setup.peft_config is not None and config.lora_sync_mode == "adapter":
+            raise ValueError("weight_sync_transport='storage' pushes whole (merged) weights; set lora_sync_mode='merged'")
+        if setup.publisher is None:
+            raise ValueError("weight_sync_transport='storage' needs SyncSetup.publisher (make_patch_publisher)")
+        return StoragePatchSync(control, setup.publisher, setup.rank, deadline_config(config),
+                                mode="full" if setup.peft_config is None else "merged")
     ports = config.weight_transfer_port_range
     transport = dict(
         backend=setup.backend,
@@ -72,6 +111,8 @@ def make_weight_sync(setup: SyncSetup, control: Any) -> WeightSync:
         master_address=config.weight_transfer_address,
         port_range=parse_port_range(ports) if ports else None,
         bucket_bytes=config.weight_sync_bucket_mb << 20,
+        encoding=config.weight_sync_encoding,
+        deadline=deadline_config(config),
     )
     if setup.peft_config is None:
         return ProtocolWeightSync(control, ModelWeightSource(model, wire_dtype=setup.wire_dtype), **transport)
@@ -90,7 +131,7 @@ def make_weight_sync(setup: SyncSetup, control: Any) -> WeightSync:
         model,
         output_dir=config.output_dir,
         max_staleness=config.max_staleness,
-        base_sync=ProtocolWeightSync(control, base, mode="adapter", **transport),
+        base_sync=ProtocolWeightSync(control, base, mode="adapter", **(transport | {"encoding": "dense"})),
         base_model_name_or_path=setup.model_path,
         rank=setup.rank,
         # A request can run until its client gives up; its adapter folder must outlive it.

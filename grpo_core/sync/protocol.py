@@ -2,7 +2,14 @@
 
 The transport is picked by name: ``gloo`` (this package's backend, CPU servers) or ``nccl`` (vLLM's
 packed NCCL format, sent by ``nccl_trainer.BucketedNCCLTrainerEngine``). Both send the model in
-buckets of about ``bucket_bytes``, gathered with one collective per bucket across FSDP2 ranks.
+buckets of about ``bucket_bytes``, gathered with one collective per bucket across FSDP2 ranks; gloo
+can also send only what changed since the last push (``encoding="delta"``, ``gloo_trainer``).
+
+Every call to the server has a deadline (``deadline.Deadlines``; for ``nccl`` the HTTP phases only:
+its broadcasts run on the GPU and are not cut off). A push that fails or passes one raises a
+``WeightSyncError`` naming the phase, the server and the version, tears its session down (the sync
+cannot push again; the caller makes a new one) and leaves the server paused: it may hold half-loaded
+weights, which must not be sampled from. The next push, by this trainer or a resumed one, resumes it.
 
 The server dials back to a rendezvous store on trainer rank 0: at ``master_address`` when given,
 else at the local address that routes to the server's URL (``address.rendezvous_address``), on a
@@ -22,6 +29,9 @@ from grpo_core.sync.address import PortRange, choose_port, rendezvous_address
 from grpo_core.sync.base import SyncStats, WeightSync
 from grpo_core.sync.bucket_stream import TransferStats
 from grpo_core.sync.buckets import DEFAULT_BUCKET_BYTES
+from grpo_core.sync.deadline import DeadlineConfig, Deadlines
+from grpo_core.sync.errors import WeightSyncError
+from grpo_core.sync.timed import TimedControl
 from grpo_core.sync.vllm_plugin import GLOO_BACKEND, register
 
 if TYPE_CHECKING:
@@ -29,14 +39,16 @@ if TYPE_CHECKING:
 
 
 def _trainer_engine(backend: str, control: Any, source: WeightSource, rank: int, address: str, port: int,
-                    world_size: int, bucket_bytes: int) -> Any:
+                    world_size: int, bucket_bytes: int, encoding: str, rendezvous_s: float) -> Any:
     """Rendezvous with the server (rank 0) and return the trainer-side engine for ``backend``."""
     if backend == GLOO_BACKEND:
-        from grpo_core.sync.gloo_engine import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
+        from grpo_core.sync.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
 
         info = GlooTrainerInitInfo(rank=rank, master_address=address, master_port=port, world_size=world_size,
-                                   bucket_bytes=bucket_bytes)
+                                   bucket_bytes=bucket_bytes, encoding=encoding, rendezvous_timeout_s=rendezvous_s)
         return GlooTrainerWeightTransferEngine.trainer_init(info, client=control, source=source)
+    if encoding != "dense":
+        raise ValueError(f"weight_sync_encoding={encoding!r} needs the gloo backend; {backend!r} pushes dense weights")
     if backend == "nccl":
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
@@ -55,6 +67,7 @@ class ProtocolWeightSync(WeightSync):
     URL). ``port_range``: ports the rendezvous may use, both ends included (None: any free port).
     ``bucket_bytes``: the bucket threshold (a bucket closes after the tensor that passes it); the
     sender's extra GPU memory is at most twice the largest bucket, plus the FSDP2 gather scratch.
+    ``encoding``: ``dense`` or ``delta`` (gloo only). ``deadline``: the phases' deadlines.
     """
 
     def __init__(
@@ -67,6 +80,8 @@ class ProtocolWeightSync(WeightSync):
         port_range: PortRange | None = None,
         mode: str = "full",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        encoding: str = "dense",
+        deadline: DeadlineConfig | None = None,
     ):
         register()  # the server's gloo engine is vLLM's plugin; the trainer side is built here
         if rank == 0 and control is None:
@@ -75,14 +90,19 @@ class ProtocolWeightSync(WeightSync):
         self.backend = backend
         self.mode = mode
         self.source = source
+        self.deadlines = Deadlines(deadline or DeadlineConfig(), self.control.base_url if self.control else "")
         self.master_address = ""
         port = world_size = 0
+        init_calls = None
         if self.control is not None:
             self.master_address = rendezvous_address(self.control.base_url, master_address)
             port = choose_port(self.master_address, port_range)
             world_size = 1 + self.control.world_size()
-        self.engine = _trainer_engine(backend, self.control, source, rank, self.master_address, port, world_size,
-                                      bucket_bytes)
+            init_calls = TimedControl(self.control, self.deadlines, None, 0)
+        self.engine = _trainer_engine(backend, init_calls, source, rank, self.master_address, port, world_size,
+                                      bucket_bytes, encoding, self.deadlines.seconds("init", 0))
+        self.engine.client = self.control  # each push wraps it in that push's deadlines
+        self.engine.deadlines = self.deadlines
         self.bytes_per_push = sum(m.dtype.itemsize * _numel(m.shape) for m in source.metadata())
 
     @property
@@ -91,20 +111,40 @@ class ProtocolWeightSync(WeightSync):
         return getattr(self.engine, "last_stats", None)
 
     def push(self, version: int) -> SyncStats:
+        if self.engine is None:
+            raise WeightSyncError(f"weight sync to {self.server_url}: its session was torn down by a failed push; "
+                                  "make a new sync", server=self.server_url or "", version=version, phase="init")
         start = time.perf_counter()
-        if self.control is not None:
-            self.control.pause(mode="keep", clear_cache=True)
+        calls = TimedControl(self.control, self.deadlines, version, self.bytes_per_push) if self.control else None
+        phase = "pause"
         try:
+            if calls is not None:
+                calls.pause()
+            phase = "transfer"
             # Both engines pass the version to /finish_weight_update, before the server resumes.
             self.engine.next_weight_version = str(version)
+            if self.backend != GLOO_BACKEND and calls is not None:
+                self.engine.client = calls  # vLLM's packed sender drives the HTTP phases itself
             self.engine.send_weights()
-        finally:
-            if self.control is not None:
-                self.control.resume()
-        return SyncStats(mode=self.mode, bytes=self.bytes_per_push, seconds=time.perf_counter() - start)
+            phase = "resume"
+            if calls is not None:
+                calls.resume()
+        except BaseException as err:
+            self.close()  # the communicator goes; the server stays paused (see the module docstring)
+            if calls is not None and isinstance(err, Exception):
+                raise calls.failed(phase, err) from err
+            raise
+        delta = getattr(self.engine, "last_delta", None)
+        return SyncStats(
+            mode=self.mode, bytes=delta.wire_bytes if delta else self.bytes_per_push,
+            seconds=time.perf_counter() - start, dense_bytes=self.bytes_per_push,
+            changed_share=delta.changed / max(1, delta.numel) if delta and delta.changed is not None else None,
+        )
 
     def close(self) -> None:
-        self.engine.shutdown()
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.shutdown()
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -37,7 +37,7 @@ def register() -> None:
         )
     if GLOO_BACKEND not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(
-            GLOO_BACKEND, "grpo_core.sync.gloo_engine", "GlooTrainerWeightTransferEngine"
+            GLOO_BACKEND, "grpo_core.sync.gloo_trainer", "GlooTrainerWeightTransferEngine"
         )
 
 

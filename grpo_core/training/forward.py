@@ -80,3 +80,31 @@ def row_logprobs(
                          "returning it as logits, which the chunked head cannot follow: set logprob_chunk_size=None")
     out = outputs.logits[0]
     return RowLogprobs(out[:, 0], out[:, 1:] if top_ids is not None else None, None)
+
+
+@torch.no_grad()
+def probe_logprobs(model: torch.nn.Module, token_ids: list[int], device: torch.device) -> Tensor:
+    """The policy's log-prob of each token of ``token_ids`` after the first, at temperature 1, through the
+    same packed forward as training (a weight push's check compares it with the server's; every rank
+    calls it, since a sharded forward is collective). float64 on the host, ``len(token_ids) - 1`` values."""
+    import numpy as np
+
+    from grpo_core.packing.collator import pack_row
+    from grpo_core.packing.trie import TreeRow
+    from grpo_core.rollout.types import RolloutSample
+
+    n = len(token_ids)
+    mask = np.ones(n, dtype=bool)
+    mask[0] = False
+    sample = RolloutSample(token_ids=np.asarray(token_ids, dtype=np.int32), completion_mask=mask,
+                           sampler_logprobs=np.zeros(n, dtype=np.float32), advantage=0.0, reward=0.0, group_id=0,
+                           row_index=0, epoch=0, rollout_id="weight-probe", policy_version=0)
+    row = TreeRow()
+    row.add(sample)
+    was_training = model.training
+    model.eval()
+    try:
+        out = row_logprobs(model, pack_row(row).to(device), temperature=1.0, fused=False)
+    finally:
+        model.train(was_training)
+    return out.logprobs.detach().double().cpu()

@@ -9,7 +9,7 @@
     teardown stop the worker, close the transport and the tracker
 
 Rank 0 owns the rollout worker and talks to vLLM; every rank trains its own row of each micro-batch.
-The weight pushes (after steps, and again to a restarted server) are ``weight_push.WeightPushing``'s.
+Each weight push is confirmed, and a failed one recovered from or named, by ``weight_push.WeightPusher``.
 The public surface follows TRL's trainer: ``args``, ``model``, ``processing_class``, ``state``
 (``global_step``, ``log_history``), ``train(resume_from_checkpoint=...)``, ``evaluate()`` and
 ``save_model(dir)``.
@@ -58,15 +58,21 @@ from grpo_core.training.distributed import (
     init_distributed,
     shutdown_distributed,
 )
+from grpo_core.training.forward import probe_logprobs
 from grpo_core.training.host_memory import release_free_heap
 from grpo_core.training.loss import LossConfig, finalize_metrics, reduce_metric_parts
 from grpo_core.training.micro_batch import MicroBatch
 from grpo_core.training.perf import PerfMeter, synchronize
 from grpo_core.training.step_metrics import sample_and_queue_metrics
-from grpo_core.training.weight_push import WeightPushing
+from grpo_core.training.weight_push import WeightPusher
 from grpo_core.vllm_server.watch import ServerWatch, close_open_weight_update, left_paused
 
 log = logging.getLogger(__name__)
+
+
+class ServerRestartError(RuntimeError):
+    """The server restarted and this trainer cannot bring it back to its weights by itself."""
+
 
 @dataclass
 class TrainerState:
@@ -82,7 +88,7 @@ class TrainerState:
         self.global_step = int(state["global_step"])
 
 
-class AsyncGRPOTrainer(WeightPushing):
+class AsyncGRPOTrainer:
     """Asynchronous GRPO: a rollout process samples from vLLM while this process trains."""
 
     loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
@@ -169,7 +175,7 @@ class AsyncGRPOTrainer(WeightPushing):
         self.versions = WeightVersions()
         self.checkpointer = Checkpointer(self.args, self.dist, self._checkpoint_parts(), self.tracker)
         self.worker: RolloutWorker | None = None
-        self.weight_sync: Any = None
+        self.pusher: WeightPusher | None = None  # pushes to the server, confirms them, recovers (rank 0 talks)
         self.control: Any = None
         self.server: Any = None  # ServerCapabilities, once checked
         self.feed: StepFeed | None = None
@@ -315,7 +321,6 @@ class AsyncGRPOTrainer(WeightPushing):
             # weights, on which the next request would crash it: complete a push (it resumes) first.
             if self.dist.is_main:
                 close_open_weight_update(self.control)
-            self.weight_sync = self._make_weight_sync()
             self._sync_weights()
         if self.dist.is_main:
             self.server = check_server(self.control, args, model_name, self.model.config, cuda,
@@ -324,9 +329,8 @@ class AsyncGRPOTrainer(WeightPushing):
         self.micro_batch.candidate_sets = self.server.candidate_sets
         if self.moe is not None:
             self.moe.replay = args.routing_replay and self.server.routed_experts
-        self.weight_sync = self.weight_sync or self._make_weight_sync()
         if self.dist.is_main:
-            self.tracker.set_tags({"sync/mode": self.weight_sync.mode})
+            self.tracker.set_tags({"sync/mode": self.weight_pusher().mode})
         # The server may hold other weights than ours (another revision, a resumed run): push first.
         self._sync_weights()
         self.worker = self._start_worker() if self.dist.is_main else None  # rank 0 owns the rollout worker
@@ -348,6 +352,23 @@ class AsyncGRPOTrainer(WeightPushing):
             timeout_s=args.request_timeout,
         )
         return StepFeed(collector, self.dist.rank, self.dist.world_size)
+
+    @property
+    def weight_sync(self) -> Any:
+        """The open weight sync (None before setup and after teardown)."""
+        return self.pusher.sync if self.pusher is not None else None
+
+    def weight_pusher(self) -> WeightPusher:
+        """The run's pusher, made on first use (``training.weight_push``)."""
+        if self.pusher is None:
+            from grpo_core.sync.factory import SyncSetup, wire_dtype
+
+            setup = SyncSetup(config=self.args, model=self.model, rank=self.dist.rank,
+                              backend=self.args.resolved_weight_transfer_backend(self.device.type == "cuda"),
+                              wire_dtype=wire_dtype(self.bf16), model_path=self.model_path, peft_config=self.peft_config)
+            self.pusher = WeightPusher.for_run(setup, self.dist, self.control, self.watch, self.vocab_size,
+                                               probe=lambda ids: probe_logprobs(self.model, ids, self.device))
+        return self.pusher
 
     def _start_worker(self) -> RolloutWorker:
         loop_kwargs = dict(
@@ -415,6 +436,43 @@ class AsyncGRPOTrainer(WeightPushing):
         )
         return metrics
 
+    # ------------------------------------------------------------------------------------------ sync
+    def _sync_weights(self, force: bool = False) -> dict[str, float]:
+        """Push this step's weights and confirm them (``force``: even if they were pushed already, to a
+        restarted server); a failed push is recovered from or named (``training.weight_push``)."""
+        if not force and self.versions.pushed and self.versions.current == self.global_step:
+            return {}  # this step's weights are already on the server
+        self.model.eval()
+        outcome = self.weight_pusher().push(self.global_step)
+        self.versions.record(self.global_step)
+        if self.dist.is_main:
+            self.watch.after_push(self.versions.pushed)
+        if self.worker is not None:
+            # With what the trainer consumed so far: the worker keeps its lead within max_staleness.
+            self.worker.publish_version(self.global_step, consumed=self.feed.collector.consumed_total if self.feed else 0)
+        return outcome.metrics(self.global_step, self.pusher.recoveries)
+
+    def _push_again_if_server_restarted(self) -> None:
+        """Before each step's collection: a server that restarted since the last push (rank 0's
+        ``ServerWatch`` says so) gets this step's weights over a new transfer session. What it generated
+        before carries a weight version never pushed, and the collector drops it."""
+        reason = broadcast_object(self.watch.restarted() if self.dist.is_main else None)
+        if reason is not None:
+            self._push_to_restarted_server(reason)
+
+    def _push_to_restarted_server(self, reason: str) -> dict[str, float]:
+        if self.weight_pusher().mode == "adapter":
+            raise ServerRestartError(
+                f"the vLLM server restarted ({reason}); adapter-only LoRA sync cannot register its adapters on "
+                "the new server from here: resume the run (the flow does) or use lora_sync_mode='merged'"
+            )
+        log.warning("the vLLM server restarted (%s); pushing the weights of step %d again", reason, self.global_step)
+        self.pusher.reopen()  # the old session died with the server's workers
+        metrics = self._sync_weights(force=True)
+        self.server_restarts += 1
+        log.warning("re-pushed weight version %d to the restarted server in %.1f s (server restart %d of this attempt)",
+                    self.global_step, metrics.get("sync/seconds", 0.0), self.server_restarts)
+        return metrics
 
     # ------------------------------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
@@ -507,9 +565,9 @@ class AsyncGRPOTrainer(WeightPushing):
         if self.worker is not None:
             self.worker.stop()
             self.worker = None
-        if self.weight_sync is not None:
-            self.weight_sync.close()
-            self.weight_sync = None
+        if self.pusher is not None:
+            self.pusher.close()
+            self.pusher = None
         if self.control is not None:
             self.control.close()
             self.control = None

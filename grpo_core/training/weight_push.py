@@ -1,129 +1,192 @@
-"""Pushing the trainer's weights to the vLLM server: after optimizer steps, and again to a restarted server.
+"""The trainer's pushes to its server: push, confirm what the server serves, recover from a failed push.
 
-``WeightPushing`` is the part of ``AsyncGRPOTrainer`` that owns the weight transport (``grpo_core.sync``):
-``_sync_weights`` pushes the current step's weights (every ``weight_sync_steps``, before an evaluation,
-at the last step) and records the version; a server that restarted since the last push (rank 0's
-``ServerWatch`` says so before each step's collection, or a push fails because the server went away)
-gets the weights again over a new transfer session. What the restarted server generated before carries
-a weight version never pushed, and the collector drops it.
+    push(v)     every rank: the sync's push (gathers are collectives; rank 0 talks to the server)
+                → rank 0 reads the served version back (``sync.verify.check_version``) and, every
+                  ``weight_sync_verify_every`` pushes, compares the server's probe log-probs with the
+                  trainer's (every rank computes those: the forward is collective) and, where the
+                  transport can, the bytes the server holds (``check_applied``: storage receipts)
+                → the ranks take rank 0's verdict (one broadcast)
+    on failure  a ``WeightSyncError`` (a phase past its deadline, a refusal, a mismatch) or the server
+                gone: close the session, wait for the server to answer (``server_unavailable_timeout_s``),
+                finish a weight update it left open, open a new session and push again;
+                ``weight_sync_attempts`` pushes of a version in all, then the run fails with the
+                last named error (the flow resumes it)
+
+One ``WeightPusher`` per server (``training.trainer`` makes one for its server); nothing here is
+specific to one transport.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import torch
 
-from grpo_core.config import AsyncGRPOConfig
-from grpo_core.training.collector import WeightVersions
+from grpo_core.sync.base import SyncStats, WeightSync
+from grpo_core.sync.errors import WeightSyncError
+from grpo_core.sync.verify import PushVerifier, VerifyConfig, VerifyReport, check_version
 from grpo_core.training.distributed import DistInfo, broadcast_object
 from grpo_core.vllm_server.control import VLLMRequestError
-from grpo_core.vllm_server.watch import ServerWatch
+from grpo_core.vllm_server.watch import close_open_weight_update
 
 log = logging.getLogger(__name__)
 
-# What a push to a server that went away raises: its HTTP calls, the server's reply, the gloo transfer.
 PUSH_FAILURES = (httpx.TransportError, VLLMRequestError, RuntimeError)
+"""What a push to a server that went away or misbehaved raises (``WeightSyncError`` is a ``RuntimeError``)."""
+
+Probe = Callable[[list[int]], torch.Tensor]
+"""The trainer's own log-probs of a probe sequence (``training.forward.probe_logprobs``); every rank calls it."""
 
 
-class ServerRestartError(RuntimeError):
-    """The server restarted and this trainer cannot bring it back to its weights by itself."""
+@dataclass(frozen=True)
+class PushOutcome:
+    """One version pushed and confirmed."""
 
+    stats: SyncStats
+    report: VerifyReport | None
+    """The log-prob check (None when none was due)."""
+    attempts: int
+    check_s: float
+    """Seconds spent confirming (version read-back, probe forward and request, receipts)."""
 
-class WeightPushing:
-    """The trainer's weight pushes (a part of ``AsyncGRPOTrainer``; its attributes are the trainer's)."""
-
-    # What the pushes read and keep, set by the trainer.
-    args: AsyncGRPOConfig
-    model: torch.nn.Module
-    dist: DistInfo
-    device: torch.device
-    bf16: bool
-    model_path: str | None
-    peft_config: Any
-    control: Any  # VLLMControlClient on rank 0, None on the others
-    versions: WeightVersions
-    watch: ServerWatch | None
-    worker: Any  # the rollout worker on rank 0
-    feed: Any  # StepFeed
-    weight_sync: Any  # a WeightSync, once made
-    server_restarts: int
-    global_step: int  # a property of the trainer
-
-    def _make_weight_sync(self) -> Any:
-        from grpo_core.sync.factory import SyncSetup, make_weight_sync, wire_dtype
-
-        setup = SyncSetup(
-            config=self.args,
-            model=self.model,
-            rank=self.dist.rank,
-            backend=self.args.resolved_weight_transfer_backend(self.device.type == "cuda"),
-            wire_dtype=wire_dtype(self.bf16),
-            model_path=self.model_path,
-            peft_config=self.peft_config,
-        )
-        return make_weight_sync(setup, self.control)
-
-    def _sync_weights(self, force: bool = False) -> dict[str, float]:
-        """Push this step's weights (``force``: even if they were pushed already, to a restarted server)."""
+    def metrics(self, version: int, recoveries: int) -> dict[str, float]:
+        """The push's ``sync/*`` metrics (and ``weight_version``) for the step's log."""
         from grpo_core.sync.factory import SYNC_MODE_CODES
 
-        if not force and self.versions.pushed and self.versions.current == self.global_step:
-            return {}  # this step's weights are already on the server
-        self.model.eval()
-        try:
-            stats = self.weight_sync.push(self.global_step)
-        except PUSH_FAILURES as err:
-            return self._push_again_after_failed_push(err)
-        self.versions.record(self.global_step)
-        if self.dist.is_main:
-            self.watch.after_push(self.versions.pushed)
-        if self.worker is not None:
-            # With what the trainer consumed so far: the worker keeps its lead within max_staleness.
-            self.worker.publish_version(self.global_step, consumed=self.feed.collector.consumed_total if self.feed else 0)
+        stats, report = self.stats, self.report
         metrics = {
             "sync/bytes": float(stats.bytes),
             "sync/seconds": stats.seconds,
             "sync/mode": SYNC_MODE_CODES[stats.mode],
-            "weight_version": float(self.global_step),
+            "sync/check_s": self.check_s,
+            "sync/recoveries": float(recoveries),
+            "sync/dense_bytes": stats.dense_bytes,
+            "sync/changed_share": stats.changed_share,
+            "sync/adapters_registered": stats.adapters_registered,
+            "sync/verify_logprob_diff": report.max_diff if report else None,
+            "sync/verify_logprob_moved": report.moved if report else None,
+            "weight_version": float(version),
         }
-        if stats.adapters_registered is not None:
-            metrics["sync/adapters_registered"] = float(stats.adapters_registered)
-        return metrics
+        return {k: float(v) for k, v in metrics.items() if v is not None}
 
-    def _push_again_if_server_restarted(self) -> None:
-        """Before each step's collection: a server that restarted since the last push (rank 0's
-        ``ServerWatch`` says so) gets this step's weights over a new transfer session. What it generated
-        before carries a weight version never pushed, and the collector drops it."""
-        reason = broadcast_object(self.watch.restarted() if self.dist.is_main else None)
-        if reason is not None:
-            self._push_to_restarted_server(reason)
 
-    def _push_to_restarted_server(self, reason: str) -> dict[str, float]:
-        if self.weight_sync.mode == "adapter":
-            raise ServerRestartError(
-                f"the vLLM server restarted ({reason}); adapter-only LoRA sync cannot register its adapters on "
-                "the new server from here: resume the run (the flow does) or use lora_sync_mode='merged'"
-            )
-        log.warning("the vLLM server restarted (%s); pushing the weights of step %d again", reason, self.global_step)
-        try:
-            self.weight_sync.close()  # its session died with the server's workers
-        except Exception as err:  # noqa: BLE001 - whatever the dead session says, a new one follows
-            log.info("closing the weight transfer to the old server: %s", err)
-        self.weight_sync = self._make_weight_sync()
-        metrics = self._sync_weights(force=True)
-        self.server_restarts += 1
-        log.warning("re-pushed weight version %d to the restarted server in %.1f s (server restart %d of this attempt)",
-                    self.global_step, metrics.get("sync/seconds", 0.0), self.server_restarts)
-        return metrics
+class WeightPusher:
+    """Pushes, confirms and recovers (module docstring). ``make_sync`` opens a new session to the server."""
 
-    def _push_again_after_failed_push(self, err: Exception) -> dict[str, float]:
-        """A push that failed because the server went away (one rank: with several, the others are inside
-        the push's collectives and the attempt fails; the flow resumes it) waits for the server, then
-        pushes to it again when it restarted; any other failure is raised."""
-        reason = self.watch.restarted() if self.dist.world_size == 1 and self.watch is not None else None
-        if reason is None:
-            raise err
-        return self._push_to_restarted_server(f"{reason}; the push failed with {type(err).__name__}: {err}")
+    def __init__(self, make_sync: Callable[[], WeightSync], dist: DistInfo, control: Any, watch: Any,
+                 attempts: int, verify: VerifyConfig, probe: Probe | None, vocab_size: int):
+        self.make_sync = make_sync
+        self.dist = dist
+        self.control = control
+        self.watch = watch
+        self.attempts = attempts
+        self.verifier = PushVerifier(verify, vocab_size) if verify.every > 0 else None
+        self.probe = probe
+        self.sync: WeightSync | None = None
+        self.confirmed = 0
+        self.recoveries = 0
+
+    @classmethod
+    def for_run(cls, setup: Any, dist: DistInfo, control: Any, watch: Any, vocab_size: int, probe: Probe) -> WeightPusher:
+        """The pusher of a run (``setup``: ``sync.factory.SyncSetup``; its config's ``weight_sync_*`` settings)."""
+        from grpo_core.sync.factory import make_patch_publisher, make_weight_sync
+
+        args = setup.config
+        if args.weight_sync_transport == "storage":
+            setup.publisher = make_patch_publisher(setup)  # one writer for the run, whatever the sessions
+        return cls(lambda: make_weight_sync(setup, control), dist, control, watch, attempts=args.weight_sync_attempts,
+                   verify=VerifyConfig(every=args.weight_sync_verify_every, logprob_atol=args.weight_sync_verify_atol),
+                   probe=probe, vocab_size=vocab_size)
+
+    @property
+    def mode(self) -> str:
+        return self.open().mode
+
+    def open(self) -> WeightSync:
+        if self.sync is None:
+            self.sync = self.make_sync()
+        return self.sync
+
+    def reopen(self) -> WeightSync:
+        """A new session (the server restarted: the old one died with its workers)."""
+        self.close()
+        return self.open()
+
+    def close(self) -> None:
+        if self.sync is not None:
+            sync, self.sync = self.sync, None
+            try:
+                sync.close()
+            except Exception as err:  # noqa: BLE001 - whatever a broken session says, a new one follows
+                log.info("closing the weight transfer to %s: %s", sync.server_url, err)
+
+    def push(self, version: int) -> PushOutcome:
+        """Push ``version`` and confirm it (module docstring); raises the last named error when every attempt failed."""
+        for attempt in range(1, self.attempts + 1):
+            failure: BaseException | None = None
+            stats = report = None
+            try:
+                stats = self.open().push(version)
+            except PUSH_FAILURES as err:
+                failure = err
+            failure = self._agree(failure, version)
+            check_s = 0.0
+            if failure is None:
+                start = time.perf_counter()
+                report, failure = self._confirm(version)
+                check_s = time.perf_counter() - start
+            if failure is None:
+                self.confirmed += 1
+                return PushOutcome(stats=stats, report=report, attempts=attempt, check_s=check_s)
+            if attempt == self.attempts or self.open().mode == "adapter":
+                # Adapter-only LoRA sync registers adapters by name; a new session cannot rebuild them here.
+                raise failure
+            self._recover(version, failure, attempt)
+        raise AssertionError("unreachable")
+
+    # ---- confirming -------------------------------------------------------------------------------------
+    def _confirm(self, version: int) -> tuple[VerifyReport | None, BaseException | None]:
+        due = self.verifier is not None and self.verifier.due(self.confirmed + 1)
+        expected = self.probe(self.verifier.token_ids) if due else None  # every rank: a sharded forward
+        failure: BaseException | None = None
+        report = None
+        if self.dist.is_main and self.control is not None:  # without a control client there is nothing to ask
+            try:
+                check_version(self.control, version)
+                if due:
+                    report = self.verifier.check_logprobs(self.control, version, expected,
+                                                          model=self.sync.served_model_name(version))
+                check_applied = getattr(self.sync, "check_applied", None)
+                if callable(check_applied):
+                    check_applied(version)
+            except PUSH_FAILURES as err:
+                failure = err
+        return report, self._agree(failure, version)
+
+    def _agree(self, failure: BaseException | None, version: int) -> BaseException | None:
+        """Rank 0's verdict on every rank (only rank 0 talks to the server)."""
+        if self.dist.world_size == 1:
+            return failure
+        said = broadcast_object(f"{type(failure).__name__}: {failure}" if self.dist.is_main and failure else None)
+        if said is None or self.dist.is_main:
+            return failure
+        return WeightSyncError(f"trainer rank 0: {said}", server=self.control.base_url if self.control else "",
+                               version=version, phase="push")
+
+    # ---- recovering -------------------------------------------------------------------------------------
+    def _recover(self, version: int, failure: BaseException, attempt: int) -> None:
+        log.warning("the push of weight version %d failed (%s: %s); waiting for the server, then pushing again over a "
+                    "new session (attempt %d of %d)", version, type(failure).__name__, failure, attempt + 1,
+                    self.attempts)
+        self.close()  # the communicator goes before anything waits on the server
+        if self.dist.is_main:
+            self.watch.wait_until_answering()
+            close_open_weight_update(self.control)
+        broadcast_object(None)  # the other ranks wait here for rank 0's server
+        self.recoveries += 1
+        self.open()

@@ -39,11 +39,13 @@ class VLLMControlClient:
     def close(self) -> None:
         self._http.close()
 
-    def _send(self, method: str, route: str, retry: bool, **kwargs: Any) -> httpx.Response:
+    def _send(self, method: str, route: str, retry: bool, timeout: float | None = None, **kwargs: Any) -> httpx.Response:
         # The server closes a connection after answering an error, and idle keep-alive ones after a
         # few seconds; a request sent on such a connection fails before the server sees it, so it is
         # sent once more on a new one. Not for calls that block in a transfer (a retry would wait for
-        # data the trainer sent only once).
+        # data the trainer sent only once). ``timeout``: this call's, in place of the client's.
+        if timeout is not None:
+            kwargs["timeout"] = timeout
         try:
             response = self._http.request(method, route, **kwargs)
         except DROPPED_CONNECTION:
@@ -57,11 +59,12 @@ class VLLMControlClient:
         raise_for(route, response)
         return response
 
-    def _post(self, route: str, json: Any = None, params: dict[str, Any] | None = None, retry: bool = True) -> httpx.Response:
-        return self._send("POST", route, retry, json=json, params=params)
+    def _post(self, route: str, json: Any = None, params: dict[str, Any] | None = None, retry: bool = True,
+              timeout: float | None = None) -> httpx.Response:
+        return self._send("POST", route, retry, timeout, json=json, params=params)
 
-    def _get(self, route: str, params: dict[str, Any] | None = None) -> httpx.Response:
-        return self._send("GET", route, True, params=params)
+    def _get(self, route: str, params: dict[str, Any] | None = None, timeout: float | None = None) -> httpx.Response:
+        return self._send("GET", route, True, timeout, params=params)
 
     def probe(self, method: str, route: str, **kwargs: Any) -> httpx.Response:
         """Send a request and return the reply whatever its status (start-up checks read refusals)."""
@@ -100,21 +103,41 @@ class VLLMControlClient:
     def server_info(self) -> dict[str, Any]:
         return self._get("/server_info").json()
 
+    def served_dtype(self) -> str | None:
+        """The dtype the server computes in (``float32``, ``bfloat16``, ...) as ``/server_info`` reports it;
+        None when it does not answer with one."""
+        try:
+            info = self._get("/server_info", params={"config_format": "json"}).json()
+        except (httpx.HTTPError, VLLMRequestError, ValueError):
+            return None
+        dtype = ((info.get("vllm_config") or {}).get("model_config") or {}).get("dtype")
+        return str(dtype).removeprefix("torch.") if dtype else None
+
     def world_size(self) -> int:
         return int(self._get("/get_world_size").json()["world_size"])
 
-    def weight_version(self) -> str:
-        return str(self._get("/weight_info").json()["weight_version"])
+    def weight_version(self, timeout: float | None = None) -> str:
+        return str(self._get("/weight_info", timeout=timeout).json()["weight_version"])
+
+    def prompt_logprobs(self, token_ids: list[int], model: str | None = None, timeout: float | None = None) -> list[float]:
+        """The served log-prob of each token of ``token_ids`` after the first, given the tokens before it
+        (temperature 1; ``/inference/v1/generate`` with ``prompt_logprobs``)."""
+        body: dict[str, Any] = {"token_ids": list(token_ids),
+                                "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0}}
+        if model is not None:
+            body["model"] = model
+        entries = self._post("/inference/v1/generate", json=body, timeout=timeout).json()["prompt_logprobs"]
+        return [float(entries[t][str(token_ids[t])]["logprob"]) for t in range(1, len(token_ids))]
 
     def update_weight_version(self, version: str) -> None:
         self._post("/update_weight_version", json={"new_version": version})
 
     # -- pausing around a weight swap ---------------------------------------------------------------
-    def pause(self, mode: str = "keep", clear_cache: bool = True) -> None:
-        self._post("/pause", params={"mode": mode, "clear_cache": str(clear_cache).lower()})
+    def pause(self, mode: str = "keep", clear_cache: bool = True, timeout: float | None = None) -> None:
+        self._post("/pause", params={"mode": mode, "clear_cache": str(clear_cache).lower()}, timeout=timeout)
 
-    def resume(self) -> None:
-        self._post("/resume")
+    def resume(self, timeout: float | None = None) -> None:
+        self._post("/resume", timeout=timeout)
 
     def is_paused(self) -> bool:
         return bool(self._get("/is_paused").json()["is_paused"])
@@ -123,18 +146,19 @@ class VLLMControlClient:
         self._post("/reset_prefix_cache")
 
     # -- vLLM's weight-transfer protocol (VLLMWeightSyncClient) -------------------------------------
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._post("/init_weight_transfer_engine", json={"init_info": init_info}, retry=False)
+    # ``timeout``: the call's deadline (``grpo_core.sync.timed`` passes each phase's); None: the client's.
+    def init_weight_transfer_engine(self, init_info: dict[str, Any], timeout: float | None = None) -> None:
+        self._post("/init_weight_transfer_engine", json={"init_info": init_info}, retry=False, timeout=timeout)
 
-    def start_weight_update(self) -> None:
-        self._post("/start_weight_update")
+    def start_weight_update(self, timeout: float | None = None) -> None:
+        self._post("/start_weight_update", timeout=timeout)
 
-    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        self._post("/update_weights", json={"update_info": update_info}, retry=False)
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]], timeout: float | None = None) -> None:
+        self._post("/update_weights", json={"update_info": update_info}, retry=False, timeout=timeout)
 
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
+    def finish_weight_update(self, weight_version: str | None = None, timeout: float | None = None) -> None:
         body = {"weight_version": weight_version} if weight_version is not None else None
-        self._post("/finish_weight_update", json=body)
+        self._post("/finish_weight_update", json=body, timeout=timeout)
 
     def shutdown_weight_transfer_engine(self) -> None:
         self._post("/shutdown_weight_transfer_engine")

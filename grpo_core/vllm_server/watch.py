@@ -95,6 +95,12 @@ class ServerWatch:
                 return f"it answers as another process ({identity}, before {self.identity})"
         return None
 
+    def wait_until_answering(self, per_try_s: float = 5.0) -> None:
+        """Return once the server answers ``/weight_info`` (each try waits ``per_try_s``: a stopped engine
+        leaves requests unanswered rather than refused); raises ``ServerUnavailableError`` after
+        ``unavailable_timeout_s``."""
+        self._answering(lambda: self.control.weight_version(timeout=per_try_s))
+
     def note_restart(self, reason: str) -> None:
         """Keep a restart noticed while collecting for the next ``restarted()``."""
         self._known_restart = reason

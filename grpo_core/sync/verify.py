@@ -1,0 +1,127 @@
+"""Checks that a server serves the version just pushed, and the trainer's weights under that version.
+
+Two checks after a push, per server (a fleet calls them for each):
+
+* ``check_version``: ``GET /weight_info`` must report the pushed version (every push; one request);
+* ``PushVerifier.check_logprobs``: the server's log-probs of a fixed probe sequence
+  (``prompt_logprobs`` of ``probe_token_ids``) must be within ``logprob_atol`` of the trainer's own
+  for the same tokens, computed by the trainer from the weights it pushed. This sees what the server
+  computes with, whatever the transport and its receiving code (a tied head not refreshed, a layer
+  not reloaded, a push that never reached the weights): every ``every`` pushes.
+
+The log-prob check tells two versions apart only where one step moves the probe's log-probs by more
+than the tolerance; the verifier reports that move (``VerifyReport.moved``) beside the difference
+it found, so the margin is visible in the run's metrics. Exact checks of the bytes a server holds
+exist where this package's code receives them (``StoragePatchSync.check_applied``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grpo_core.sync.errors import ServedVersionMismatch, ServedWeightsMismatch
+
+log = logging.getLogger(__name__)
+
+FP32_ATOL = 1e-4
+"""``logprob_atol`` when None and the server computes in fp32: the bound the dense push meets on the CPU
+server (server and trainer log-probs of the same weights, another process and other kernels;
+``tests/integration/test_async_loop.py``)."""
+LOW_PRECISION_ATOL = 5e-2
+"""``logprob_atol`` when None and the server computes in 16 bits, or does not say in what: not measured by
+this package's tests (set ``weight_sync_verify_atol`` from the run's ``sync/verify_logprob_diff``)."""
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    """How and how often the served weights are checked after a push."""
+
+    every: int = 1
+    """Compare log-probs after every ``every``-th push (0: never; the version is checked every push)."""
+    probe_tokens: int = 32
+    """Length of the fixed probe sequence whose log-probs are compared."""
+    logprob_atol: float | None = None
+    """Largest |server - trainer| log-prob of a probe token accepted (None: ``FP32_ATOL`` for a server that
+    computes in fp32, else ``LOW_PRECISION_ATOL``; read from the server at the first check)."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"VerifyConfig.every={self.every}: 0 (never) or a positive number of pushes")
+        if self.probe_tokens < 2:
+            raise ValueError(f"VerifyConfig.probe_tokens={self.probe_tokens}: at least 2 (the first token has no log-prob)")
+        if self.logprob_atol is not None and not self.logprob_atol > 0:
+            raise ValueError(f"VerifyConfig.logprob_atol={self.logprob_atol}: must be > 0, or None for the default")
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What one log-prob check found."""
+
+    version: int
+    max_diff: float
+    """Largest |server - trainer| log-prob over the probe."""
+    moved: float | None
+    """Largest change of the trainer's probe log-probs since the last checked version (None: first check)."""
+    seconds: float
+
+
+def probe_token_ids(vocab_size: int, length: int, seed: int = 0) -> list[int]:
+    """A fixed pseudo-random token sequence (the same in every run of the same vocabulary size)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (length,), generator=g).tolist()
+
+
+def check_version(control: Any, version: int) -> None:
+    """Raise ``ServedVersionMismatch`` unless the server reports ``version``."""
+    served = control.weight_version()
+    if served != str(version):
+        raise ServedVersionMismatch(
+            f"the vLLM server at {control.base_url} reports weight version {served!r} right after the push of "
+            f"version {version}", server=control.base_url, version=version, phase="verify",
+        )
+
+
+def default_atol(served_dtype: str | None) -> float:
+    """``logprob_atol`` for a server that computes in ``served_dtype`` (None: it did not say)."""
+    return FP32_ATOL if served_dtype == "float32" else LOW_PRECISION_ATOL
+
+
+class PushVerifier:
+    """The log-prob check of ``VerifyConfig``."""
+
+    def __init__(self, config: VerifyConfig, vocab_size: int):
+        self.config = config
+        self.token_ids = probe_token_ids(vocab_size, config.probe_tokens)
+        self.atol: float | None = config.logprob_atol
+        self.last_expected: torch.Tensor | None = None
+
+    def due(self, push_index: int) -> bool:
+        """Whether the ``push_index``-th push (1-based) gets a log-prob check."""
+        return self.config.every > 0 and push_index % self.config.every == 0
+
+    def check_logprobs(self, control: Any, version: int, expected: torch.Tensor, model: str | None = None) -> VerifyReport:
+        """Compare the server's probe log-probs with ``expected`` (the trainer's, one per token after the first)."""
+        start = time.perf_counter()
+        if self.atol is None:
+            dtype = control.served_dtype()
+            self.atol = default_atol(dtype)
+            log.info("weight push check: the server at %s computes in %s; probe log-probs must agree within %g "
+                     "(weight_sync_verify_atol)", control.base_url, dtype or "an unreported dtype", self.atol)
+        served = control.prompt_logprobs(self.token_ids, model=model)
+        expected = expected.detach().double().cpu()
+        diff = float((torch.tensor(served, dtype=torch.float64) - expected).abs().max())
+        moved = None if self.last_expected is None else float((expected - self.last_expected).abs().max())
+        if not diff <= self.atol:  # NaN fails too
+            raise ServedWeightsMismatch(
+                f"the vLLM server at {control.base_url} does not serve the trainer's weights of version {version}: "
+                f"its log-probs of the probe differ by up to {diff:.3g} (tolerance {self.atol:g}"
+                + (f"; one version moves them by {moved:.3g})" if moved is not None else ")"),
+                server=control.base_url, version=version, phase="verify",
+            )
+        self.last_expected = expected
+        return VerifyReport(version=version, max_diff=diff, moved=moved, seconds=time.perf_counter() - start)

@@ -1,0 +1,115 @@
+"""``WeightPusher``: a push confirmed, a failed push recovered over a new session, a lasting mismatch named.
+
+The server is a stand-in (a dict of what it serves); the syncs are stand-ins that record what they were
+asked to do. What is checked is the pusher's order of things, not a transport (tests/test_sync_transfer.py
+and tests/integration/test_weight_sync_trust.py cover those).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_core.sync.base import SyncStats, WeightSync
+from grpo_core.sync.errors import ServedWeightsMismatch, WeightSyncTimeout
+from grpo_core.sync.verify import VerifyConfig
+from grpo_core.training.distributed import DistInfo
+from grpo_core.training.weight_push import WeightPusher
+from grpo_core.vllm_server.control import VLLMRequestError
+
+URL = "http://server:8000"
+
+
+class Server:
+    """What the server serves: a version and the log-probs of whatever it is asked."""
+
+    base_url = URL
+
+    def __init__(self):
+        self.version = "default"
+        self.logprob = 0.0  # every served log-prob
+        self.events: list[str] = []
+
+    def weight_version(self, timeout: float | None = None) -> str:
+        return self.version
+
+    def served_dtype(self) -> str:
+        return "float32"
+
+    def prompt_logprobs(self, token_ids: list[int], model: str | None = None, timeout: float | None = None) -> list[float]:
+        return [self.logprob] * (len(token_ids) - 1)
+
+    def finish_weight_update(self, weight_version: str | None = None, timeout: float | None = None) -> None:
+        self.events.append("finish-open-update")
+        raise VLLMRequestError("/finish_weight_update -> HTTP 400: finish without a matching start")
+
+
+class Sync(WeightSync):
+    """Pushes by setting the server's version (and, unless ``stale``, its log-probs to the trainer's)."""
+
+    mode = "full"
+
+    def __init__(self, server: Server, trainer: dict, failures: list[BaseException], stale: bool = False):
+        self.control, self.server, self.trainer, self.failures, self.stale = server, server, trainer, failures, stale
+
+    def push(self, version: int) -> SyncStats:
+        self.server.events.append(f"push {version}")
+        if self.failures:
+            raise self.failures.pop(0)
+        self.server.version = str(version)
+        if not self.stale:
+            self.server.logprob = self.trainer["logprob"]
+        return SyncStats(mode=self.mode, bytes=10, seconds=0.01)
+
+    def close(self) -> None:
+        self.server.events.append("close")
+
+
+class Watch:
+    def __init__(self, server: Server):
+        self.server = server
+
+    def wait_until_answering(self) -> None:
+        self.server.events.append("wait")
+
+
+def pusher(server: Server, trainer: dict, failures: list[BaseException], stale: bool = False, attempts: int = 2):
+    def probe(ids: list[int]) -> torch.Tensor:
+        return torch.full((len(ids) - 1,), trainer["logprob"], dtype=torch.float64)
+
+    def make() -> Sync:
+        server.events.append("open")
+        return Sync(server, trainer, failures, stale)
+
+    return WeightPusher(make, DistInfo(), server, Watch(server), attempts=attempts, verify=VerifyConfig(),
+                        probe=probe, vocab_size=100)
+
+
+def test_a_confirmed_push_reports_the_check():
+    server, trainer = Server(), {"logprob": -1.0}
+    outcome = pusher(server, trainer, []).push(3)
+    assert server.events == ["open", "push 3"] and outcome.attempts == 1
+    assert outcome.report.max_diff == 0.0 and outcome.report.moved is None
+    assert outcome.metrics(3, 0)["sync/verify_logprob_diff"] == 0.0
+
+
+def test_a_push_past_its_deadline_is_pushed_again_over_a_new_session_after_the_server_answers():
+    server, trainer = Server(), {"logprob": -1.0}
+    timeout = WeightSyncTimeout("phase 'transfer' ...", server=URL, version=4, phase="transfer")
+    p = pusher(server, trainer, [timeout])
+    outcome = p.push(4)
+    assert server.events == ["open", "push 4", "close", "wait", "finish-open-update", "open", "push 4"]
+    assert outcome.attempts == 2 and p.recoveries == 1 and server.version == "4"
+
+
+def test_a_server_that_keeps_old_weights_is_named_after_the_last_attempt():
+    server, trainer = Server(), {"logprob": -1.0}
+    p = pusher(server, trainer, [])
+    p.push(1)
+    trainer["logprob"] = -1.5  # a step later, the server does not follow
+    p.make_sync = lambda: Sync(server, trainer, [], stale=True)
+    p.reopen()
+    with pytest.raises(ServedWeightsMismatch, match=rf"the vLLM server at {URL} does not serve the trainer's weights of "
+                                                    r"version 2: its log-probs of the probe differ by up to 0.5"):
+        p.push(2)
+    assert server.events.count("wait") == 1  # one recovery, then the named error
