@@ -95,7 +95,10 @@ NEEDS = {
 
 def begin(items: list[pytest.Item], start_server: Callable[[], Any]) -> None:
     """Begin the builds and the server start that the selected ``items`` will need."""
-    selected = {Path(str(item.fspath)).stem for item in items if "integration" in Path(str(item.fspath)).parts}
+    # Only tests marked ``startup`` (conftest: they use a built model or a server) need any of this; the
+    # fast tier deselects them, and its integration checks that need no server start nothing.
+    selected = {Path(str(item.fspath)).stem for item in items
+                if "integration" in Path(str(item.fspath)).parts and item.get_closest_marker("startup")}
     if not selected:
         return
     BACKGROUND.submit("build:arithmetic", lambda: build_in_child(
