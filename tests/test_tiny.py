@@ -192,6 +192,7 @@ def test_cache_location(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
 # --- the real model ----------------------------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.startup  # a whole tiny-model build (minutes on two cores): not in the fast tier
 def test_real_build_hits_the_accuracy_window(tmp_path: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
