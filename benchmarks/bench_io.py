@@ -23,3 +23,12 @@ def write_report(path: str, report: Any, indent: int = 1, announce: bool = True)
 def brief(result: dict[str, Any]) -> dict[str, Any]:
     """A result's scalar fields, floats rounded: the line a script prints after each configuration."""
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.items() if not isinstance(v, (list, dict))}
+
+
+def record(report: dict[str, Any], result: dict[str, Any], path: str, is_main: bool = True) -> None:
+    """Add one configuration's ``result`` to ``report``; on the main rank print its brief line and rewrite the
+    JSON, so that a later failure keeps the configurations measured so far."""
+    report["results"].append(result)
+    if is_main:
+        print(json.dumps(brief(result)), flush=True)
+        write_report(path, report, announce=False)

@@ -51,7 +51,7 @@ from grpo_core.training.distributed import DistInfo, init_distributed  # noqa: E
 from grpo_core.training.forward import row_logprobs  # noqa: E402
 from grpo_core.training.loss import LossConfig, LossInputs, grpo_loss  # noqa: E402
 from grpo_core.training.perf import ModelFlops, device_peak_flops, synchronize  # noqa: E402
-from bench_io import brief, write_report  # noqa: E402
+from bench_io import record, write_report  # noqa: E402
 
 SHAPES = {  # Qwen3 dense shapes (config.json of the public checkpoints)
     "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
@@ -372,10 +372,7 @@ def main() -> None:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        report["results"].append(result)
-        if info.rank == 0:
-            print(json.dumps(brief(result)), flush=True)
-            write_report(args.out, report, announce=False)  # after every config: a later failure keeps the earlier ones
+        record(report, result, args.out, is_main=info.rank == 0)
     if info.rank == 0:
         print(f"{'budget':>7} {'AC':>3} {'compile':>9} {'attention':>16} {'reshard':>7} {'chunk':>5} {'tok/s':>8} "
               f"{'MFU fb':>7} {'MFU step':>8} {'peak GiB':>8}")

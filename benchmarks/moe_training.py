@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -56,7 +55,7 @@ from grpo_core.training.distributed import DistInfo, init_distributed  # noqa: E
 from grpo_core.training.forward import row_logprobs  # noqa: E402
 from grpo_core.training.loss import LossConfig, LossInputs, grpo_loss  # noqa: E402
 from grpo_core.training.perf import ModelFlops, device_peak_flops, synchronize  # noqa: E402
-from bench_io import brief, write_report  # noqa: E402
+from bench_io import record, write_report  # noqa: E402
 import fsdp_mfu  # noqa: E402
 import tree_packing  # noqa: E402
 
@@ -260,10 +259,7 @@ def main() -> None:
               "command": " ".join(sys.argv), "results": []}
     for shape in shapes:
         for result in run_shape(args, shape, device, info.rank, dist.get_world_size()):
-            report["results"].append(result)
-            if info.rank == 0:
-                print(json.dumps(brief(result)), flush=True)
-                write_report(args.out, report, announce=False)
+            record(report, result, args.out, is_main=info.rank == 0)
     if info.rank == 0:
         print(f"{'shape':14} {'workload':9} {'mode':5} {'tok/s':>8} {'MFU fb':>7} {'peak GiB':>8} {'speed-up':>8} "
               f"{'FLOP-ideal':>10} {'reached':>7}")

@@ -87,12 +87,19 @@ def serving(paths: dict[str, str], log_dir: Path) -> Iterator[dict[str, Served]]
             served.server.stop()
 
 
+@contextmanager
+def serving_check_builds(variants: list[str], build_job: str, log_dir: Path) -> Iterator[dict[str, Served]]:
+    """``variants`` as the checks build them (a short warm-up: tests/tiny_variants.py), served side by side;
+    waits first for the background ``build_job`` (tests/startup.py) where the run began one."""
+    if BACKGROUND.has(build_job):
+        BACKGROUND.result(build_job, timeout_s=1800)
+    with serving({v: str(build_check_variant(v)) for v in variants}, log_dir) as servers:
+        yield servers
+
+
 @pytest.fixture(scope="module")
 def check_servers(server_logs: Path) -> Iterator[dict[str, Served]]:
-    """The variants as the checks build them (a short warm-up: tests/tiny_variants.py), each served."""
-    if BACKGROUND.has("build:hybrid"):
-        BACKGROUND.result("build:hybrid", timeout_s=1800)
-    with serving({v: str(build_check_variant(v)) for v in VARIANTS}, server_logs / "check") as servers:
+    with serving_check_builds(VARIANTS, "build:hybrid", server_logs / "check") as servers:
         yield servers
 
 
@@ -165,9 +172,9 @@ class RecordingControl(VLLMControlClient):
         super().__init__(base_url)
         self.updates: list[dict[str, Any]] = []
 
-    def update_weights(self, update_info: Any) -> None:
+    def update_weights(self, update_info: Any, **kwargs: Any) -> None:
         self.updates.append(update_info)
-        super().update_weights(update_info)
+        super().update_weights(update_info, **kwargs)
 
 
 def perturb(model: torch.nn.Module, scale: float, only: str | None = None, seed: int = 0) -> None:
@@ -269,10 +276,9 @@ LEARN_RATE = 2e-4
 MARGIN = 0.15
 
 
-@pytest.mark.long
-@pytest.mark.slow
-def test_variant_learns_on_its_server(served_tuned: Served, tmp_path: Path) -> None:
-    served = served_tuned
+def learning_run(served: Served, tmp_path: Path) -> tuple[float, float, list[dict[str, float]]]:
+    """``LEARN_STEPS`` steps at the demo's settings against ``served``: the mean reward of the first and last
+    tenth of the steps (12 of 120), and the history. Prints both with step 1's sampler/trainer gap."""
     from flows.cli import DEMO_TRAINER
     from grpo_core.rewards import accuracy_reward, format_reward
     from grpo_core.tiny import arithmetic_dataset
@@ -287,10 +293,18 @@ def test_variant_learns_on_its_server(served_tuned: Served, tmp_path: Path) -> N
     rewards = np.array([h["reward"] for h in history])
     (tmp_path / "rewards.json").write_text(json.dumps(rewards.tolist()))
     k = max(1, int(np.ceil(0.1 * len(rewards))))
-    first, last = rewards[:k].mean(), rewards[-k:].mean()
+    first, last = float(rewards[:k].mean()), float(rewards[-k:].mean())
     # Step 1 trains on samples of the weights the server loaded: their sampler/trainer gap is the bf16 one.
-    print(json.dumps({served.variant: {"reward_first": first, "reward_last": last,
+    print(json.dumps({served.variant: {"reward_first": first, "reward_last": last, "steps": len(history),
                                         "logprob_diff_step1": history[0].get("sampling/logprob_diff_mean"),
-                                        "masked_step1": history[0].get("sampling/masked_mean")}}))
+                                        "masked_step1": history[0].get("sampling/masked_mean"),
+                                        "per_step": np.round(rewards, 3).tolist()}}))
+    return first, last, history
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_variant_learns_on_its_server(served_tuned: Served, tmp_path: Path) -> None:
+    first, last, history = learning_run(served_tuned, tmp_path)
     assert len(history) == LEARN_STEPS
-    assert last >= first + MARGIN, f"{served.variant}: reward {first:.3f} -> {last:.3f} (per step {np.round(rewards, 3).tolist()})"
+    assert last >= first + MARGIN, f"{served_tuned.variant}: reward {first:.3f} -> {last:.3f}"

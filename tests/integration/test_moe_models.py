@@ -39,9 +39,15 @@ from grpo_core.config import AsyncGRPOConfig
 from grpo_core.tiny import build_tiny_model
 from grpo_core.vllm_server.model_needs import model_server_options
 from grpo_core.vllm_server.process import RETURN_ROUTED_EXPERTS, ServerOptions, VLLMServerSpec
-from tests.integration.test_hybrid_models import Served, push_and_follow, sampled_sequences, server_logprobs, serving
-from tests.startup import BACKGROUND
-from tests.tiny_variants import build_check_variant
+from tests.integration.test_hybrid_models import (
+    Served,
+    push_and_follow,
+    sampled_sequences,
+    server_logprobs,
+    serving,
+    serving_check_builds,
+)
+from tests.integration.test_hybrid_models import LEARN_STEPS, MARGIN, learning_run
 
 pytestmark = pytest.mark.integration
 
@@ -50,10 +56,7 @@ VARIANTS = ["arithmetic-moe", "arithmetic-hybrid-moe"]
 
 @pytest.fixture(scope="module")
 def check_servers(server_logs: Path) -> Iterator[dict[str, Served]]:
-    """Both variants as the checks build them (tests/tiny_variants.py), served side by side."""
-    if BACKGROUND.has("build:moe"):
-        BACKGROUND.result("build:moe", timeout_s=1800)
-    with serving({v: str(build_check_variant(v)) for v in VARIANTS}, server_logs / "moe-check") as servers:
+    with serving_check_builds(VARIANTS, "build:moe", server_logs / "moe-check") as servers:
         yield servers
 
 
@@ -79,8 +82,9 @@ def test_server_options_come_from_the_model(check_servers: dict[str, Served], va
     assert served.spec.dtype == ("bfloat16" if "hybrid" in served.variant else "float32")
     assert RETURN_ROUTED_EXPERTS not in served.spec.flags()  # the CPU build refuses it (module docstring)
     gpu = model_server_options(served.path, ServerOptions(), cuda=True)
-    assert gpu.return_routed_experts and RETURN_ROUTED_EXPERTS in VLLMServerSpec(model=served.path, **{
-        k: getattr(gpu, k) for k in ("return_routed_experts", "dtype")}).flags()
+    # dtype None: the server follows the trainer's dtype, which VLLMServerSpec.for_run fills in.
+    assert gpu.return_routed_experts and RETURN_ROUTED_EXPERTS in VLLMServerSpec(
+        model=served.path, return_routed_experts=gpu.return_routed_experts, dtype=gpu.dtype or "bfloat16").flags()
 
 
 # ---- weight sync: fused expert tensors under the trainer's names ------------------------------------------------
@@ -243,31 +247,11 @@ def test_run_without_routes_warns_once_and_trains(check_servers: dict[str, Serve
     assert all("sampling/routing_mismatch" not in h for h in history)
 
 
-# ---- learning ----------------------------------------------------------------------------------------------------
-LEARN_STEPS = 120
-LEARN_RATE = 2e-4
-MARGIN = 0.15
-
-
+# ---- learning: the hybrid module's run and margin (120 steps at the demo's settings, +0.15 reward) ---------------
 @pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_variant_learns_on_its_server(tuned_servers: dict[str, Served], variant: str, tmp_path: Path) -> None:
-    from flows.cli import DEMO_TRAINER
-    from grpo_core.rewards import accuracy_reward, format_reward
-    from grpo_core.tiny import arithmetic_dataset
-    from grpo_core.training.trainer import AsyncGRPOTrainer
-
-    served = tuned_servers[variant]
-    settings = {**DEMO_TRAINER, "max_steps": LEARN_STEPS, "learning_rate": LEARN_RATE, "save_strategy": "no", "seed": 0}
-    args = AsyncGRPOConfig(output_dir=str(tmp_path / "run"), vllm_server_base_url=served.url, report_to="none", **settings)
-    trainer = AsyncGRPOTrainer(model=served.path, reward_funcs=[accuracy_reward, format_reward],
-                               train_dataset=arithmetic_dataset()["train"], args=args)
-    history = trainer.train()
-    rewards = np.array([h["reward"] for h in history])
-    k = 12
-    first, last = rewards[:k].mean(), rewards[-k:].mean()
-    print(json.dumps({served.variant: {"reward_first": first, "reward_last": last, "steps": len(history),
-                                        "logprob_diff_step1": history[0].get("sampling/logprob_diff_mean")}}))
+    first, last, history = learning_run(tuned_servers[variant], tmp_path)
     assert len(history) == LEARN_STEPS
-    assert last >= first + MARGIN, f"{served.variant}: reward {first:.3f} -> {last:.3f} (per step {np.round(rewards, 3).tolist()})"
+    assert last >= first + MARGIN, f"{variant}: reward {first:.3f} -> {last:.3f}"
