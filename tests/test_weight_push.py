@@ -33,8 +33,8 @@ class Server:
     def weight_version(self, timeout: float | None = None) -> str:
         return self.version
 
-    def served_dtype(self) -> str:
-        return "float32"
+    def server_config(self) -> dict:
+        return {"model_config": {"dtype": "torch.float32"}, "device_config": {"device": "cpu"}}
 
     def prompt_logprobs(self, token_ids: list[int], model: str | None = None, timeout: float | None = None) -> list[float]:
         return [self.logprob] * (len(token_ids) - 1)
@@ -113,3 +113,27 @@ def test_a_server_that_keeps_old_weights_is_named_after_the_last_attempt():
                                                     r"version 2: its log-probs of the probe differ by up to 0.5"):
         p.push(2)
     assert server.events.count("wait") == 1  # one recovery, then the named error
+
+
+def test_a_cpu_server_with_lora_support_gets_no_probe_and_others_do() -> None:
+    from grpo_core.sync.verify import PushVerifier, VerifyConfig, probe_unsafe_reason
+
+    cpu_lora = {"device_config": {"device": "cpu"}, "lora_config": {"max_loras": 2}, "model_config": {"dtype": "float32"}}
+    assert "LoRA" in probe_unsafe_reason(cpu_lora)
+    assert probe_unsafe_reason({**cpu_lora, "device_config": {"device": "cuda"}}) is None
+    assert probe_unsafe_reason({**cpu_lora, "lora_config": None}) is None
+    assert probe_unsafe_reason({}) is None  # a server that does not say: probed
+
+    class LoraServer(Server):
+        def server_config(self) -> dict:
+            return cpu_lora
+
+        def prompt_logprobs(self, *a, **k):  # noqa: ANN002, ANN003
+            raise AssertionError("a CPU server with LoRA support must not be probed")
+
+    verifier = PushVerifier(VerifyConfig(), vocab_size=50)
+    assert verifier.check_logprobs(LoraServer(), 1, torch.zeros(31)) is None
+    assert verifier.check_logprobs(LoraServer(), 2, torch.zeros(31)) is None  # the configuration is read once
+    plain = PushVerifier(VerifyConfig(), vocab_size=50)
+    report = plain.check_logprobs(Server(), 1, torch.zeros(31))
+    assert report is not None and report.max_diff == 0.0 and plain.atol == 1e-4  # fp32: FP32_ATOL

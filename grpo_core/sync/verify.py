@@ -91,6 +91,20 @@ def default_atol(served_dtype: str | None) -> float:
     return FP32_ATOL if served_dtype == "float32" else LOW_PRECISION_ATOL
 
 
+def probe_unsafe_reason(server_config: dict[str, Any]) -> str | None:
+    """Why a log-prob probe must not be sent to a server with this engine configuration (None: it may).
+
+    vLLM's CPU LoRA kernels mis-size the logits step when a prompt-log-prob request shares a batch with
+    decoding requests (``bgmv_shrink``: an einsum over mismatched batch sizes), and the engine dies; the
+    rollouts decode while the probe is asked, so a CPU server started with LoRA support gets no probe."""
+    device = (server_config.get("device_config") or {})
+    on_cpu = "cpu" in {str(device.get("device", "")).lower(), str(device.get("device_type", "")).lower()}
+    if on_cpu and server_config.get("lora_config"):
+        return ("the server runs on the CPU with LoRA support, whose kernels fail on a prompt-log-prob request "
+                "batched with decoding ones")
+    return None
+
+
 class PushVerifier:
     """The log-prob check of ``VerifyConfig``."""
 
@@ -99,19 +113,33 @@ class PushVerifier:
         self.token_ids = probe_token_ids(vocab_size, config.probe_tokens)
         self.atol: float | None = config.logprob_atol
         self.last_expected: torch.Tensor | None = None
+        self.server_read = False
+        self.skip_reason: str | None = None  # set at the first check: this server gets no probe
 
     def due(self, push_index: int) -> bool:
         """Whether the ``push_index``-th push (1-based) gets a log-prob check."""
         return self.config.every > 0 and push_index % self.config.every == 0
 
-    def check_logprobs(self, control: Any, version: int, expected: torch.Tensor, model: str | None = None) -> VerifyReport:
-        """Compare the server's probe log-probs with ``expected`` (the trainer's, one per token after the first)."""
+    def check_logprobs(self, control: Any, version: int, expected: torch.Tensor,
+                       model: str | None = None) -> VerifyReport | None:
+        """Compare the server's probe log-probs with ``expected`` (the trainer's, one per token after the first).
+        None: this server gets no probe (``probe_unsafe_reason``); its version is still read back."""
         start = time.perf_counter()
-        if self.atol is None:
-            dtype = control.served_dtype()
-            self.atol = default_atol(dtype)
-            log.info("weight push check: the server at %s computes in %s; probe log-probs must agree within %g "
-                     "(weight_sync_verify_atol)", control.base_url, dtype or "an unreported dtype", self.atol)
+        if not self.server_read:
+            self.server_read = True
+            server_config = control.server_config()
+            self.skip_reason = probe_unsafe_reason(server_config)
+            if self.skip_reason is not None:
+                log.warning("weight push check: no log-prob probe for the server at %s (%s); the served version is "
+                            "still read back after every push", control.base_url, self.skip_reason)
+            if self.atol is None:
+                dtype = (server_config.get("model_config") or {}).get("dtype")
+                dtype = str(dtype).removeprefix("torch.") if dtype else None
+                self.atol = default_atol(dtype)
+                log.info("weight push check: the server at %s computes in %s; probe log-probs must agree within %g "
+                         "(weight_sync_verify_atol)", control.base_url, dtype or "an unreported dtype", self.atol)
+        if self.skip_reason is not None:
+            return None
         served = control.prompt_logprobs(self.token_ids, model=model)
         expected = expected.detach().double().cpu()
         diff = float((torch.tensor(served, dtype=torch.float64) - expected).abs().max())

@@ -103,14 +103,19 @@ class VLLMControlClient:
     def server_info(self) -> dict[str, Any]:
         return self._get("/server_info").json()
 
-    def served_dtype(self) -> str | None:
-        """The dtype the server computes in (``float32``, ``bfloat16``, ...) as ``/server_info`` reports it;
-        None when it does not answer with one."""
+    def server_config(self) -> dict[str, Any]:
+        """The server's engine configuration as ``/server_info`` reports it (``vllm_config``); empty when it
+        does not answer with one."""
         try:
             info = self._get("/server_info", params={"config_format": "json"}).json()
         except (httpx.HTTPError, VLLMRequestError, ValueError):
-            return None
-        dtype = ((info.get("vllm_config") or {}).get("model_config") or {}).get("dtype")
+            return {}
+        return info.get("vllm_config") or {}
+
+    def served_dtype(self) -> str | None:
+        """The dtype the server computes in (``float32``, ``bfloat16``, ...) as ``/server_info`` reports it;
+        None when it does not answer with one."""
+        dtype = (self.server_config().get("model_config") or {}).get("dtype")
         return str(dtype).removeprefix("torch.") if dtype else None
 
     def world_size(self) -> int:

@@ -1,4 +1,4 @@
-"""Weight sync you can trust, against the shared CPU vLLM server: storage patches, deadlines, verification.
+"""Weight sync you can trust, against a CPU vLLM server of this module: storage patches, deadlines, verification.
 
 (a) a run whose server is fed only through weight patches on storage ends with the server holding
     the trainer's weights exactly and serving its log-probs within the dense push's tolerance;
@@ -6,8 +6,10 @@
     version within its deadline, and the run finishes once the server is back;
 (c) a server left on old weights under a new version number is caught by the check and named.
 
-Each test leaves the shared server as it found it (serving, unpaused); the next test pushes its own
-weights at start-up anyway.
+The module starts its own server, without LoRA support: the probe that checks a push asks the server for
+prompt log-probs while rollouts decode, which vLLM's CPU LoRA kernels cannot batch (``sync/verify.py``), so
+the session's LoRA-enabled server gets no probe. Each test leaves the server as it found it (serving,
+unpaused); the next test pushes its own weights at start-up anyway.
 
     .venv/bin/python -m pytest -q tests/integration/test_weight_sync_trust.py
 """
@@ -15,6 +17,7 @@ weights at start-up anyway.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal
 import threading
@@ -32,12 +35,25 @@ from grpo_core.sync.patch_store import PatchReader, apply_patch, plan_chain
 from grpo_core.sync.source import checkpoint_name
 from grpo_core.tiny import arithmetic_dataset
 from grpo_core.training.trainer import AsyncGRPOTrainer
+from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec
 from tests.integration.test_async_loop import fast_config
 
 pytestmark = pytest.mark.integration
 
 # The bound the dense push meets on this server (tests/integration/test_async_loop.py explains it).
 DENSE_LOGPROB_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def plain_server(tiny_model_path, server_logs):
+    """The tiny model served as the session's server is, but without LoRA support (module docstring)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))  # the server's worker shares the cores (conftest)
+    server = VLLMServer(VLLMServerSpec(model=tiny_model_path, max_model_len=512, max_logprobs=20),
+                        server_logs / "sync-trust").start(timeout_s=900)
+    yield server
+    server.stop()
+    torch.set_num_threads(threads)
 
 
 def config(url: str, tmp_path, **overrides) -> AsyncGRPOConfig:
@@ -74,9 +90,9 @@ def served_and_own_logprobs(url: str, model_path: str, weights: dict[str, torch.
 
 
 # ---------------------------------------------------------------------------------------------- (a)
-def test_a_server_fed_only_through_storage_patches_holds_the_trainers_weights(vllm_server, tiny_model_path, tmp_path):
+def test_a_server_fed_only_through_storage_patches_holds_the_trainers_weights(plain_server, tiny_model_path, tmp_path):
     steps = 20
-    args = config(vllm_server.base_url, tmp_path, max_steps=steps, weight_sync_transport="storage",
+    args = config(plain_server.base_url, tmp_path, max_steps=steps, weight_sync_transport="storage",
                   weight_patch_keyframe_every=8, weight_sync_verify_every=5)
     trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward, format_reward], train_dataset=arithmetic_dataset()["train"],
                                args=args)
@@ -100,7 +116,7 @@ def test_a_server_fed_only_through_storage_patches_holds_the_trainers_weights(vl
     for name, tensor in weights.items():
         assert torch.equal(rebuilt[name], tensor.reshape(-1)), name
 
-    served, own = served_and_own_logprobs(vllm_server.base_url, tiny_model_path, weights)
+    served, own = served_and_own_logprobs(plain_server.base_url, tiny_model_path, weights)
     diff = (served - own).abs().max().item()
     shares = [h["sync/changed_share"] for h in history if "sync/changed_share" in h]
     deltas = [m for m in manifests.values() if m.base_version is not None]
@@ -121,11 +137,11 @@ def engine_processes(server) -> list:
 
 
 def test_a_push_whose_receiver_stops_ends_in_a_named_error_within_its_deadline_and_the_run_finishes(
-        vllm_server, tiny_model_path, tmp_path, monkeypatch, caplog):
+        plain_server, tiny_model_path, tmp_path, monkeypatch, caplog):
     from grpo_core.sync import gloo_trainer
 
     floor_s, stopped_for_s, stop_at = 4.0, 12.0, 3
-    args = config(vllm_server.base_url, tmp_path, max_steps=6, weight_sync_deadline_floor_s=floor_s,
+    args = config(plain_server.base_url, tmp_path, max_steps=6, weight_sync_deadline_floor_s=floor_s,
                   weight_sync_bucket_mb=1, weight_sync_verify_every=0, server_unavailable_timeout_s=120.0)
     trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward], train_dataset=arithmetic_dataset()["train"], args=args)
     stopped: dict[str, float] = {}
@@ -134,7 +150,7 @@ def test_a_push_whose_receiver_stops_ends_in_a_named_error_within_its_deadline_a
     def stop_after_first_bucket(self, buffer):
         send(self, buffer)
         if self.index == 1 and self.clock.version == stop_at and not stopped:
-            processes = engine_processes(vllm_server)
+            processes = engine_processes(plain_server)
             for p in processes:
                 p.send_signal(signal.SIGSTOP)
             stopped["at"] = time.time()
@@ -151,13 +167,13 @@ def test_a_push_whose_receiver_stops_ends_in_a_named_error_within_its_deadline_a
     try:
         history = trainer.train()
     finally:
-        for p in engine_processes(vllm_server):
+        for p in engine_processes(plain_server):
             p.send_signal(signal.SIGCONT)
     assert "at" in stopped, "the server was never stopped"
     failures = [r for r in caplog.records if "the push of weight version" in r.getMessage()]
     assert len(failures) == 1, [r.getMessage() for r in failures]
     message = failures[0].getMessage()
-    named = re.search(rf"WeightSyncTimeout: weight sync to {re.escape(vllm_server.base_url)}: phase '(\w+)' of the push "
+    named = re.search(rf"WeightSyncTimeout: weight sync to {re.escape(plain_server.base_url)}: phase '(\w+)' of the push "
                       rf"of version {stop_at} passed its deadline of ([\d.]+) s = max\(floor {floor_s:g} s", message)
     assert named, message
     phase, deadline_s = named.group(1), float(named.group(2))
@@ -170,7 +186,7 @@ def test_a_push_whose_receiver_stops_ends_in_a_named_error_within_its_deadline_a
 
 
 # ---------------------------------------------------------------------------------------------- (c)
-def test_a_server_left_on_old_weights_is_caught_and_named(vllm_server, tiny_model_path):
+def test_a_server_left_on_old_weights_is_caught_and_named(plain_server, tiny_model_path):
     from transformers import AutoModelForCausalLM
 
     from grpo_core.sync.protocol import ProtocolWeightSync
@@ -179,7 +195,7 @@ def test_a_server_left_on_old_weights_is_caught_and_named(vllm_server, tiny_mode
     from grpo_core.vllm_server.control import VLLMControlClient
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-    control = VLLMControlClient(vllm_server.base_url)
+    control = VLLMControlClient(plain_server.base_url)
     sync = ProtocolWeightSync(control, ModelWeightSource(model), backend="gloo")
     verifier = PushVerifier(VerifyConfig(), model.config.vocab_size)
 
@@ -199,10 +215,10 @@ def test_a_server_left_on_old_weights_is_caught_and_named(vllm_server, tiny_mode
                 p.add_(1e-3 * torch.randn_like(p))
         control.update_weight_version("201")
         check_version(control, 201)  # the number alone says nothing
-        with pytest.raises(ServedWeightsMismatch, match=rf"the vLLM server at {vllm_server.base_url} does not serve the "
+        with pytest.raises(ServedWeightsMismatch, match=rf"the vLLM server at {plain_server.base_url} does not serve the "
                                                         r"trainer's weights of version 201: its log-probs of the probe differ"):
             verifier.check_logprobs(control, 201, own(verifier.token_ids))
-        with pytest.raises(ServedVersionMismatch, match=rf"at {vllm_server.base_url} reports weight version '201' right "
+        with pytest.raises(ServedVersionMismatch, match=rf"at {plain_server.base_url} reports weight version '201' right "
                                                         r"after the push of version 202"):
             check_version(control, 202)
         print(f"probe log-prob diff on the right weights {report.max_diff:.2e} (tolerance {verifier.atol:g})")
