@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 
@@ -32,3 +33,17 @@ def record(report: dict[str, Any], result: dict[str, Any], path: str, is_main: b
     if is_main:
         print(json.dumps(brief(result)), flush=True)
         write_report(path, report, announce=False)
+
+
+def print_table(results: list[dict[str, Any]], header: str, row: Callable[[dict[str, Any]], str],
+                failed: Callable[[dict[str, Any]], str]) -> None:
+    """The summary table a script prints at the end: ``header``, then ``row(r)`` per result, or ``failed(r)``
+    followed by its error for a configuration that raised."""
+    print(header)
+    for r in results:
+        print(f"{failed(r)} {r['error'][:70]}" if "error" in r else row(r))
+
+
+def percent(value: float | None) -> str:
+    """An MFU-like share as a 7-wide percentage, or n/a."""
+    return f"{100 * value:6.1f}%" if value is not None else "    n/a"

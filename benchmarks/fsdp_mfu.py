@@ -51,7 +51,7 @@ from grpo_core.training.distributed import DistInfo, init_distributed  # noqa: E
 from grpo_core.training.forward import row_logprobs  # noqa: E402
 from grpo_core.training.loss import LossConfig, LossInputs, grpo_loss  # noqa: E402
 from grpo_core.training.perf import ModelFlops, device_peak_flops, synchronize  # noqa: E402
-from bench_io import record, write_report  # noqa: E402
+from bench_io import percent, print_table, record, write_report  # noqa: E402
 
 SHAPES = {  # Qwen3 dense shapes (config.json of the public checkpoints)
     "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
@@ -374,16 +374,13 @@ def main() -> None:
                 torch.cuda.empty_cache()
         record(report, result, args.out, is_main=info.rank == 0)
     if info.rank == 0:
-        print(f"{'budget':>7} {'AC':>3} {'compile':>9} {'attention':>16} {'reshard':>7} {'chunk':>5} {'tok/s':>8} "
-              f"{'MFU fb':>7} {'MFU step':>8} {'peak GiB':>8}")
-        for r in report["results"]:
-            if "error" in r:
-                print(f"{r['token_budget']:>7} {r['activation_checkpointing']!s:>3} {r['error'][:60]}")
-                continue
-            mfu = lambda v: f"{100 * v:6.1f}%" if v is not None else "   n/a"  # noqa: E731
-            print(f"{r['token_budget']:>7} {int(r['activation_checkpointing']):>3} {r['compile']:>9} "
-                  f"{r['attention_backend']:>16} {int(r['reshard_after_forward']):>7} {str(r['logprob_chunk']):>5} {r['tokens_per_s_fwd_bwd']:8.0f} {mfu(r['mfu_fwd_bwd'])} "
-                  f"{mfu(r['mfu_wall_clock']):>8} {r['peak_allocated_gib'] or 0:8.1f}")
+        print_table(report["results"], f"{'budget':>7} {'AC':>3} {'compile':>9} {'attention':>16} {'reshard':>7} "
+                    f"{'chunk':>5} {'tok/s':>8} {'MFU fb':>7} {'MFU step':>8} {'peak GiB':>8}",
+                    lambda r: f"{r['token_budget']:>7} {int(r['activation_checkpointing']):>3} {r['compile']:>9} "
+                              f"{r['attention_backend']:>16} {int(r['reshard_after_forward']):>7} "
+                              f"{str(r['logprob_chunk']):>5} {r['tokens_per_s_fwd_bwd']:8.0f} {percent(r['mfu_fwd_bwd'])} "
+                              f"{percent(r['mfu_wall_clock']):>8} {r['peak_allocated_gib'] or 0:8.1f}",
+                    lambda r: f"{r['token_budget']:>7} {r['activation_checkpointing']!s:>3}")
     dist.destroy_process_group()
 
 

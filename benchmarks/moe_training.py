@@ -55,7 +55,7 @@ from grpo_core.training.distributed import DistInfo, init_distributed  # noqa: E
 from grpo_core.training.forward import row_logprobs  # noqa: E402
 from grpo_core.training.loss import LossConfig, LossInputs, grpo_loss  # noqa: E402
 from grpo_core.training.perf import ModelFlops, device_peak_flops, synchronize  # noqa: E402
-from bench_io import record, write_report  # noqa: E402
+from bench_io import percent, print_table, record, write_report  # noqa: E402
 import fsdp_mfu  # noqa: E402
 import tree_packing  # noqa: E402
 
@@ -261,17 +261,15 @@ def main() -> None:
         for result in run_shape(args, shape, device, info.rank, dist.get_world_size()):
             record(report, result, args.out, is_main=info.rank == 0)
     if info.rank == 0:
-        print(f"{'shape':14} {'workload':9} {'mode':5} {'tok/s':>8} {'MFU fb':>7} {'peak GiB':>8} {'speed-up':>8} "
-              f"{'FLOP-ideal':>10} {'reached':>7}")
-        for r in report["results"]:
-            if "error" in r:
-                print(f"{r['model']:14} {r['workload']:9} {r['packing']:5} {r['error'][:70]}")
-                continue
-            mfu = f"{100 * r['mfu_fwd_bwd']:6.1f}%" if r["mfu_fwd_bwd"] else "    n/a"
+        def row(r: dict) -> str:
             extra = (f"{r['speedup']:8.2f} {r['flop_ideal_speedup']:10.2f} {r['speedup_over_flop_ideal']:7.2f}"
                      if "speedup" in r else "")
-            print(f"{r['model']:14} {r['workload']:9} {r['packing']:5} {r['tokens_per_s_fwd_bwd']:8.0f} {mfu} "
-                  f"{r['peak_allocated_gib'] or 0:8.1f} {extra}")
+            return (f"{r['model']:14} {r['workload']:9} {r['packing']:5} {r['tokens_per_s_fwd_bwd']:8.0f} "
+                    f"{percent(r['mfu_fwd_bwd'] or None)} {r['peak_allocated_gib'] or 0:8.1f} {extra}")
+
+        print_table(report["results"], f"{'shape':14} {'workload':9} {'mode':5} {'tok/s':>8} {'MFU fb':>7} {'peak GiB':>8} "
+                    f"{'speed-up':>8} {'FLOP-ideal':>10} {'reached':>7}", row,
+                    lambda r: f"{r['model']:14} {r['workload']:9} {r['packing']:5}")
         write_report(args.out, report)
     dist.destroy_process_group()
 
