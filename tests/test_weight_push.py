@@ -137,3 +137,39 @@ def test_a_cpu_server_with_lora_support_gets_no_probe_and_others_do() -> None:
     plain = PushVerifier(VerifyConfig(), vocab_size=50)
     report = plain.check_logprobs(Server(), 1, torch.zeros(31))
     assert report is not None and report.max_diff == 0.0 and plain.atol == 1e-4  # fp32: FP32_ATOL
+
+
+def test_a_server_without_the_tokens_route_gets_no_probe_but_other_errors_are_raised() -> None:
+    from grpo_core.sync.verify import PushVerifier
+
+    class NoScaleOut(Server):
+        def prompt_logprobs(self, *a, **k):  # noqa: ANN002, ANN003
+            raise VLLMRequestError('/inference/v1/generate -> HTTP 403: {"error":{"message":"Scale-out endpoints are '
+                                   'disabled."}}', status=403)
+
+    class UnknownModel(Server):
+        def prompt_logprobs(self, *a, **k):  # noqa: ANN002, ANN003
+            raise VLLMRequestError('/inference/v1/generate -> HTTP 404: {"error":{"message":"model run-v3 not found"}}',
+                                   status=404)
+
+    verifier = PushVerifier(VerifyConfig(), vocab_size=50)
+    assert verifier.check_logprobs(NoScaleOut(), 1, torch.zeros(31)) is None and "scale-out" in verifier.skip_reason
+    with pytest.raises(VLLMRequestError, match="not found"):
+        PushVerifier(VerifyConfig(), vocab_size=50).check_logprobs(UnknownModel(), 1, torch.zeros(31))
+
+
+def test_adapter_sync_confirms_the_base_version_of_its_session() -> None:
+    pusher = WeightPusher(lambda: None, DistInfo(rank=0, world_size=1, local_rank=0), None, None, attempts=1,
+                          verify=VerifyConfig(every=0), probe=None, vocab_size=50)
+
+    class AdapterSync:
+        mode = "adapter"
+
+    pusher.sync = AdapterSync()
+    assert [pusher.served_version(v) for v in (3, 4, 5)] == [3, 3, 3]  # adapters by name; the base stays at 3
+    pusher.sync = None
+    pusher.close()
+    pusher.sync = AdapterSync()
+    assert pusher.served_version(7) == 7  # a new session pushes the base again
+    pusher.sync.mode = "full"
+    assert pusher.served_version(8) == 8

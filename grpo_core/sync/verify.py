@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from grpo_core.sync.errors import ServedVersionMismatch, ServedWeightsMismatch
+from grpo_core.vllm_server.control import VLLMRequestError
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,17 @@ class PushVerifier:
                          "(weight_sync_verify_atol)", control.base_url, dtype or "an unreported dtype", self.atol)
         if self.skip_reason is not None:
             return None
-        served = control.prompt_logprobs(self.token_ids, model=model)
+        try:
+            served = control.prompt_logprobs(self.token_ids, model=model)
+        except VLLMRequestError as err:
+            route_missing = err.status == 404 and '"detail":"Not Found"' in str(err).replace(" ", "")
+            if not (err.status == 403 or route_missing):  # an unknown model name (404) is an answer, not a refusal
+                raise
+            # The probe asks /inference/v1/generate, which a server started without --enable-scale-out refuses.
+            self.skip_reason = "the server has no /inference/v1/generate route (started without --enable-scale-out)"
+            log.warning("weight push check: no log-prob probe for the server at %s (%s); the served version is still "
+                        "read back after every push", control.base_url, self.skip_reason)
+            return None
         expected = expected.detach().double().cpu()
         diff = float((torch.tensor(served, dtype=torch.float64) - expected).abs().max())
         moved = None if self.last_expected is None else float((expected - self.last_expected).abs().max())

@@ -88,6 +88,7 @@ class WeightPusher:
         self.verifier = PushVerifier(verify, vocab_size) if verify.every > 0 else None
         self.probe = probe
         self.sync: WeightSync | None = None
+        self.base_version: int | None = None  # adapter sync: the version of the base weights, pushed once per session
         self.confirmed = 0
         self.recoveries = 0
 
@@ -118,6 +119,7 @@ class WeightPusher:
         return self.open()
 
     def close(self) -> None:
+        self.base_version = None  # a new session pushes the base weights again
         if self.sync is not None:
             sync, self.sync = self.sync, None
             try:
@@ -150,6 +152,15 @@ class WeightPusher:
         raise AssertionError("unreachable")
 
     # ---- confirming -------------------------------------------------------------------------------------
+    def served_version(self, pushed: int) -> int:
+        """The version the server reports once ``pushed`` is confirmed: adapter-only LoRA sync registers each
+        version as a named adapter and leaves the served base weights at the version of the session's first push."""
+        if self.sync is not None and self.sync.mode == "adapter":
+            if self.base_version is None:
+                self.base_version = pushed
+            return self.base_version
+        return pushed
+
     def _confirm(self, version: int) -> tuple[VerifyReport | None, BaseException | None]:
         due = self.verifier is not None and self.verifier.due(self.confirmed + 1)
         expected = self.probe(self.verifier.token_ids) if due else None  # every rank: a sharded forward
@@ -157,7 +168,7 @@ class WeightPusher:
         report = None
         if self.dist.is_main and self.control is not None:  # without a control client there is nothing to ask
             try:
-                check_version(self.control, version)
+                check_version(self.control, self.served_version(version))
                 if due:
                     report = self.verifier.check_logprobs(self.control, version, expected,
                                                           model=self.sync.served_model_name(version))

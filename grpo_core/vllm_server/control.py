@@ -22,10 +22,15 @@ SERVER_UNREACHABLE = (*DROPPED_CONNECTION, httpx.ConnectError, httpx.ConnectTime
 class VLLMRequestError(RuntimeError):
     """A vLLM route answered with an error; the message names the route and the server's reply."""
 
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+        """The HTTP status of the reply (None where there was none)."""
+
 
 def raise_for(route: str, response: httpx.Response) -> None:
     if response.status_code >= 400:
-        raise VLLMRequestError(f"{route} -> HTTP {response.status_code}: {response.text[:2000]}")
+        raise VLLMRequestError(f"{route} -> HTTP {response.status_code}: {response.text[:2000]}", status=response.status_code)
 
 
 class VLLMControlClient:
