@@ -104,7 +104,20 @@ def probe_logprobs(model: torch.nn.Module, token_ids: list[int], device: torch.d
     was_training = model.training
     model.eval()
     try:
-        out = row_logprobs(model, pack_row(row).to(device), temperature=1.0, fused=False)
+        with torch.no_grad():
+            out = row_logprobs(model, pack_row(row).to(device), temperature=1.0, fused=False)
     finally:
         model.train(was_training)
+        reshard(model)
     return out.logprobs.detach().double().cpu()
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free the gathered parameters of a forward that no backward follows. FSDP2 keeps the root module's
+    parameters gathered after its forward (a backward usually needs them at once); outside training that
+    would leave the whole root unsharded, in full size, until the next step."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
