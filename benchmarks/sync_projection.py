@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +48,9 @@ def shares_from(path: Path) -> dict[str, float]:
     if not path.exists():
         return {}
     report = json.loads(path.read_text())
-    out: dict[str, float] = {}
-    for lr, entry in (report.get("learning_rates") or report.get("lrs") or {}).items():
-        share = entry.get("changed_share_median", entry.get("share_median"))
-        if share is not None:
-            out[str(lr)] = float(share)
-    return out
+    # sparse_share.py writes, per learning rate under "summary", the share of every measured step.
+    return {str(lr): float(statistics.median(entry["share_per_step"]))
+            for lr, entry in (report.get("summary") or {}).items() if entry.get("share_per_step")}
 
 
 def project(shares: dict[str, float]) -> list[dict[str, Any]]:
