@@ -117,12 +117,6 @@ class VLLMControlClient:
             return {}
         return info.get("vllm_config") or {}
 
-    def served_dtype(self) -> str | None:
-        """The dtype the server computes in (``float32``, ``bfloat16``, ...) as ``/server_info`` reports it;
-        None when it does not answer with one."""
-        dtype = (self.server_config().get("model_config") or {}).get("dtype")
-        return str(dtype).removeprefix("torch.") if dtype else None
-
     def world_size(self) -> int:
         return int(self._get("/get_world_size").json()["world_size"])
 
