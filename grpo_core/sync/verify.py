@@ -26,6 +26,7 @@ import torch
 
 from grpo_core.sync.errors import ServedVersionMismatch, ServedWeightsMismatch
 from grpo_core.vllm_server.control import VLLMRequestError
+from grpo_core.vllm_server.process import ENABLE_SCALE_OUT
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +148,8 @@ class PushVerifier:
             route_missing = err.status == 404 and '"detail":"Not Found"' in str(err).replace(" ", "")
             if not (err.status == 403 or route_missing):  # an unknown model name (404) is an answer, not a refusal
                 raise
-            # The probe asks /inference/v1/generate, which a server started without --enable-scale-out refuses.
-            self.skip_reason = "the server has no /inference/v1/generate route (started without --enable-scale-out)"
+            # The probe asks /inference/v1/generate, which a server started without the scale-out flag refuses.
+            self.skip_reason = f"the server has no /inference/v1/generate route (started without {ENABLE_SCALE_OUT})"
             log.warning("weight push check: no log-prob probe for the server at %s (%s); the served version is still "
                         "read back after every push", control.base_url, self.skip_reason)
             return None
