@@ -34,14 +34,16 @@ INTEGRATION_ORDER = (
 
 
 def order_items(items: list[pytest.Item]) -> None:
-    """Unit tests first, then integration modules in ``INTEGRATION_ORDER`` (others after), each in file order."""
+    """Unit tests first (those that wait for a background build or server last), then integration modules
+    in ``INTEGRATION_ORDER`` (others after), each in file order."""
 
     def key(item: pytest.Item) -> int:
         path = Path(str(item.fspath))
         if "integration" not in path.parts:
-            return 0
+            # A unit test that needs the built model would hold up the rest while the build runs beside it.
+            return 1 if item.get_closest_marker("startup") else 0
         stem = path.stem
-        return 1 + (INTEGRATION_ORDER.index(stem) if stem in INTEGRATION_ORDER else len(INTEGRATION_ORDER))
+        return 2 + (INTEGRATION_ORDER.index(stem) if stem in INTEGRATION_ORDER else len(INTEGRATION_ORDER))
 
     items.sort(key=key)  # stable: file and parameter order kept within a module
 

@@ -124,18 +124,19 @@ def child_server_starts(root: Path) -> list[dict[str, object]]:
     """Every server start found in ``vllm_server.log`` files below ``root``: its log and seconds to ready.
 
     A start is counted from the API server's first stamped line (its Python imports before that line are
-    not seen, so these are lower bounds) to its "Application startup complete"."""
+    not seen, so these are lower bounds) to its "Application startup complete", which the HTTP server
+    prints without a time stamp: the last stamped line before it stands for its time."""
     starts: list[dict[str, object]] = []
     for log in sorted(root.rglob("vllm_server.log")):
-        first: datetime | None = None
+        pid, first, last = None, None, None  # the API server process being started, its first and latest stamp
         for line in log.read_text(errors="replace").splitlines():
             match = START_LINE.match(line)
-            if match and first is None:
-                first = _stamp(match.group(2))
-            elif READY_LINE in line and first is not None:
-                stamp = START_LINE.match(line)
-                starts.append({"log": str(log.relative_to(root)), "seconds": None if stamp is None else
-                               (_stamp(stamp.group(2)) - first).total_seconds()})
+            if match:
+                last = _stamp(match.group(2))
+                if match.group(1) != pid:  # a new server process (a restart logs into the same file)
+                    pid, first = match.group(1), last
+            elif READY_LINE in line and first is not None and last is not None:
+                starts.append({"log": str(log.relative_to(root)), "seconds": (last - first).total_seconds()})
                 first = None
     return starts
 

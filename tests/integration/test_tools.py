@@ -240,7 +240,9 @@ def test_sleeping_tool_does_not_slow_other_rollouts(tools_policy_on_server, tool
     global SLEEP_S
     # The tiny policy calls the calculator only when shown the schema it was trained on.
     assert ToolRegistry([calculator]).schemas() == [CALCULATOR_SCHEMA]
-    rows = [dict(r) for r in arithmetic_dataset(num_train=96, num_eval=4)["train"]]
+    # 48 rows: a few percent of rollouts call the tool, so a stream of 48 has a qualifying call in most runs
+    # (another stream is run when it has none), and the control stream waits a whole sleep per call.
+    rows = [dict(r) for r in arithmetic_dataset(num_train=48, num_eval=4)["train"]]
     concurrency, sleep = 8, 8.0
     cfg = AsyncGRPOConfig(vllm_server_base_url=tools_policy_on_server, report_to="none", max_completion_length=48,
                           num_sampler_logprobs=0, max_concurrent_rollouts=concurrency, num_generations=2)
