@@ -227,7 +227,11 @@ def push_and_follow(served: Served, model: torch.nn.Module, seqs: list[tuple[lis
             ok, stats = within_rounding(server, trainer, rounding)
             moved = (server - as_loaded).abs().mean().item()
             report |= {f"{label}_moved_mean": moved, **{f"{label}_{k}": v for k, v in stats.items()}}
-            assert moved > 20 * rounding.mean().item(), f"{label}: the push hardly moved the server ({report})"
+            # A push that did not land leaves the server where it was, so its gap to the trainer is ``moved``; the
+            # check below allows a mean gap of 2x the bf16 rounding, so a move of twice that (4x) cannot pass it
+            # unnoticed. (Measured: the conv-only perturbation moves the hybrid's server by 0.060, 14x its bf16
+            # rounding of 0.0044; the earlier 20x bar failed on it though the push had landed.)
+            assert moved > 4 * rounding.mean().item(), f"{label}: the push hardly moved the server ({report})"
             assert ok, f"{label}: server and trainer differ beyond bf16 rounding ({report})"
         with torch.no_grad():
             for name, p in model.named_parameters():
