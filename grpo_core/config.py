@@ -261,8 +261,16 @@ class AsyncGRPOConfig:
     does: it moves the router for a reason other than the reward."""
 
     # ---- vLLM server and weight transfer -----------------------------------------------------------
-    vllm_server_base_url: str = "http://localhost:8000"
-    """Base URL of the vLLM server used for generation and weight sync."""
+    vllm_server_base_url: str | Annotated[list[str], Field(min_length=1)] = "http://localhost:8000"
+    """Base URL of the vLLM server used for generation and weight sync, or a list of them: a fleet of servers of
+    the same model and flags. The rollout worker sends each group to one server (where there is room, by each
+    server's own KV-cache usage), every push reaches every server, and a server that stops answering or fails a
+    push is drained (its requests go to the others) until it answers again and has received the current weights
+    (``grpo_core.training.fleet``)."""
+    server_drain_after_s: Annotated[float, Field(gt=0)] = 10.0
+    """A fleet of two or more servers: a server whose ``/metrics`` has not answered for this long is drained (a
+    refused connection drains it at once); its rollouts go on on the others. A fleet's last serving server is never
+    drained for not answering: it is waited for, as a single server is (``server_unavailable_timeout_s``)."""
     vllm_server_timeout: Annotated[float, Field(gt=0)] = 240.0
     """Seconds ``train()`` waits for the server to answer (it may still be starting) before it fails."""
     request_timeout: Annotated[float, Field(gt=0)] = 600.0
@@ -319,8 +327,9 @@ class AsyncGRPOConfig:
     """With ``peft_config`` only. ``merged``: every sync merges the adapter into the base weights and pushes
     them all over ``weight_transfer_backend``. ``adapter``: only the adapter is written under
     ``<output_dir>/.vllm_lora/`` and loaded by name (needs a server started with
-    ``ServerOptions.enable_lora``, which turns on runtime LoRA loading). ``auto``: ``adapter`` when the server offers both
-    at start-up, else ``merged``; picked once, never switched during the run."""
+    ``ServerOptions.enable_lora``, which turns on runtime LoRA loading; one server only). ``auto``: ``adapter`` when the
+    server offers both at start-up, else ``merged`` (always ``merged`` for a fleet); picked once, never switched during
+    the run."""
 
     # ---- checkpoints ----------------------------------------------------------------------------
     save_strategy: Literal["steps", "no"] = "steps"
@@ -359,6 +368,12 @@ class AsyncGRPOConfig:
         if self.weight_sync_encoding == "delta" and self.weight_transfer_backend == "nccl" \
                 and self.weight_sync_transport == "group":
             _fail(self, "weight_sync_encoding", "delta pushes need the gloo backend or weight_sync_transport='storage'")
+        urls = self.server_urls()
+        if len(set(urls)) != len(urls) or not all(u.strip() for u in urls):
+            _fail(self, "vllm_server_base_url", "give each server's base URL once, none empty")
+        if len(urls) > 1 and self.lora_sync_mode == "adapter":
+            _fail(self, "lora_sync_mode", "a fleet of servers takes merged LoRA pushes (adapters are registered by name "
+                  "on one server); use 'merged' or 'auto'")
         if self.weight_transfer_port_range is not None:
             low, high = (int(p) for p in self.weight_transfer_port_range.split("-"))
             if not 1 <= low <= high <= 65535:
@@ -375,6 +390,11 @@ class AsyncGRPOConfig:
             * self.gradient_accumulation_steps
             * num_processes
         )
+
+    def server_urls(self) -> list[str]:
+        """The servers' base URLs (one for the single-URL form), without trailing slashes."""
+        urls = [self.vllm_server_base_url] if isinstance(self.vllm_server_base_url, str) else self.vllm_server_base_url
+        return [u.rstrip("/") for u in urls]
 
     def resolved_weight_transfer_backend(self, cuda: bool) -> Literal["gloo", "nccl"]:
         """The backend the run uses: the configured one, else ``nccl`` on CUDA and ``gloo`` elsewhere."""

@@ -213,6 +213,14 @@ class ConcurrencyController:
             )
         self._in_flight += 1
 
+    def adopt(self, count: int) -> None:
+        """Take over ``count`` rollouts already running elsewhere (a fleet server was lost and its groups moved
+        here): they count as in flight at once, over the cap if need be, and nothing more is admitted until
+        in-flight drops under it."""
+        if count < 0:
+            raise ValueError(f"adopt({count}): a count of rollouts is never negative")
+        self._in_flight += count
+
     def on_rollout_finished(self) -> None:
         if self._in_flight == 0:
             raise RuntimeError("on_rollout_finished() called with no rollout in flight")

@@ -151,8 +151,13 @@ class VLLMGenerateClient:
         return int(response.json()["data"][0]["max_model_len"])
 
     async def metrics_text(self) -> str | None:
+        return (await self.scrape())[1]
+
+    async def scrape(self, timeout_s: float = 5.0) -> tuple[bool, str | None]:
+        """Whether the server answered ``/metrics`` within ``timeout_s`` at all, and the text when it answered 200
+        (a fleet drains a server that stops answering: ``rollout.fleet``)."""
         try:
-            response = await self._http.get("/metrics", timeout=5.0)
+            response = await self._http.get("/metrics", timeout=timeout_s)
         except httpx.HTTPError:
-            return None
-        return response.text if response.status_code == 200 else None
+            return False, None
+        return True, (response.text if response.status_code == 200 else None)

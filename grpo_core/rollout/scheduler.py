@@ -2,8 +2,9 @@
 
 Prompts are visited from ``start_position`` on (``prompts.prompts_from``: a seeded per-epoch order
 for a map-style dataset, the stream's own order for an ``IterableDataset``), so a resume continues
-exactly where training stopped. Each prompt becomes a group of ``num_generations`` rollouts;
-rollouts are admitted while the number in flight stays under the live concurrency cap. A finished
+exactly where training stopped. Each prompt becomes a group of ``num_generations`` rollouts,
+sent to one server of the fleet (``fleet.FleetClient``; ``router.Router`` picks the server with room under its own
+live concurrency cap), and its rollouts are admitted while that server's rollouts in flight stay under the cap. A finished
 group is scored, gets advantages, its rollouts are reconciled into training sequences, and it is
 reported (kept or dropped) before its samples are queued. The report carries the group's summed
 per-rollout counters (tools, environment, CLEAN/REALIGN/FORK) for ``group_metrics``.
@@ -33,7 +34,8 @@ import numpy as np
 from grpo_core.data.inputs import as_messages
 from grpo_core.data.prompts import prompts_from
 from grpo_core.rollout.advantages import should_drop_group
-from grpo_core.rollout.concurrency import ConcurrencyController, parse_vllm_metrics
+from grpo_core.rollout.fleet import ROUTE, FleetClient
+from grpo_core.rollout.router import GroupRoute, ServerSlot
 from grpo_core.rollout.stages import AsyncRolloutLoop, reconcile_metrics, rollout_rewards
 from grpo_core.rollout.types import GroupReport, RolloutGroup, merge_counters
 
@@ -57,13 +59,12 @@ class RolloutScheduler:
     def __init__(self, loop: AsyncRolloutLoop, stop_event: Any):
         self.loop = loop
         self.stop_event = stop_event
-        self.controller: ConcurrencyController | None = None
+        self.fleet: FleetClient | None = None
         self.backpressure_s = 0.0
         self.generated_tokens = 0
         self.last_report_time = time.perf_counter()
         self._room = asyncio.Condition()
         self.failure: BaseException | None = None
-        self.unadmitted = 0  # rollouts of created groups still waiting for a slot
         self.blocked_groups = 0  # finished groups waiting for room on the full queue
         self.scoring_groups = 0  # groups whose rollouts all finished, being scored (rollout/score_queue_size)
         self.pending_samples = 0  # num_generations per created group that has not emitted its samples yet
@@ -85,7 +86,7 @@ class RolloutScheduler:
     async def run(self) -> None:
         loop = self.loop
         await loop.connect()
-        self.controller = await self._make_controller()
+        self.fleet = await self._fleet()
         await loop.setup()
         poller = asyncio.create_task(self._poll_metrics())
         watcher = asyncio.create_task(self._watch_consumed())
@@ -120,41 +121,57 @@ class RolloutScheduler:
                     raise RuntimeError(f"filter_prompt rejected every prompt of epoch {prompt.epoch}; nothing left to train")
                 await loop.emit(_filtered_report(prompt.position, prompt.row_index, prompt.epoch))
                 continue
-            await self._wait_for_room()
+            slot = await self._wait_for_room()
             self._raise_failure()
-            self.unadmitted += config.num_generations
+            if slot is None:
+                break  # stopping
+            route = self.fleet.router.open_route(slot, config.num_generations)
             self.pending_samples += config.num_generations
-            task = asyncio.create_task(self._run_group(prompt.position, prompt.row_index, prompt.row, prompt.epoch))
+            task = asyncio.create_task(self._run_group(route, prompt.position, prompt.row_index, prompt.row, prompt.epoch))
             tasks.add(task)
             task.add_done_callback(lambda t: self._on_group_done(t, tasks))
             await asyncio.sleep(0)  # let admitted rollouts start before creating more groups
         self._raise_failure()
 
     # ---- admission ----------------------------------------------------------------------------------
-    async def _make_controller(self) -> ConcurrencyController:
+    async def _fleet(self) -> FleetClient:
+        """The loop's servers: the fleet its ``connect`` opened, or a one-server fleet around a client it built."""
         loop = self.loop
-        assert loop.client is not None
-        text = await loop.client.metrics_text()
-        metrics = parse_vllm_metrics(text) if text else None
-        return ConcurrencyController.from_server(loop.ceiling, metrics, loop.max_model_len)
+        client = loop.client
+        if not isinstance(client, FleetClient):
+            client = FleetClient.around(client, loop.base_urls[0])
+        if not client.started:
+            await client.start(loop.ceiling)
+        client.on_change = self._wake
+        return client
+
+    def _wake(self) -> None:
+        """Re-check every waiting condition soon (the fleet changed: a server drained or admitted)."""
+        async def notify() -> None:
+            async with self._room:
+                self._room.notify_all()
+
+        asyncio.get_running_loop().create_task(notify())
 
     async def _poll_metrics(self) -> None:
-        assert self.loop.client is not None and self.controller is not None
+        assert self.fleet is not None
         while True:
-            text = await self.loop.client.metrics_text()
-            self.controller.observe_metrics(parse_vllm_metrics(text) if text else None)
+            await self.fleet.poll()
             # Also wakes the scheduler after a group failure, so the error surfaces within one poll.
             async with self._room:
                 self._room.notify_all()
             await asyncio.sleep(_METRICS_POLL_S)
 
     async def _watch_consumed(self) -> None:
-        """Wake the scheduler as soon as the trainer publishes a new consumed count (a new weight version)."""
+        """Wake the scheduler as soon as the trainer publishes a new consumed count (a new weight version), and
+        follow the trainer's view of the fleet (servers it took out of service or admitted again)."""
+        assert self.fleet is not None
         last = self.loop.consumed_samples()
-        if last is None:
-            return
         while True:
             await asyncio.sleep(_CONSUMED_POLL_S)
+            view = self.loop.fleet_view()
+            if view is not None:
+                await self.fleet.apply_view(view)
             now = self.loop.consumed_samples()
             if now != last:
                 last = now
@@ -172,24 +189,27 @@ class RolloutScheduler:
         # token_budget or a dropped sample leaves a count that is no multiple of the group): never starve it.
         return ahead is None or ahead < self.per_step or ahead + self.loop.config.num_generations <= self.sample_budget
 
-    async def _wait_for_room(self) -> None:
-        """Wait until a free slot is not already promised to a created-but-unadmitted rollout, the
-        trainer's queue takes what finished groups produce, and a new group stays within the staleness budget."""
-        assert self.controller is not None
+    async def _wait_for_room(self) -> ServerSlot | None:
+        """The server for the next group, once one has a free slot not already promised to a created-but-unadmitted
+        rollout, the trainer's queue takes what finished groups produce, and a new group stays within the staleness
+        budget; None when the run stops."""
+        assert self.fleet is not None
+        router = self.fleet.router
         async with self._room:
             await self._room.wait_for(
                 lambda: self.stop_event.is_set()
                 or self.failure is not None
-                or (self.controller.free_slots() > self.unadmitted and self.blocked_groups == 0 and self._within_budget())
+                or (router.pick() is not None and self.blocked_groups == 0 and self._within_budget())
             )
+            return None if self.stop_event.is_set() else router.pick()
 
-    async def _admit(self) -> None:
-        assert self.controller is not None
+    async def _admit(self, route: GroupRoute) -> None:
+        assert self.fleet is not None
+        router = self.fleet.router
         async with self._room:
-            await self._room.wait_for(lambda: self.failure is not None or self.controller.can_admit())
-            self.unadmitted -= 1
+            await self._room.wait_for(lambda: self.failure is not None or router.can_admit(route))
             self._raise_failure()
-            self.controller.on_rollout_started()
+            router.admit(route)
 
     def _completions_per_request(self) -> float:
         """Completions per generation request so far (above 1 when a group's first turns were coalesced)."""
@@ -197,24 +217,28 @@ class RolloutScheduler:
         sent = getattr(client, "requests_sent", 0)
         return float(getattr(client, "completions_received", 0)) / sent if sent else 0.0
 
-    async def _released(self) -> None:
-        assert self.controller is not None
-        self.controller.on_rollout_finished()
+    async def _released(self, route: GroupRoute) -> None:
+        assert self.fleet is not None
+        self.fleet.router.release(route)
         async with self._room:
             self._room.notify_all()
 
     # ---- one group ----------------------------------------------------------------------------------
-    async def _run_rollout(self, row_index: int, row: dict[str, Any], i: int):
-        await self._admit()
+    async def _run_rollout(self, route: GroupRoute, row_index: int, row: dict[str, Any], i: int):
+        await self._admit(route)
         try:
             return await self.loop.generate_one(row_index, row, i)
         finally:
-            await self._released()
+            await self._released(route)
 
-    async def _run_group(self, position: int, row_index: int, row: dict[str, Any], epoch: int) -> None:
+    async def _run_group(self, route: GroupRoute, position: int, row_index: int, row: dict[str, Any], epoch: int) -> None:
         loop = self.loop
         g = loop.config.num_generations
-        rollouts = await asyncio.gather(*(self._run_rollout(row_index, row, i) for i in range(g)))
+        ROUTE.set(route)  # this task's context: every request of the group's rollouts goes to its server
+        try:
+            rollouts = await asyncio.gather(*(self._run_rollout(route, row_index, row, i) for i in range(g)))
+        finally:
+            self.fleet.router.close(route)
         group = RolloutGroup(row_index=row_index, epoch=epoch, prompt=as_messages(row["prompt"]), rollouts=list(rollouts), row=row)
         self.scoring_groups += 1
         try:
@@ -247,8 +271,10 @@ class RolloutScheduler:
             completion_lengths=lengths,
             metrics={
                 "rollout/backpressure_s": self.backpressure_s,
-                "rollout/concurrency_cap": float(self.controller.cap if self.controller else 0),
-                "rollout/concurrency": float(self.controller.in_flight if self.controller else 0),
+                "rollout/concurrency_cap": float(sum(s.controller.cap for s in self.fleet.router.serving() if s.controller)),
+                "rollout/concurrency": float(self.fleet.router.in_flight),
+                "rollout/resent_requests": float(route.resent),
+                f"rollout/server/{route.server}/groups": 1.0,
                 "rollout/report_interval_s": now - self.last_report_time,
                 "rollout/score_queue_size": float(self.scoring_groups),
                 "rollout/samples_ahead": float(self.samples_ahead() if self.samples_ahead() is not None else -1),
@@ -257,6 +283,8 @@ class RolloutScheduler:
                 **reconcile_metrics(reconciled),
             },
             completions=[r.completion_text for r in group.rollouts],
+            server=route.server,
+            fleet=self.fleet.snapshot(),
             prompt_text=str(group.prompt[-1].get("content") or "") if group.prompt else "",
         )
         self.last_report_time = now

@@ -38,7 +38,7 @@ from grpo_core.rollout.agent import (
     record_tool_results,
     tool_messages,
 )
-from grpo_core.rollout.generation import VLLMGenerateClient
+from grpo_core.rollout.fleet import FleetClient, FleetView
 from grpo_core.rollout.reconcile import ReconcileResult, gather_sampling_masks, gather_top_logprobs, reconcile_turns
 from grpo_core.rollout.routes import sequence_routes
 from grpo_core.rollout.tool_calls import ParsedToolCalls, parse_tool_calls
@@ -96,7 +96,7 @@ class AsyncRolloutLoop:
         tokenizer: Any,
         dataset: Any,
         reward_funcs: list[Callable[..., Any]],
-        base_url: str,
+        base_url: str | list[str],
         emit: Callable[[Any], Any],
         start_position: int = 0,
         num_processes: int = 1,
@@ -111,7 +111,9 @@ class AsyncRolloutLoop:
         self.reward_funcs = reward_funcs
         self.reward_names = [reward_func_name(f) for f in reward_funcs]
         self.reward_weights = np.asarray(config.reward_weights or [1.0] * len(reward_funcs), dtype=np.float64)
-        self.base_url = base_url
+        # One server, or a fleet of them (``fleet.FleetClient`` routes each group to one).
+        self.base_urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        self.base_url = self.base_urls[0]
         self.emit = emit  # async callable putting a GroupReport / RolloutSample on the queue
         self.start_position = start_position
         self.num_processes = num_processes
@@ -123,7 +125,7 @@ class AsyncRolloutLoop:
         self.environment_factory = environment_factory
         # Built once (and validated here, before any request) for rollouts without an environment.
         self.shared_tools = RolloutTools(self.tools)
-        self.client: VLLMGenerateClient | None = None
+        self.client: FleetClient | None = None
         self.tokens_endpoint = tokens_endpoint
         # The weight version the server serves now, as the trainer publishes it (the rollout process
         # replaces this); dates a turn when the server reports no per-token versions.
@@ -134,12 +136,21 @@ class AsyncRolloutLoop:
         # LoRA adapter sync: the trainer's AdapterPointer to the newest registered adapter (None otherwise).
         self.adapter = adapter
         self.max_model_len = 1 << 30  # read from the server before the first request
+        # The trainer's view of the fleet (which servers serve, ``fleet.FleetView``), newest first or None, and the
+        # way to tell it that this process drained one; the rollout process replaces both.
+        self.fleet_view: Callable[[], FleetView | None] = lambda: None
+        self.report_drained: Callable[[str, int, str], None] = lambda name, epoch, reason: None
 
     async def connect(self) -> None:
-        """Open the generation client and read the server's context length (the scheduler calls this)."""
-        self.client = VLLMGenerateClient(self.base_url, timeout=self.config.request_timeout, tokens_endpoint=self.tokens_endpoint,
-                                         unavailable_timeout_s=self.config.server_unavailable_timeout_s)
-        self.max_model_len = await self.client.max_model_len()
+        """Open the generation client over the servers the trainer says serve, and read their context length (the
+        scheduler calls this)."""
+        c = self.config
+        self.client = FleetClient.for_urls(
+            self.base_urls, timeout=c.request_timeout, tokens_endpoint=self.tokens_endpoint,
+            unavailable_timeout_s=c.server_unavailable_timeout_s, drain_after_s=c.server_drain_after_s,
+            report_drained=lambda name, epoch, reason: self.report_drained(name, epoch, reason),
+        )
+        self.max_model_len = await self.client.start(self.ceiling, self.fleet_view())
 
     async def close(self) -> None:
         if self.client is not None:

@@ -83,6 +83,10 @@ class GroupReport:
     metrics: dict[str, float] = field(default_factory=dict)
     completions: list[str] = field(default_factory=list)
     prompt_text: str = ""  # the prompt's last message, for completion tables
+    server: str | None = None
+    """The fleet server that generated the group (the one it ended on, if its first was lost)."""
+    fleet: dict[str, float] = field(default_factory=dict)
+    """Each server's gauges and running counts when the group finished (``rollout.fleet.FleetClient.snapshot``)."""
 
 
 def merge_counters(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:

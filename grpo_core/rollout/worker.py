@@ -12,7 +12,9 @@ names, before the spawn, anything that cannot cross (an open socket, a lock, a l
 Trainer side: ``RolloutWorker.start()``, ``get(timeout)`` for the next item, ``check()`` raises
 ``RolloutWorkerError`` if the process died or its heartbeat stopped, ``stop()``;
 ``publish_version(v, consumed)`` tells the worker the weight version the server now serves and how many
-samples the trainer has taken off the queue by then (the scheduler's staleness budget).
+samples the trainer has taken off the queue by then (the scheduler's staleness budget); ``publish_fleet(view)``
+tells it which servers of the fleet serve, and ``drained_servers()`` returns those it took out of service itself
+(``rollout.fleet``).
 """
 
 from __future__ import annotations
@@ -67,10 +69,13 @@ class RolloutWorker:
         self.served_version = ctx.Value("q", initial_version)
         self.consumed = ctx.Value("q", 0)
         self.stop_event = ctx.Event()
+        self.fleet_views: Any = ctx.Queue()  # trainer -> worker: FleetView, newest last
+        self.fleet_reports: Any = ctx.Queue()  # worker -> trainer: (server name, epoch, reason) of a server it drained
         self.process = ctx.Process(
             target=_worker_main,
             args=(cloudpickle.dumps((spec.loop_cls, spec.loop_kwargs)), spec.shared_kwargs, self.queue, self.errors,
-                  self.heartbeat, self.served_version, self.consumed, self.stop_event, os.getpid()),
+                  self.heartbeat, self.served_version, self.consumed, self.stop_event, os.getpid(),
+                  self.fleet_views, self.fleet_reports),
             name="grpo-rollout",
             daemon=True,
         )
@@ -97,6 +102,20 @@ class RolloutWorker:
         if consumed is not None:
             self.consumed.value = consumed
         self.served_version.value = version
+
+    def publish_fleet(self, view: dict[str, tuple[str, int]]) -> None:
+        """Which servers serve from now on (``rollout.fleet.FleetView``): a newer epoch admits a server again, 0
+        takes it out of service."""
+        self.fleet_views.put(dict(view))
+
+    def drained_servers(self) -> list[tuple[str, int, str]]:
+        """``(name, epoch, reason)`` of each server the worker took out of service since the last call."""
+        out = []
+        while True:
+            try:
+                out.append(self.fleet_reports.get_nowait())
+            except queue_lib.Empty:
+                return out
 
     def queue_size(self) -> int:
         """Samples and reports waiting for the trainer."""
@@ -193,7 +212,7 @@ def _main_script_hidden() -> Iterator[None]:
 # ---------------------------------------------------------------------------- inside the rollout process
 def _worker_main(
     payload: bytes, shared: dict[str, Any], out_queue: Any, errors: Any, heartbeat: Any, served_version: Any, consumed: Any,
-    stop_event: Any, trainer_pid: int,
+    stop_event: Any, trainer_pid: int, fleet_views: Any = None, fleet_reports: Any = None,
 ) -> None:
     threading.Thread(target=exit_with_parent, args=(trainer_pid,), name="rollout-parent-watch", daemon=True).start()
     # Unpickling imports the user's modules and the tokenizer's (transformers: seconds on a loaded
@@ -203,7 +222,8 @@ def _worker_main(
     try:
         loop_cls, loop_kwargs = pickle.loads(payload)
         spec = WorkerSpec(loop_cls=loop_cls, loop_kwargs=loop_kwargs, shared_kwargs=shared)
-        asyncio.run(_run(spec, out_queue, heartbeat, served_version, consumed, stop_event, starting))
+        asyncio.run(_run(spec, out_queue, heartbeat, served_version, consumed, stop_event, starting, fleet_views,
+                         fleet_reports))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the trainer
         summary = f"rollout worker failed: {type(exc).__name__}: {exc}"
         errors.put((summary, traceback.format_exc()))
@@ -227,7 +247,7 @@ def _beat_while_starting(heartbeat: Any, started: threading.Event) -> None:
 
 async def _run(
     spec: WorkerSpec, out_queue: Any, heartbeat: Any, served_version: Any, consumed: Any, stop_event: Any,
-    started: threading.Event,
+    started: threading.Event, fleet_views: Any = None, fleet_reports: Any = None,
 ) -> None:
     async def beat() -> None:
         # From here on a stalled event loop (a blocking reward function, a frozen process) stops the beat.
@@ -253,6 +273,9 @@ async def _run(
     loop_obj = spec.loop_cls(emit=emit, **spec.loop_kwargs, **spec.shared_kwargs)
     loop_obj.served_version = lambda: int(served_version.value)
     loop_obj.consumed_samples = lambda: int(consumed.value)
+    if fleet_views is not None:
+        loop_obj.fleet_view = lambda: _newest(fleet_views)
+        loop_obj.report_drained = lambda name, epoch, reason: fleet_reports.put((name, epoch, reason))
     scheduler = RolloutScheduler(loop_obj, stop_event)
     try:
         await scheduler.run()
@@ -260,3 +283,11 @@ async def _run(
         beat_task.cancel()
 
 
+def _newest(views: Any) -> Any:
+    """The newest item on ``views`` (older ones are superseded), or None when there is none."""
+    newest = None
+    while True:
+        try:
+            newest = views.get_nowait()
+        except queue_lib.Empty:
+            return newest

@@ -90,6 +90,9 @@ def group_metrics(reports: list[GroupReport]) -> dict[str, float]:
         if key in last:
             metrics[key] = last[key]
     metrics["rollout/backpressure_s"] = float(sum(r.metrics.get("rollout/backpressure_s", 0.0) for r in generated))
+    # Each fleet server's gauges as the step's last group saw them (``rollout/server/<name>/...``); the groups each
+    # server generated and the requests sent again after a server was lost are counters, summed below.
+    metrics.update(generated[-1].fleet)
     counters = merge_counters(
         {k: v for k, v in r.metrics.items() if k.startswith(_COUNTER_PREFIXES) and k not in _SNAPSHOTS}
         for r in generated

@@ -1,0 +1,328 @@
+"""The rollout worker's generation client over a fleet of vLLM servers: routing, each server's state, drain and resend.
+
+``FleetClient`` is what the loop calls ``client``: ``generate`` sends a call to the server of its group (``ROUTE``,
+which the scheduler sets around each group; ``router.Router`` chose the server), through that server's own
+``generation.VLLMGenerateClient`` (so a group's identical first turns are still coalesced into one request).
+
+A server leaves service ("drained") when
+
+* a request to it fails to connect (after the immediate resends of a dropped keep-alive connection),
+* its ``/metrics`` has not answered for ``drain_after_s`` (a hung server: its requests would otherwise wait for
+  the request timeout), or
+* the trainer says so (it failed a push, or restarted: ``apply_view``).
+
+Its groups move to the other servers (``Router.drain``), its requests in flight are cancelled and sent again
+there (``rollout/resent_requests``); a request that got no reply produced nothing, so nothing is trained twice.
+The worker tells the trainer (``report_drained``), which admits the server again only once it answers, passes the
+start-up checks and holds the current weights (a view with a newer epoch). The last serving server is never
+drained for not answering: requests wait for it (or for another server) for ``unavailable_timeout_s``, as with a
+single server, whose client keeps today's resend-with-backoff behaviour.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+from grpo_core.rollout.concurrency import ConcurrencyController, parse_vllm_metrics
+from grpo_core.rollout.generation import RESEND, VLLMGenerateClient
+from grpo_core.rollout.router import GroupRoute, Router, ServerSlot
+from grpo_core.vllm_server.control import SERVER_UNREACHABLE, VLLMRequestError
+
+log = logging.getLogger(__name__)
+
+ROUTE: ContextVar[GroupRoute | None] = ContextVar("grpo_group_route", default=None)
+"""The route of the group whose rollout is running (the scheduler sets it before the group's rollouts start)."""
+
+FleetView = dict[str, tuple[str, int]]
+"""The trainer's view of the fleet: server name -> (base URL, epoch); epoch 0: not serving, else the admission."""
+
+
+def server_name(url: str) -> str:
+    """A server's name in metrics (``rollout/server/<name>/...``): its host's first label (the whole address for
+    an IP) and port, in characters every tracker accepts: ``http://127.0.0.1:8001`` -> ``127.0.0.1-8001``."""
+    parsed = urlparse(url if "//" in url else f"http://{url}")
+    host = parsed.hostname or "server"
+    if not re.fullmatch(r"[\d.]+|[0-9a-fA-F:]+", host):
+        host = host.split(".")[0]
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"{host}-{parsed.port or (443 if parsed.scheme == 'https' else 80)}")
+
+
+class ServerDrained(Exception):
+    """The server a request was waiting on left service; the request goes to another."""
+
+
+class NoServerAvailable(RuntimeError):
+    """No server of the fleet served for ``server_unavailable_timeout_s``; the message names them."""
+
+
+@dataclass
+class ServerStats:
+    """What the worker measures of one server (``rollout/server/<name>/...``)."""
+
+    requests: int = 0
+    errors: int = 0
+    active: int = 0
+    tok_s: float = 0.0
+    tokens_total: float | None = None
+    scraped_at: float | None = None
+    failing_since: float | None = None
+
+
+class FleetClient:
+    """Generation over a fleet (module docstring). ``report_drained(name, epoch, reason)`` tells the trainer."""
+
+    def __init__(self, members: list[tuple[str, Any]], *, unavailable_timeout_s: float = 0.0,
+                 drain_after_s: float = 10.0, report_drained: Callable[[str, int, str], None] | None = None,
+                 make_client: Callable[[str], Any] | None = None, clock: Callable[[], float] = time.monotonic):
+        self.clients = {server_name(url): client for url, client in members}
+        slots = [ServerSlot(name=server_name(url), url=url.rstrip("/")) for url, _ in members]
+        self.router = Router(slots, ceiling=1)  # the real ceiling comes with start()
+        self.stats = {s.name: ServerStats() for s in slots}
+        self.unavailable_timeout_s = unavailable_timeout_s
+        self.drain_after_s = drain_after_s
+        self.report_drained = report_drained or (lambda name, epoch, reason: None)
+        self.make_client = make_client  # a client for a server added while the run goes on
+        self.clock = clock
+        self.on_change: Callable[[], None] = lambda: None  # the scheduler wakes its waiters here
+        self.resent = 0
+        self.max_len: int | None = None
+        self.started = False
+        self._drained: dict[str, asyncio.Event] = {}
+        self._membership = asyncio.Event()  # set and replaced at every admission
+
+    @classmethod
+    def for_urls(cls, urls: list[str], *, timeout: float, tokens_endpoint: bool, unavailable_timeout_s: float,
+                 drain_after_s: float, report_drained: Callable[[str, int, str], None] | None = None) -> FleetClient:
+        def make(url: str, wait: float = 0.0) -> VLLMGenerateClient:
+            return VLLMGenerateClient(url, timeout=timeout, tokens_endpoint=tokens_endpoint, unavailable_timeout_s=wait)
+
+        # One server keeps its client's own resends with backoff (a restart on the same address); in a fleet a
+        # failure surfaces at once, and this class decides between draining and waiting.
+        wait = unavailable_timeout_s if len(urls) == 1 else 0.0
+        return cls([(url, make(url, wait)) for url in urls], unavailable_timeout_s=unavailable_timeout_s,
+                   drain_after_s=drain_after_s, report_drained=report_drained, make_client=make)
+
+    @classmethod
+    def around(cls, client: Any, url: str) -> FleetClient:
+        """A one-server fleet over any client with ``generate`` (a loop that built its own client)."""
+        return cls([(url, client)])
+
+    # ---- life cycle ---------------------------------------------------------------------------------
+    async def start(self, ceiling: int, view: FleetView | None = None) -> int:
+        """Admit the servers the trainer says serve (all of them without a trainer), each with a cap from its own
+        ``/metrics``, the fleet's rollouts under ``ceiling``; returns the servers' context length."""
+        self.router.ceiling = ceiling
+        view = view or {s.name: (s.url, 1) for s in self.router.slots.values()}
+        first = next((name for name, (_, epoch) in view.items() if epoch > 0 and name in self.clients),
+                     next(iter(self.clients)))
+        self.max_len = await self.clients[first].max_model_len()
+        await self.apply_view(view)
+        self.started = True
+        return self.max_len
+
+    async def aclose(self) -> None:
+        for client in self.clients.values():
+            await client.aclose()
+
+    @property
+    def single(self) -> bool:
+        return len(self.router.slots) == 1
+
+    @property
+    def requests_sent(self) -> int:
+        return sum(getattr(c, "requests_sent", 0) for c in self.clients.values())
+
+    @property
+    def completions_received(self) -> int:
+        return sum(getattr(c, "completions_received", 0) for c in self.clients.values())
+
+    async def max_model_len(self) -> int:
+        slot = (self.router.serving() or list(self.router.slots.values()))[0]
+        return await self.clients[slot.name].max_model_len()
+
+    async def metrics_text(self) -> str | None:
+        serving = self.router.serving()
+        return await self.clients[serving[0].name].metrics_text() if serving else None
+
+    # ---- generation ---------------------------------------------------------------------------------
+    async def generate(self, token_ids: list[int], sampling_params: dict[str, Any], num_top: int = 0,
+                       model: str | None = None) -> list[Any]:
+        """The choices of one call, from its group's server; sent again elsewhere if that server is lost."""
+        route = ROUTE.get()
+        failing_since: float | None = None
+        attempt = 0
+        while True:
+            slot = await self._slot_for(route)
+            stats = self.stats[slot.name]
+            try:
+                choices = await self._on(slot, self.clients[slot.name].generate(
+                    token_ids, sampling_params, num_top=num_top, **({"model": model} if model is not None else {})))
+            except ServerDrained:
+                self._resent(route)
+                continue
+            except SERVER_UNREACHABLE as err:
+                stats.errors += 1
+                if self.single:
+                    raise  # its client already waited unavailable_timeout_s for it
+                if self.router.others_serving(slot):
+                    self.drain(slot, f"a request failed to reach it ({type(err).__name__}: {err})")
+                    self._resent(route)
+                    continue
+                # The last serving server: wait for it (or for another one), as for a single server.
+                now = self.clock()
+                failing_since = failing_since if failing_since is not None else now
+                if now - failing_since >= self.unavailable_timeout_s:
+                    raise
+                attempt += 1
+                await asyncio.sleep(RESEND.wait_before(attempt) or 0.05)
+                continue
+            except VLLMRequestError:
+                stats.errors += 1
+                raise
+            stats.requests += 1
+            return choices
+
+    async def _on(self, slot: ServerSlot, call: Awaitable[Any]) -> Any:
+        """``call``'s result, or ``ServerDrained`` as soon as ``slot`` leaves service (the request is cancelled)."""
+        stats = self.stats[slot.name]
+        drained_event = self._drained_event(slot)
+        task = asyncio.ensure_future(call)
+        drained = asyncio.ensure_future(drained_event.wait())
+        stats.active += 1
+        try:
+            await asyncio.wait({task, drained}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stats.active -= 1
+            drained.cancel()
+            if not task.done():
+                task.cancel()
+        if task.done() and not task.cancelled() and task.exception() is None:
+            return task.result()  # a reply that came in as the server left still counts, once
+        if drained_event.is_set():
+            raise ServerDrained(slot.name)
+        return task.result()  # its own error, or the cancellation from outside
+
+    async def _slot_for(self, route: GroupRoute | None) -> ServerSlot:
+        """The server this call goes to: its group's, or any serving one for a call outside a group; waits
+        while none serves (``NoServerAvailable`` after ``unavailable_timeout_s``)."""
+        deadline = self.clock() + self.unavailable_timeout_s
+        while True:
+            if route is not None and route.slot.serving:
+                return route.slot
+            if route is None:
+                serving = sorted(self.router.serving(), key=lambda s: self.stats[s.name].active)
+                if serving:
+                    return serving[0]
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                names = ", ".join(f"{s.name} ({s.url})" for s in self.router.slots.values())
+                raise NoServerAvailable(f"no server of the fleet served for {self.unavailable_timeout_s:g} s "
+                                        f"(server_unavailable_timeout_s): {names}")
+            event = self._membership
+            try:
+                await asyncio.wait_for(event.wait(), timeout=min(remaining, 1.0))
+            except TimeoutError:
+                pass
+
+    def _resent(self, route: GroupRoute | None) -> None:
+        self.resent += 1
+        if route is not None:
+            route.resent += 1
+
+    # ---- membership ---------------------------------------------------------------------------------
+    def _drained_event(self, slot: ServerSlot) -> asyncio.Event:
+        return self._drained.setdefault(slot.name, asyncio.Event())
+
+    def drain(self, slot: ServerSlot, reason: str, report: bool = True) -> None:
+        """Take ``slot`` out of service: its groups move, its requests in flight are sent again elsewhere."""
+        if not slot.serving:
+            return
+        moved = self.router.drain(slot)
+        self._drained_event(slot).set()
+        log.warning("rollout: server %s (%s) drained: %s; %d groups moved to %s", slot.name, slot.url, reason,
+                    len(moved), ", ".join(s.name for s in self.router.serving()) or "no server (they wait)")
+        if report:
+            self.report_drained(slot.name, slot.epoch, reason)
+        self.on_change()
+
+    async def apply_view(self, view: FleetView) -> None:
+        """Follow the trainer's view: admit servers with a newer epoch (a fresh cap from their ``/metrics``),
+        drain those it no longer lists as serving."""
+        for name, (url, epoch) in view.items():
+            slot = self.router.slots.get(name)
+            if slot is None and epoch > 0 and self.make_client is not None:  # a server added to the running job
+                slot = ServerSlot(name=name, url=url)
+                self.router.slots[name] = slot
+                self.stats[name] = ServerStats()
+                self.clients[name] = self.make_client(url)
+            if slot is None:
+                continue
+            if epoch > slot.epoch:
+                controller = await self._controller(slot)
+                self._drained[name] = asyncio.Event()
+                self.stats[name].failing_since = None
+                moved = self.router.admit_server(slot, epoch, controller)
+                if epoch > 1:
+                    log.warning("rollout: server %s (%s) serves again (admission %d); %d waiting groups moved to it",
+                                name, url, epoch, len(moved))
+                self._membership.set()
+                self._membership = asyncio.Event()
+                self.on_change()
+            elif epoch == 0 and slot.serving:
+                self.drain(slot, "the trainer took it out of service", report=False)
+
+    async def _controller(self, slot: ServerSlot) -> ConcurrencyController:
+        text = await self.clients[slot.name].metrics_text()
+        metrics = parse_vllm_metrics(text) if text else None
+        return ConcurrencyController.from_server(self.router.ceiling, metrics, self.max_len)
+
+    # ---- what each server says ----------------------------------------------------------------------
+    async def poll(self) -> None:
+        """Read every serving server's ``/metrics``: feed its cap, its KV usage and tokens/s; drain one that has
+        not answered for ``drain_after_s`` while another serves."""
+        for slot in list(self.router.serving()):
+            client, stats = self.clients[slot.name], self.stats[slot.name]
+            scrape = getattr(client, "scrape", None)
+            answered, text = await scrape() if scrape is not None else (True, await client.metrics_text())
+            now = self.clock()
+            if not slot.serving:
+                continue  # drained while its scrape was out
+            if not answered:
+                stats.failing_since = stats.failing_since if stats.failing_since is not None else now
+                if now - stats.failing_since >= self.drain_after_s and self.router.others_serving(slot):
+                    self.drain(slot, f"its /metrics has not answered for {now - stats.failing_since:.0f} s")
+                continue
+            stats.failing_since = None
+            metrics = parse_vllm_metrics(text) if text else None
+            assert slot.controller is not None
+            slot.controller.observe_metrics(metrics)
+            slot.kv_usage = metrics.kv_cache_usage_perc if metrics else None
+            total = metrics.generation_tokens_total if metrics else None
+            if total is not None and stats.tokens_total is not None and stats.scraped_at is not None and now > stats.scraped_at:
+                stats.tok_s = max(0.0, total - stats.tokens_total) / (now - stats.scraped_at)
+            stats.tokens_total, stats.scraped_at = total, now
+
+    def snapshot(self) -> dict[str, float]:
+        """Each server's gauges and running counts, as ``rollout/server/<name>/...`` metrics."""
+        out: dict[str, float] = {"rollout/servers_serving": float(len(self.router.serving()))}
+        for name, slot in self.router.slots.items():
+            stats, prefix = self.stats[name], f"rollout/server/{name}"
+            out[f"{prefix}/serving"] = float(slot.serving)
+            out[f"{prefix}/in_flight"] = float(slot.in_flight)
+            out[f"{prefix}/requests_in_flight"] = float(stats.active)
+            out[f"{prefix}/concurrency_cap"] = float(slot.controller.cap) if slot.controller else 0.0
+            out[f"{prefix}/generated_tok_s"] = stats.tok_s
+            out[f"{prefix}/requests"] = float(stats.requests)
+            out[f"{prefix}/errors"] = float(stats.errors)
+            if slot.kv_usage is not None:
+                out[f"{prefix}/kv_usage"] = slot.kv_usage
+        out["rollout/resent_requests_total"] = float(self.resent)
+        return out

@@ -1,0 +1,255 @@
+"""The rollout worker's fleet client: routing by group, drain and resend, the trainer's view, and the scheduler over it.
+
+Servers are scripted stand-ins (no HTTP); a drained server's request is cancelled and sent to another exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter
+from typing import Any
+
+import httpx
+import pytest
+
+from grpo_core.config import AsyncGRPOConfig
+from grpo_core.rollout.fleet import ROUTE, FleetClient, NoServerAvailable, server_name
+from grpo_core.rollout.scheduler import RolloutScheduler
+from grpo_core.rollout.types import GroupReport, RolloutSample
+from grpo_core.training.step_metrics import group_metrics
+from grpo_core.vllm_server.replies import GeneratedChoice
+from tests.test_loop_scheduler import ScriptedLoop, dataset, right_or_wrong, tokenizer  # noqa: F401 - a fixture
+from tests.test_loop_multiturn import ScriptedClient
+
+
+class FakeServer:
+    """Answers every call with one token, or refuses (``down``), or never answers (``hung``)."""
+
+    def __init__(self) -> None:
+        self.down = False
+        self.hung = False
+        self.calls: list[list[int]] = []
+        self.answered = 0
+
+    async def generate(self, token_ids: list[int], params: dict[str, Any], num_top: int = 0) -> list[GeneratedChoice]:
+        self.calls.append(list(token_ids))
+        if self.down:
+            raise httpx.ConnectError("[Errno 111] Connection refused")
+        if self.hung:
+            await asyncio.Event().wait()
+        await asyncio.sleep(0)
+        self.answered += 1
+        return [GeneratedChoice([7], [-0.5], "stop", None, None)]
+
+    async def max_model_len(self) -> int:
+        return 512
+
+    async def metrics_text(self) -> str | None:
+        return None
+
+    async def scrape(self) -> tuple[bool, str | None]:
+        return not (self.down or self.hung), None
+
+    async def aclose(self) -> None:
+        pass
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def two_servers(**kwargs: Any) -> tuple[FleetClient, FakeServer, FakeServer, list]:
+    a, b = FakeServer(), FakeServer()
+    reports: list = []
+    fleet = FleetClient([("http://a:1", a), ("http://b:1", b)], unavailable_timeout_s=5.0,
+                        report_drained=lambda *r: reports.append(r), **kwargs)
+    return fleet, a, b, reports
+
+
+async def in_group(fleet: FleetClient, server: str, calls: int = 1) -> tuple[Any, list]:
+    route = fleet.router.open_route(fleet.router.slots[server], calls)
+    for _ in range(calls):
+        fleet.router.admit(route)
+    ROUTE.set(route)
+    results = await asyncio.gather(*(fleet.generate([1, 2, 3], {"max_tokens": 1}) for _ in range(calls)))
+    return route, results
+
+
+def test_a_group_stays_on_its_server():
+    async def go():
+        fleet, a, b, _ = two_servers()
+        await fleet.start(ceiling=16)
+        await in_group(fleet, "a:1".replace(":", "-"), calls=3)
+        return a, b
+
+    a, b = asyncio.run(go())
+    assert len(a.calls) == 3 and b.calls == []
+
+
+def test_a_refused_request_drains_its_server_and_goes_to_the_other_once():
+    async def go():
+        fleet, a, b, reports = two_servers()
+        await fleet.start(ceiling=16)
+        a.down = True
+        route, results = await in_group(fleet, "a-1", calls=2)
+        return fleet, a, b, reports, route, results
+
+    fleet, a, b, reports, route, results = asyncio.run(go())
+    assert len(results) == 2 and b.answered == 2 and a.answered == 0
+    assert route.server == "b-1" and route.resent == 2 and fleet.resent == 2
+    assert [r[:2] for r in reports] == [("a-1", 1)]  # told to the trainer once, with the epoch it was admitted at
+    assert not fleet.router.slots["a-1"].serving and fleet.stats["a-1"].errors >= 1
+    assert fleet.snapshot()["rollout/server/a-1/serving"] == 0.0
+
+
+def test_a_hung_server_is_drained_by_its_silent_metrics_and_its_request_resent():
+    async def go():
+        clock = Clock()
+        fleet, a, b, reports = two_servers(drain_after_s=10.0, clock=clock)
+        await fleet.start(ceiling=16)
+        a.hung = True
+        route = fleet.router.open_route(fleet.router.slots["a-1"], 1)
+        fleet.router.admit(route)
+        ROUTE.set(route)
+        call = asyncio.ensure_future(fleet.generate([1], {"max_tokens": 1}))
+        await asyncio.sleep(0.01)
+        await fleet.poll()  # the first silence starts the clock
+        assert fleet.router.slots["a-1"].serving
+        clock.now = 11.0
+        await fleet.poll()
+        return await asyncio.wait_for(call, 5), a, b, reports, route
+
+    result, a, b, reports, route = asyncio.run(go())
+    assert len(result) == 1 and a.answered == 0 and b.answered == 1 and route.server == "b-1"
+    assert "not answered for 11 s" in reports[0][2]
+
+
+def test_the_last_serving_server_is_waited_for_not_drained():
+    async def go():
+        fleet, a, b, reports = two_servers()
+        await fleet.start(ceiling=16)
+        fleet.drain(fleet.router.slots["b-1"], "test", report=False)
+        a.down = True
+        route = fleet.router.open_route(fleet.router.slots["a-1"], 1)
+        fleet.router.admit(route)
+        ROUTE.set(route)
+        call = asyncio.ensure_future(fleet.generate([1], {"max_tokens": 1}))
+        await asyncio.sleep(0.3)
+        assert not call.done() and fleet.router.slots["a-1"].serving  # still its server, being retried
+        a.down = False
+        return await asyncio.wait_for(call, 10), reports
+
+    result, reports = asyncio.run(go())
+    assert len(result) == 1 and reports == []
+
+
+def test_with_no_server_serving_calls_wait_then_give_up_naming_them():
+    async def go():
+        fleet, a, b, _ = two_servers()
+        fleet.unavailable_timeout_s = 0.3
+        await fleet.start(ceiling=16)
+        for slot in list(fleet.router.serving()):
+            fleet.drain(slot, "test", report=False)
+        await fleet.generate([1], {"max_tokens": 1})
+
+    with pytest.raises(NoServerAvailable, match=r"a-1 \(http://a:1\), b-1 \(http://b:1\)"):
+        asyncio.run(go())
+
+
+def test_the_trainers_view_readmits_only_with_a_newer_epoch():
+    async def go():
+        fleet, a, b, _ = two_servers()
+        await fleet.start(ceiling=16)
+        fleet.drain(fleet.router.slots["a-1"], "refused")
+        await fleet.apply_view({"a-1": ("http://a:1", 1), "b-1": ("http://b:1", 1)})  # the report not seen yet
+        stale = fleet.router.slots["a-1"].serving
+        await fleet.apply_view({"a-1": ("http://a:1", 0), "b-1": ("http://b:1", 1)})
+        await fleet.apply_view({"a-1": ("http://a:1", 2), "b-1": ("http://b:1", 1)})  # checked and caught up
+        back = fleet.router.slots["a-1"].serving, fleet.router.slots["a-1"].epoch
+        await fleet.apply_view({"a-1": ("http://a:1", 2), "b-1": ("http://b:1", 0)})  # the trainer drained b
+        return stale, back, fleet.router.slots["b-1"].serving
+
+    stale, back, b_serving = asyncio.run(go())
+    assert stale is False and back == (True, 2) and b_serving is False
+
+
+# ---- the scheduler over a fleet -----------------------------------------------------------------------------
+class TwoServerLoop(ScriptedLoop):
+    """Two scripted servers; ``fail_a_after`` requests, server a refuses every connection."""
+
+    fail_a_after: int | None = None
+
+    async def connect(self) -> None:
+        from tests.test_loop_scheduler import script
+
+        servers = [CountingClient(self.tokenizer, script, fail_after=self.fail_a_after), CountingClient(self.tokenizer, script)]
+        self.servers = servers
+        self.client = FleetClient([("http://a:1", servers[0]), ("http://b:1", servers[1])], unavailable_timeout_s=5.0)
+        self.max_model_len = await self.client.start(self.ceiling)
+
+
+class CountingClient(ScriptedClient):
+    def __init__(self, *args: Any, fail_after: int | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.fail_after = fail_after
+        self.groups: set[str] = set()
+
+    async def generate(self, token_ids: list[int], params: dict[str, Any], num_top: int = 0) -> list[GeneratedChoice]:
+        if self.fail_after is not None and len(self.prompts) >= self.fail_after:
+            raise httpx.ConnectError("[Errno 111] Connection refused")
+        self.groups.add(self.tokenizer.decode(token_ids).split("Problem ")[1].split()[0])
+        return await super().generate(token_ids, params, num_top)
+
+    async def scrape(self) -> tuple[bool, str | None]:
+        return True, None
+
+
+def drive_fleet(tokenizer: Any, rows: int, fail_a_after: int | None = None) -> tuple[TwoServerLoop, list[Any]]:
+    items: list[Any] = []
+
+    async def emit(item: Any) -> float:
+        items.append(item)
+        return 0.0
+
+    config = AsyncGRPOConfig(num_generations=2, max_completion_length=16, num_sampler_logprobs=0,
+                             max_concurrent_rollouts=4, max_steps=0, num_train_epochs=1, report_to="none",
+                             vllm_server_base_url=["http://a:1", "http://b:1"])
+    loop = TwoServerLoop(config, tokenizer, dataset(rows), [right_or_wrong], config.server_urls(), emit)
+    loop.fail_a_after = fail_a_after
+    asyncio.run(RolloutScheduler(loop, threading.Event()).run())
+    return loop, items
+
+
+def test_the_scheduler_spreads_groups_over_both_servers_one_server_each(tokenizer):
+    loop, items = drive_fleet(tokenizer, rows=12)
+    reports = [i for i in items if isinstance(i, GroupReport)]
+    servers = [r.server for r in reports]
+    assert sorted(set(servers)) == ["a-1", "b-1"] and min(servers.count("a-1"), servers.count("b-1")) >= 4
+    a, b = loop.servers
+    assert not (a.groups & b.groups)  # every group's requests went to one server
+    metrics = group_metrics(reports)
+    assert metrics["rollout/server/a-1/groups"] + metrics["rollout/server/b-1/groups"] == 12
+    assert metrics["rollout/servers_serving"] == 2.0 and "rollout/server/b-1/in_flight" in metrics
+
+
+def test_a_server_lost_mid_run_loses_no_group_and_trains_none_twice(tokenizer):
+    loop, items = drive_fleet(tokenizer, rows=12, fail_a_after=4)
+    reports = [i for i in items if isinstance(i, GroupReport)]
+    samples = [i for i in items if isinstance(i, RolloutSample)]
+    assert sorted(r.position for r in reports) == list(range(12))  # every group, once
+    # Each group's samples once, as many as its report says (this script's groups all score alike, so are dropped).
+    assert Counter(s.position for s in samples) == Counter({r.position: r.num_samples for r in reports if r.num_samples})
+    assert sum(len(server.prompts) for server in loop.servers) >= 24  # every rollout got its turn somewhere
+    assert not loop.client.router.slots["a-1"].serving
+    resent = sum(r.metrics.get("rollout/resent_requests", 0.0) for r in reports)
+    assert resent >= 1 and resent == loop.client.resent
+    assert reports[-1].server == "b-1"
+
+
+def test_server_name_of_the_test_urls():
+    assert server_name("http://a:1") == "a-1"
