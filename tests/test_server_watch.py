@@ -32,6 +32,8 @@ from grpo_core.training.collector import (
     WatchedSource,
     WeightVersions,
 )
+from grpo_core.training.distributed import DistInfo
+from grpo_core.training.fleet import ServerFleet
 from grpo_core.vllm_server.watch import ServerUnavailableError, ServerWatch
 
 REPLY = {"choices": [{"token_ids": [7], "logprobs": {"content": [{"logprob": -0.25}]}, "finish_reason": "stop",
@@ -215,7 +217,9 @@ def test_watched_source_interrupts_the_wait_when_the_server_restarted(fast_backo
     server.version = "2"
     watch = ServerWatch(server, unavailable_timeout_s=5.0)
     watch.after_push([2])
-    source = WatchedSource(SilentWorker(), watch, check_every_s=0.05)
+    fleet = ServerFleet(["http://fake"], DistInfo(), make_pusher=lambda url, control, watch: None,
+                        make_control=lambda url: server, make_watch=lambda control: watch)
+    source = WatchedSource(SilentWorker(), fleet, check_every_s=0.05)
     with pytest.raises(TimeoutError):
         source.get(0.2)  # the same server: the worker's silence is the worker's
     server.version = "default"

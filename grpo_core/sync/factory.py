@@ -141,6 +141,8 @@ def make_weight_sync(setup: SyncSetup, control: Any) -> WeightSync:
 
 def _choose_lora_mode(setup: SyncSetup, control: Any, adapter_rank: int) -> str:
     config = setup.config
+    if len(config.server_urls()) > 1:
+        return "merged"  # adapters are registered by name on one server; a fleet gets the merged weights
     model_name = setup.model_path or "<model>"
     serving = probe_lora_serving(control)
     mode = resolve_lora_mode(config.lora_sync_mode, serving)

@@ -20,7 +20,6 @@ from typing import Any
 from grpo_core.packing.planner import Planner, StepPlan
 from grpo_core.rollout.scheduler import END_OF_DATA
 from grpo_core.rollout.types import GroupReport, RolloutSample
-from grpo_core.vllm_server.watch import ServerWatch
 
 log = logging.getLogger(__name__)
 
@@ -219,15 +218,16 @@ class StepCollector:
 
 
 class WatchedSource:
-    """The collector's source on rank 0: the rollout worker, with the server checked while it waits.
+    """The collector's source on rank 0: the rollout worker, with the servers checked while it waits.
 
-    ``get`` returns the worker's next item, or ``COLLECTION_INTERRUPTED`` when the server restarted
-    (the collector keeps what it gathered; the trainer pushes and collects on).
+    ``get`` returns the worker's next item, or ``COLLECTION_INTERRUPTED`` when a server restarted or is ready to
+    serve again (``training.fleet.ServerFleet.needs_tending``; the collector keeps what it gathered; the trainer
+    pushes and collects on).
     """
 
-    def __init__(self, worker: Any, watch: ServerWatch, check_every_s: float = CHECK_WHILE_WAITING_S):
+    def __init__(self, worker: Any, fleet: Any, check_every_s: float = CHECK_WHILE_WAITING_S):
         self.worker = worker
-        self.watch = watch
+        self.fleet = fleet
         self.check_every_s = check_every_s
 
     def get(self, timeout_s: float) -> Any:
@@ -237,9 +237,7 @@ class WatchedSource:
                 return self.worker.get(max(0.01, min(self.check_every_s, deadline - time.monotonic())))
             except TimeoutError:
                 waited_from = time.monotonic()
-                reason = self.watch.restarted()
-                if reason is not None:
-                    self.watch.note_restart(reason)
+                if self.fleet.needs_tending():
                     return COLLECTION_INTERRUPTED
                 deadline += time.monotonic() - waited_from  # time spent waiting for the server is not the worker's
                 if time.monotonic() >= deadline:

@@ -1,7 +1,8 @@
 """``AsyncGRPOTrainer``: the training loop, readable top to bottom.
 
-    setup    check the inputs, load the policy, wait for and check the server, open the weight
-             transport, push the current weights, spawn the rollout worker
+    setup    check the inputs, load the policy, wait for and check the servers (one, or a fleet: every one
+             checked, and against the others), open the weight transport, push the current weights, spawn
+             the rollout worker
     loop     collect one step of samples (stale ones dropped, rows packed)
              → forward/backward every micro-batch → optimizer step → record the prompts consumed
              → push weights every ``weight_sync_steps`` → evaluate every ``eval_steps`` → log
@@ -9,7 +10,9 @@
     teardown stop the worker, close the transport and the tracker
 
 Rank 0 owns the rollout worker and talks to vLLM; every rank trains its own row of each micro-batch.
-Each weight push is confirmed, and a failed one recovered from or named, by ``weight_push.WeightPusher``.
+Each weight push reaches every serving server, is confirmed there, and a failed one is recovered from, drained
+(a fleet) or named: ``fleet.ServerFleet`` over one ``weight_push.WeightPusher`` per server. Before each step's
+collection the fleet is tended: a server that restarted, or was lost and answers again, gets the current weights.
 The public surface follows TRL's trainer: ``args``, ``model``, ``processing_class``, ``state``
 (``global_step``, ``log_history``), ``train(resume_from_checkpoint=...)``, ``evaluate()`` and
 ``save_model(dir)``.
@@ -50,6 +53,7 @@ from grpo_core.training.collector import (
     WatchedSource,
     WeightVersions,
 )
+from grpo_core.training.fleet import ServerFleet, VersionProbe
 from grpo_core.training.distributed import (
     DistInfo,
     StepFeed,
@@ -65,7 +69,7 @@ from grpo_core.training.micro_batch import MicroBatch
 from grpo_core.training.perf import PerfMeter, synchronize
 from grpo_core.training.step_metrics import sample_and_queue_metrics
 from grpo_core.training.weight_push import WeightPusher
-from grpo_core.vllm_server.watch import ServerWatch, close_open_weight_update, left_paused
+from grpo_core.vllm_server.watch import ServerWatch
 
 log = logging.getLogger(__name__)
 
@@ -175,12 +179,11 @@ class AsyncGRPOTrainer:
         self.versions = WeightVersions()
         self.checkpointer = Checkpointer(self.args, self.dist, self._checkpoint_parts(), self.tracker)
         self.worker: RolloutWorker | None = None
-        self.pusher: WeightPusher | None = None  # pushes to the server, confirms them, recovers (rank 0 talks)
-        self.control: Any = None
+        self.fleet: ServerFleet | None = None  # the servers: one pusher each, their checks and restarts (rank 0 talks)
         self.server: Any = None  # ServerCapabilities, once checked
         self.feed: StepFeed | None = None
-        self.watch: ServerWatch | None = None  # notices a restarted server (rank 0 asks it)
-        self.server_restarts = 0
+        self.probe: VersionProbe | None = None  # the trainer's probe log-probs, once per pushed version
+        self.server_restarts = 0  # servers that came back (restarted, or lost and answering again) and got the weights
 
     # TRL's names for what this trainer holds under its own.
     @property
@@ -205,12 +208,12 @@ class AsyncGRPOTrainer:
             self._setup(wanted)
             while self.args.max_steps <= 0 or self.global_step < self.args.max_steps:
                 step_start = time.perf_counter()
-                self._push_again_if_server_restarted()
+                self._tend_fleet()
                 batch = self.feed.collect(self.versions)
                 if batch is None:
                     break
                 if batch == COLLECTION_INTERRUPTED:
-                    continue  # the server restarted while this step's samples were collected
+                    continue  # a server restarted or came back while this step's samples were collected
                 metrics = self._optimizer_step(batch)
                 self.state.global_step += 1
                 self.feed.mark_trained(batch)
@@ -225,6 +228,7 @@ class AsyncGRPOTrainer:
                     queue_size=self.worker.queue_size() if self.worker is not None else 0,
                 ))
                 metrics.update(self.perf.metrics(batch.plan.rows, metrics["perf/fwd_bwd_s"], metrics["perf/step_s"]))
+                metrics.update(self._fleet_metrics())
                 self._log(metrics)
                 self._log_completions(batch)
                 # After the step is logged: a step that a checkpoint holds is always in the run's
@@ -312,29 +316,27 @@ class AsyncGRPOTrainer:
         self.checkpointer.begin_attempt()
         cuda = self.device.type == "cuda"
         model_name = self.model_path or "<model>"
+        self.fleet = self._make_fleet()
         if self.dist.is_main:
-            self.control = VLLMControlClient(args.vllm_server_base_url, timeout=args.request_timeout)
-            wait_for_server(self.control, args, model_name, cuda)
-        self.watch = ServerWatch(self.control, args.server_unavailable_timeout_s)
-        if broadcast_object(self.dist.is_main and left_paused(self.control)):
-            # A trainer killed during a weight sync (preemption) left the server paused with half-loaded
+            self.fleet.connect(lambda control: wait_for_server(control, args, model_name, cuda))
+        if broadcast_object(self.dist.is_main and self.fleet.left_paused()):
+            # A trainer killed during a weight sync (preemption) left a server paused with half-loaded
             # weights, on which the next request would crash it: complete a push (it resumes) first.
-            if self.dist.is_main:
-                close_open_weight_update(self.control)
             self._sync_weights()
         if self.dist.is_main:
-            self.server = check_server(self.control, args, model_name, self.model.config, cuda,
-                                       train_dtype=str(self.compute_dtype).removeprefix("torch."))
+            self.server = self.fleet.check(lambda control: check_server(
+                control, args, model_name, self.model.config, cuda, train_dtype=str(self.compute_dtype).removeprefix("torch.")))
         self.server = broadcast_object(self.server)  # every rank must compute the same loss
         self.micro_batch.candidate_sets = self.server.candidate_sets
         if self.moe is not None:
             self.moe.replay = args.routing_replay and self.server.routed_experts
         if self.dist.is_main:
-            self.tracker.set_tags({"sync/mode": self.weight_pusher().mode})
+            self.tracker.set_tags({"sync/mode": self.weight_pusher().mode,
+                                   **{f"fleet/{m.name}": m.url for m in self.fleet.members.values()}})
         # The server may hold other weights than ours (another revision, a resumed run): push first.
         self._sync_weights()
         self.worker = self._start_worker() if self.dist.is_main else None  # rank 0 owns the rollout worker
-        self.feed = self._make_feed(WatchedSource(self.worker, self.watch) if self.worker is not None else None)
+        self.feed = self._make_feed(WatchedSource(self.worker, self.fleet) if self.worker is not None else None)
 
     def _make_feed(self, source: Any) -> StepFeed:
         """Each step's batch from ``source`` (rank 0's; None on the other ranks, which receive rank 0's
@@ -354,21 +356,42 @@ class AsyncGRPOTrainer:
         return StepFeed(collector, self.dist.rank, self.dist.world_size)
 
     @property
+    def pusher(self) -> WeightPusher | None:
+        """The first answering server's pusher (None before setup and after teardown)."""
+        if self.fleet is None:
+            return None
+        members = list(self.fleet.members.values())
+        return next((m.pusher for m in members if m.state != "lost"), members[0].pusher)
+
+    @property
     def weight_sync(self) -> Any:
-        """The open weight sync (None before setup and after teardown)."""
+        """The first server's open weight sync (None before setup and after teardown)."""
         return self.pusher.sync if self.pusher is not None else None
 
     def weight_pusher(self) -> WeightPusher:
-        """The run's pusher, made on first use (``training.weight_push``)."""
-        if self.pusher is None:
-            from grpo_core.sync.factory import SyncSetup, wire_dtype
-
-            setup = SyncSetup(config=self.args, model=self.model, rank=self.dist.rank,
-                              backend=self.args.resolved_weight_transfer_backend(self.device.type == "cuda"),
-                              wire_dtype=wire_dtype(self.bf16), model_path=self.model_path, peft_config=self.peft_config)
-            self.pusher = WeightPusher.for_run(setup, self.dist, self.control, self.watch, self.vocab_size,
-                                               probe=lambda ids: probe_logprobs(self.model, ids, self.device))
+        """The first server's pusher, its session opened (``training.weight_push``)."""
+        self.pusher.open()
         return self.pusher
+
+    def _make_fleet(self) -> ServerFleet:
+        """The run's servers (``args.vllm_server_base_url``), one pusher each, the probe computed once per version."""
+        from grpo_core.sync.factory import SyncSetup, wire_dtype
+        from grpo_core.vllm_server.control import VLLMControlClient
+
+        args = self.args
+        setup = SyncSetup(config=args, model=self.model, rank=self.dist.rank,
+                          backend=args.resolved_weight_transfer_backend(self.device.type == "cuda"),
+                          wire_dtype=wire_dtype(self.bf16), model_path=self.model_path, peft_config=self.peft_config)
+        self.probe = VersionProbe(lambda ids: probe_logprobs(self.model, ids, self.device))
+        fleet = ServerFleet(
+            args.server_urls(), self.dist, unavailable_timeout_s=args.server_unavailable_timeout_s,
+            make_pusher=lambda url, control, watch: WeightPusher.for_run(setup, self.dist, control, watch,
+                                                                         self.vocab_size, probe=self.probe),
+            make_control=lambda url: VLLMControlClient(url, timeout=args.request_timeout),
+            make_watch=lambda control: ServerWatch(control, args.server_unavailable_timeout_s),
+        )
+        fleet.probe = self.probe
+        return fleet
 
     def _start_worker(self) -> RolloutWorker:
         loop_kwargs = dict(
@@ -376,7 +399,7 @@ class AsyncGRPOTrainer:
             tokenizer=self.processing_class,
             dataset=self.train_dataset,
             reward_funcs=self.reward_funcs,
-            base_url=self.args.vllm_server_base_url,
+            base_url=self.args.server_urls(),
             start_position=self.frontier.position,
             num_processes=self.dist.world_size,
             tools=self.tools,
@@ -392,6 +415,10 @@ class AsyncGRPOTrainer:
             heartbeat_timeout_s=self.args.worker_heartbeat_timeout_s,
             initial_version=self.versions.current,
         )
+        # The worker sends only to the servers the fleet says serve, and tells it which ones it drained.
+        worker.publish_fleet(self.fleet.view())
+        self.fleet.publish = worker.publish_fleet
+        self.fleet.drained_by_worker = worker.drained_servers
         worker.start()
         return worker
 
@@ -437,41 +464,47 @@ class AsyncGRPOTrainer:
         return metrics
 
     # ------------------------------------------------------------------------------------------ sync
-    def _sync_weights(self, force: bool = False) -> dict[str, float]:
-        """Push this step's weights and confirm them (``force``: even if they were pushed already, to a
-        restarted server); a failed push is recovered from or named (``training.weight_push``)."""
+    def _sync_weights(self, force: bool = False, only: list[str] | None = None) -> dict[str, float]:
+        """Push this step's weights to every serving server and confirm them (``force``: even if they were pushed
+        already; ``only``: to those servers); a failed push is recovered from, drained or named (``training.fleet``)."""
         if not force and self.versions.pushed and self.versions.current == self.global_step:
-            return {}  # this step's weights are already on the server
+            return {}  # this step's weights are already on the servers
         self.model.eval()
-        outcome = self.weight_pusher().push(self.global_step)
+        metrics = self.fleet.push(self.global_step, only=only)
         self.versions.record(self.global_step)
-        if self.dist.is_main:
-            self.watch.after_push(self.versions.pushed)
         if self.worker is not None:
             # With what the trainer consumed so far: the worker keeps its lead within max_staleness.
             self.worker.publish_version(self.global_step, consumed=self.feed.collector.consumed_total if self.feed else 0)
-        return outcome.metrics(self.global_step, self.pusher.recoveries)
+        return metrics
 
-    def _push_again_if_server_restarted(self) -> None:
-        """Before each step's collection: a server that restarted since the last push (rank 0's
-        ``ServerWatch`` says so) gets this step's weights over a new transfer session. What it generated
-        before carries a weight version never pushed, and the collector drops it."""
-        reason = broadcast_object(self.watch.restarted() if self.dist.is_main else None)
-        if reason is not None:
-            self._push_to_restarted_server(reason)
-
-    def _push_to_restarted_server(self, reason: str) -> dict[str, float]:
+    def _tend_fleet(self) -> None:
+        """Before each step's collection: servers the worker drained or that stopped answering leave service; a
+        server that restarted, or answers again after it was lost, passes the start-up checks and gets this step's
+        weights before the rollout worker sends it anything (``fleet.ServerFleet.tend``)."""
+        ready = self.fleet.tend()
+        if not ready:
+            return
         if self.weight_pusher().mode == "adapter":
             raise ServerRestartError(
-                f"the vLLM server restarted ({reason}); adapter-only LoRA sync cannot register its adapters on "
-                "the new server from here: resume the run (the flow does) or use lora_sync_mode='merged'"
+                f"the vLLM server restarted ({', '.join(ready)}); adapter-only LoRA sync cannot register its adapters "
+                "on the new server from here: resume the run (the flow does) or use lora_sync_mode='merged'"
             )
-        log.warning("the vLLM server restarted (%s); pushing the weights of step %d again", reason, self.global_step)
-        self.pusher.reopen()  # the old session died with the server's workers
-        metrics = self._sync_weights(force=True)
-        self.server_restarts += 1
-        log.warning("re-pushed weight version %d to the restarted server in %.1f s (server restart %d of this attempt)",
-                    self.global_step, metrics.get("sync/seconds", 0.0), self.server_restarts)
+        start = time.perf_counter()
+        caught_up = self.versions.pushed and self.versions.current == self.global_step
+        # The others hold this step's weights already: only the returning servers need them. Otherwise everyone does.
+        self._sync_weights(force=True, only=ready if caught_up else None)
+        self.server_restarts = self.fleet.rejoins
+        where = "the restarted server" if self.fleet.single else ", ".join(ready) + ", back in service,"
+        log.warning("re-pushed weight version %d to %s in %.1f s (server restart %d of this attempt)",
+                    self.global_step, where, time.perf_counter() - start, self.server_restarts)
+
+    def _fleet_metrics(self) -> dict[str, float]:
+        """Which servers serve now (``rollout/server/<name>/serving``, as the trainer sees it: a server is back once
+        it holds the current weights) and the pushes' rejoins."""
+        if not self.dist.is_main or self.fleet is None:
+            return {}
+        metrics = {f"rollout/server/{m.name}/serving": float(m.state == "serving") for m in self.fleet.members.values()}
+        metrics["rollout/servers_serving"] = float(len(self.fleet.serving()))
         return metrics
 
     # ------------------------------------------------------------------------------------------ evaluation
@@ -486,7 +519,7 @@ class AsyncGRPOTrainer:
             return {}
         start = time.perf_counter()
         result = evaluate_rewards(
-            self.args.vllm_server_base_url,
+            self.fleet.serving_urls()[0],
             self.processing_class,
             self.eval_dataset,
             self.reward_funcs,
@@ -565,12 +598,9 @@ class AsyncGRPOTrainer:
         if self.worker is not None:
             self.worker.stop()
             self.worker = None
-        if self.pusher is not None:
-            self.pusher.close()
-            self.pusher = None
-        if self.control is not None:
-            self.control.close()
-            self.control = None
+        if self.fleet is not None:
+            self.fleet.close()
+            self.fleet = None
         if self._owns_process_group:
             shutdown_distributed()
             self._owns_process_group = False

@@ -12,7 +12,7 @@
                 ``weight_sync_attempts`` pushes of a version in all, then the run fails with the
                 last named error (the flow resumes it)
 
-One ``WeightPusher`` per server (``training.trainer`` makes one for its server); nothing here is
+One ``WeightPusher`` per server (``training.fleet`` makes one for each server of the run); nothing here is
 specific to one transport.
 """
 
@@ -127,9 +127,12 @@ class WeightPusher:
             except Exception as err:  # noqa: BLE001 - whatever a broken session says, a new one follows
                 log.info("closing the weight transfer to %s: %s", sync.server_url, err)
 
-    def push(self, version: int) -> PushOutcome:
-        """Push ``version`` and confirm it (module docstring); raises the last named error when every attempt failed."""
-        for attempt in range(1, self.attempts + 1):
+    def push(self, version: int, attempts: int | None = None) -> PushOutcome:
+        """Push ``version`` and confirm it (module docstring); raises the last named error when every attempt failed.
+        ``attempts``: this push's, in place of the run's (a fleet gives a server one while others serve: a failed
+        server is drained rather than waited for)."""
+        attempts = self.attempts if attempts is None else attempts
+        for attempt in range(1, attempts + 1):
             failure: BaseException | None = None
             stats = report = None
             try:
@@ -145,7 +148,7 @@ class WeightPusher:
             if failure is None:
                 self.confirmed += 1
                 return PushOutcome(stats=stats, report=report, attempts=attempt, check_s=check_s)
-            if attempt == self.attempts or self.open().mode == "adapter":
+            if attempt == attempts or self.open().mode == "adapter":
                 # Adapter-only LoRA sync registers adapters by name; a new session cannot rebuild them here.
                 raise failure
             self._recover(version, failure, attempt)

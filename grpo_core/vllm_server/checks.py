@@ -432,3 +432,52 @@ def check_lora_limits(serving: LoraServing, config: AsyncGRPOConfig, adapter_ran
         )
     if problems:
         raise ServerConfigError("the server's LoRA limits are too small: " + "; ".join(problems) + f". Restart it with:\n{command}")
+
+
+# ---- a fleet of servers ------------------------------------------------------------------------------
+FLEET_SETTINGS = {
+    "dtype": ("model_config", "dtype"),
+    "max_model_len": ("model_config", "max_model_len"),
+    "max_logprobs": ("model_config", "max_logprobs"),
+    "logprobs_mode": ("model_config", "logprobs_mode"),
+    "weight_transfer_backend": ("weight_transfer_config", "backend"),
+    "lora": ("lora_config", None),
+}
+"""Engine settings every server of a fleet must share (``/server_info``): what its samples and pushes depend on.
+The model's architecture and shape are compared with the trainer's per server (``check_server``); the sampling
+seed differs on purpose (``VLLMServerSpec.for_replica``)."""
+
+
+def server_fingerprint(control: VLLMControlClient) -> dict[str, Any]:
+    """The ``FLEET_SETTINGS`` of the server behind ``control`` (empty when ``/server_info`` does not answer)."""
+    config = control.server_config()
+    if not config:
+        return {}
+    out: dict[str, Any] = {}
+    for name, (section, key) in FLEET_SETTINGS.items():
+        part = config.get(section)
+        if key is None:
+            out[name] = {k: part.get(k) for k in ("max_lora_rank", "max_loras")} if part else None
+        else:
+            value = (part or {}).get(key)
+            out[name] = value.removeprefix("torch.") if isinstance(value, str) else value
+    return out
+
+
+def check_fleet_alike(servers: dict[str, tuple[ServerCapabilities, dict[str, Any]]]) -> None:
+    """Raise ``ServerConfigError`` naming the first server (by URL) whose capabilities or ``FLEET_SETTINGS`` differ
+    from the first one's: ``servers`` maps each URL to ``(check_server's capabilities, server_fingerprint)``."""
+    if len(servers) < 2:
+        return
+    (first_url, (first_caps, first_print)), *rest = servers.items()
+    for url, (caps, fingerprint) in rest:
+        differs = {k: (v, getattr(caps, k)) for k, v in vars(first_caps).items() if getattr(caps, k) != v}
+        differs.update({k: (first_print[k], fingerprint[k]) for k in first_print.keys() & fingerprint.keys()
+                        if first_print[k] != fingerprint[k]})
+        if differs:
+            detail = "; ".join(f"{k}: {a!r} there, {b!r} here" for k, (a, b) in sorted(differs.items()))
+            raise ServerConfigError(
+                f"the fleet's servers differ: {url} against {first_url} ({detail}). Every server of a run serves the "
+                f"same model with the same flags: restart {url} with those of {first_url} (a job's `server.replicas` "
+                "starts every replica from one spec)"
+            )

@@ -1,0 +1,351 @@
+"""The trainer's servers: every push reaches every serving server; a lost one is drained, checked and caught up.
+
+    connect()    rank 0: the control client and restart watch of each server; wait for them to answer
+    check()      rank 0: the start-up checks on every server (same model, same flags, same backend, the trainer's
+                 dtype: ``vllm_server.checks``), then the servers against each other; the error names the one
+                 that differs
+    push(v)      every rank: v to each serving server over that server's own transfer session, confirmed there
+                 (``weight_push.WeightPusher``: the version read back, the probe's log-probs); the push is done
+                 when all serving servers have it. A server whose push fails is drained while another serves
+    tend()       rank 0 decides, every rank follows: servers the rollout worker drained, servers that stopped
+                 answering or restarted; a lost server that answers again is checked and returned to the caller,
+                 which pushes it the current weights (``push``) before the worker is told it serves again
+
+One transfer session per server, not one group spanning all of them: a server that dies or hangs fails only its
+own session (a spanning group fails the push for everyone and must be re-formed, with every server, whenever one
+leaves or joins), a server that joins gets its own dense first push while the others go on with deltas, and servers
+of different shapes (tensor-parallel sizes, one on another cluster through storage) mix. The price is the trainer
+sending the weights once per server (``benchmarks/fleet_push.py`` measures both on CPU: README, "A fleet of
+rollout servers").
+
+A fleet of one behaves as a single server always has: it is never drained; a failed push is recovered by waiting
+for the server (``weight_sync_attempts``), and a restart is noticed by its ``ServerWatch`` and pushed to again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grpo_core.rollout.fleet import FleetView, server_name
+from grpo_core.training.distributed import DistInfo, broadcast_object
+from grpo_core.training.weight_push import PUSH_FAILURES, PushOutcome, WeightPusher
+from grpo_core.vllm_server.checks import ServerCapabilities, ServerConfigError, check_fleet_alike, server_fingerprint
+from grpo_core.vllm_server.watch import ANSWER_FAILURES, ServerUnavailableError, close_open_weight_update, left_paused
+
+log = logging.getLogger(__name__)
+
+PROBE_LOST_EVERY_S = 5.0
+"""How often a lost server is asked whether it answers again (one ``GET /v1/models``, 2 s at most)."""
+
+
+@dataclass(eq=False)
+class Member:
+    """One server of the run."""
+
+    name: str
+    url: str
+    pusher: WeightPusher
+    control: Any = None  # VLLMControlClient (rank 0)
+    watch: Any = None  # ServerWatch (rank 0)
+    state: str = "lost"
+    """``serving``; ``joining`` (checked, waits for the current weights); ``lost`` (drained, or never answered)."""
+    epoch: int = 0
+    """Admissions so far; the rollout worker re-admits a server whose epoch grew (``rollout.fleet``)."""
+    left_at: float | None = None
+    next_probe: float = 0.0
+    check_failure: str | None = None
+
+
+class ServerFleet:
+    """The run's servers (module docstring). ``make_pusher(url, control, watch)`` makes one server's pusher."""
+
+    def __init__(self, urls: list[str], dist: DistInfo, make_pusher: Callable[[str, Any, Any], WeightPusher],
+                 make_control: Callable[[str], Any] | None = None, make_watch: Callable[[Any], Any] | None = None,
+                 unavailable_timeout_s: float = 900.0, clock: Callable[[], float] = time.monotonic):
+        self.dist = dist
+        self.clock = clock
+        self.members: dict[str, Member] = {}
+        for url in urls:
+            control = make_control(url) if dist.is_main and make_control is not None else None
+            watch = make_watch(control) if control is not None and make_watch is not None else None
+            member = Member(name=server_name(url), url=url, pusher=make_pusher(url, control, watch),
+                            control=control, watch=watch)
+            self.members[member.name] = member
+        self.capabilities: ServerCapabilities | None = None
+        self.check_one: Callable[[Any], ServerCapabilities] | None = None  # the start-up checks of one server
+        self.unavailable_timeout_s = unavailable_timeout_s
+        self.probe: Any = None  # training.fleet.VersionProbe, told each push's version
+        self.reference: dict[str, tuple[ServerCapabilities, dict[str, Any]]] = {}  # the first checked server's
+        self.rejoins = 0
+        self.publish: Callable[[FleetView], None] = lambda view: None  # to the rollout worker, once it runs
+        self.drained_by_worker: Callable[[], list[tuple[str, int, str]]] = lambda: []
+
+    @property
+    def single(self) -> bool:
+        return len(self.members) == 1
+
+    def serving(self) -> list[Member]:
+        return [m for m in self.members.values() if m.state == "serving"]
+
+    def serving_urls(self) -> list[str]:
+        return [m.url for m in self.serving()] or [next(iter(self.members.values())).url]
+
+    def view(self) -> FleetView:
+        return {m.name: (m.url, m.epoch if m.state == "serving" else 0) for m in self.members.values()}
+
+    # ---- start-up (rank 0) ------------------------------------------------------------------------------
+    def connect(self, wait: Callable[[Any], None]) -> None:
+        """Wait for the servers, side by side (``wait(control)``: ``checks.wait_for_server``). A fleet starts with those
+        that answer (the others join once they do: ``tend``); a single server that does not answer fails the run."""
+        members = list(self.members.values())
+        with ThreadPoolExecutor(max_workers=len(members)) as pool:
+            errors = list(pool.map(lambda m: _error_of(wait, m.control), members))
+        for member, error in zip(members, errors):
+            if error is None:
+                member.state = "joining"
+            elif self.single or all(e is not None for e in errors):
+                raise error
+            else:
+                log.warning("fleet: %s (%s) does not answer; it joins once it does (%s)", member.name, member.url,
+                            str(error).splitlines()[0])
+
+    def _answering(self) -> list[Member]:
+        return [m for m in self.members.values() if m.state != "lost"]
+
+    def left_paused(self) -> bool:
+        """Finish weight updates a dead trainer left open; True when any server was paused (push before checking)."""
+        paused = False
+        for member in self._answering():
+            if left_paused(member.control):
+                close_open_weight_update(member.control)
+                paused = True
+        return paused
+
+    def check(self, check_one: Callable[[Any], ServerCapabilities]) -> ServerCapabilities:
+        """The start-up checks on every answering server (``check_one(control)``: ``checks.check_server``), then the
+        servers against each other; raises ``ServerConfigError`` naming the server."""
+        self.check_one = check_one
+        found = {m.url: (self._checked(m, check_one), server_fingerprint(m.control)) for m in self._answering()}
+        check_fleet_alike(found)
+        first = next(iter(found))
+        self.reference = {first: found[first]}
+        self.capabilities = found[first][0]
+        return self.capabilities
+
+    def _checked(self, member: Member, check_one: Callable[[Any], ServerCapabilities]) -> ServerCapabilities:
+        try:
+            return check_one(member.control)
+        except ServerConfigError as err:
+            if self.single:
+                raise
+            raise ServerConfigError(f"fleet server {member.name} ({member.url}): {err}") from err
+
+    # ---- pushes (every rank) ----------------------------------------------------------------------------
+    def push(self, version: int, only: list[str] | None = None) -> dict[str, float]:
+        """Push ``version`` to every serving and joining server (``only``: to those named); a joining one serves
+        once it has it. Returns the push's metrics: totals, and per server under ``sync/server/<name>/``."""
+        plan = None
+        if self.dist.is_main:
+            self._take_worker_reports()  # no push to a server the worker has already drained
+            targets = [m.name for m in self.members.values()
+                       if m.state in ("serving", "joining") and (only is None or m.name in only)]
+            plan = (targets, sum(1 for m in self.serving() if m.name not in targets))
+        targets, others_serving = broadcast_object(plan)  # every rank pushes to the same servers in the same order
+        if not targets and only is None:
+            targets, others_serving = self.wait_for_any(), 0  # no server serves: push to the first that comes back
+        if self.probe is not None:
+            self.probe.version = version
+        outcomes: dict[str, PushOutcome] = {}
+        for i, name in enumerate(targets):
+            member = self.members[name]
+            # While another server holds (or will hold) this version, a failed server is drained, not waited for.
+            others = not self.single and len(outcomes) + (len(targets) - i - 1) + others_serving > 0
+            try:
+                outcomes[name] = member.pusher.push(version, attempts=1 if others else None)
+            except PUSH_FAILURES as err:
+                if not others:
+                    raise
+                self._lose(member, f"its push of weight version {version} failed ({type(err).__name__}: {err})")
+                continue
+            if member.state == "joining":
+                self._admit(member)
+            if member.watch is not None:
+                member.watch.after_push([version])
+        self._publish()
+        return fleet_push_metrics(outcomes, version, sum(m.pusher.recoveries for m in self.members.values()))
+
+    def _admit(self, member: Member) -> None:
+        member.state = "serving"
+        member.epoch += 1
+        member.check_failure = None
+        if member.epoch > 1:
+            self.rejoins += 1
+            away = f" after {self.clock() - member.left_at:.0f} s away" if member.left_at is not None else ""
+            log.warning("fleet: %s (%s) serves again%s, on the current weights", member.name, member.url, away)
+
+    def _lose(self, member: Member, reason: str) -> None:
+        if member.state == "lost":
+            return
+        member.state, member.left_at, member.next_probe = "lost", self.clock(), self.clock() + PROBE_LOST_EVERY_S
+        log.warning("fleet: %s (%s) drained: %s; %d of %d servers serve", member.name, member.url, reason,
+                    len(self.serving()), len(self.members))
+        self._publish()
+
+    def _publish(self) -> None:
+        if self.dist.is_main:
+            self.publish(self.view())
+
+    # ---- between steps ------------------------------------------------------------------------------------
+    def needs_tending(self) -> bool:
+        """Rank 0: whether ``tend`` has something to do now (the collection waiting for samples asks every few
+        seconds): a server restarted or ready to join again. Servers that stopped answering are drained here."""
+        self._take_worker_reports()
+        if self.single:
+            member = next(iter(self.members.values()))
+            reason = member.watch.restarted()  # waits while the server does not answer, as a single server always has
+            if reason is not None:
+                member.watch.note_restart(reason)
+            return reason is not None
+        for member in self.serving():
+            self._look_at_serving(member)
+        now = self.clock()
+        return any(m.state == "joining" or (m.state == "lost" and now >= m.next_probe and m.control.answers(timeout=2.0))
+                   for m in self.members.values())
+
+    def tend(self) -> list[str]:
+        """Rank 0 looks at every server, every rank gets the outcome: the servers ready to receive the current
+        weights (checked; ``push(v, only=...)`` admits them). A fleet's last serving server that stops answering is
+        waited for (``ServerWatch``), as a single server is."""
+        ready = None
+        if self.dist.is_main:
+            self._take_worker_reports()
+            for member in self.serving():
+                self._look_at_serving(member)
+            for member in [m for m in self.members.values() if m.state == "lost" and self.clock() >= m.next_probe]:
+                self._look_at_lost(member)
+            ready = [m.name for m in self.members.values() if m.state == "joining"]
+        ready = broadcast_object(ready)
+        for name in ready:
+            self.members[name].state = "joining"
+            self.members[name].pusher.reopen()  # the old session died with the server (or never was)
+        return ready
+
+    def _take_worker_reports(self) -> None:
+        for name, epoch, reason in self.drained_by_worker():
+            member = self.members.get(name)
+            if member is not None and member.epoch == epoch and member.state == "serving":
+                self._lose(member, f"the rollout worker drained it: {reason}")
+
+    def _look_at_serving(self, member: Member) -> None:
+        if self.single or len(self.serving()) == 1:
+            reason = member.watch.restarted()  # waits for a server that does not answer, up to its timeout
+        else:
+            try:
+                version = member.control.weight_version(timeout=2.0)
+            except ANSWER_FAILURES as err:
+                self._lose(member, f"it does not answer ({type(err).__name__}: {err})")
+                return
+            reason = (f"it serves weight version {version!r}, the trainer last pushed {member.watch.expected_version!r}"
+                      if member.watch.expected_version is not None and version != member.watch.expected_version else None)
+        if reason is not None:
+            log.warning("fleet: %s (%s) restarted (%s); it gets the current weights again", member.name, member.url,
+                        reason)
+            member.state, member.left_at = "joining", self.clock()
+
+    def _look_at_lost(self, member: Member) -> None:
+        member.next_probe = self.clock() + PROBE_LOST_EVERY_S
+        if not member.control.answers(timeout=2.0):
+            return
+        try:
+            if left_paused(member.control):
+                # Paused by a push of ours that failed: its weights may be half-loaded, and generation probes would
+                # wait for a resume. The push resumes it; its version and probe log-probs are checked after it.
+                close_open_weight_update(member.control)
+            else:
+                found = {member.url: (self._checked(member, self.check_one), server_fingerprint(member.control))}
+                check_fleet_alike({**self.reference, **found} if member.url not in self.reference else found)
+        except (ServerConfigError, *ANSWER_FAILURES) as err:
+            if str(err) != member.check_failure:
+                log.error("fleet: %s (%s) answers again but does not pass the start-up checks; it stays out: %s",
+                          member.name, member.url, err)
+                member.check_failure = str(err)
+            return
+        member.state = "joining"
+
+    def wait_for_any(self) -> list[str]:
+        """Every rank: with no server serving, tend until one is ready (``ServerUnavailableError`` after
+        ``unavailable_timeout_s``)."""
+        timeout_s = self.unavailable_timeout_s
+        deadline = self.clock() + timeout_s
+        log.warning("fleet: no server serves; waiting up to %.0f s for one to come back", timeout_s)
+        while True:
+            for member in self.members.values():
+                member.next_probe = min(member.next_probe, self.clock())
+            ready = self.tend()
+            if ready:
+                return ready
+            done = broadcast_object(self.clock() >= deadline if self.dist.is_main else None)
+            if done:
+                raise ServerUnavailableError(
+                    f"no server of the fleet served for {timeout_s:g} s (server_unavailable_timeout_s): "
+                    + ", ".join(f"{m.name} ({m.url})" for m in self.members.values()))
+            time.sleep(1.0)
+
+    def close(self) -> None:
+        for member in self.members.values():
+            member.pusher.close()
+            if member.control is not None:
+                member.control.close()
+
+
+def fleet_push_metrics(outcomes: dict[str, PushOutcome], version: int, recoveries: int) -> dict[str, float]:
+    """One push's metrics over its servers: bytes, seconds and checks summed, the worst probe difference, the
+    push of each server under ``sync/server/<name>/``."""
+    metrics: dict[str, float] = {"weight_version": float(version), "sync/servers": float(len(outcomes))}
+    for name, outcome in outcomes.items():
+        own = outcome.metrics(version, recoveries)
+        for key in ("sync/seconds", "sync/verify_logprob_diff", "sync/check_s"):
+            if key in own:
+                metrics[f"sync/server/{name}/{key.removeprefix('sync/')}"] = own[key]
+        for key, value in own.items():
+            if key in ("sync/bytes", "sync/seconds", "sync/check_s", "sync/dense_bytes"):
+                metrics[key] = metrics.get(key, 0.0) + value
+            elif key in ("sync/verify_logprob_diff", "sync/verify_logprob_moved", "sync/changed_share"):
+                metrics[key] = max(metrics.get(key, value), value)
+            else:
+                metrics.setdefault(key, value)
+    return metrics
+
+
+class VersionProbe:
+    """The trainer's probe log-probs, computed once per pushed version however many servers check them (every rank
+    pushes to the same servers in the same order, so the forward stays collective). The fleet sets ``version``
+    before each push; None computes every time."""
+
+    def __init__(self, probe: Callable[[list[int]], torch.Tensor]):
+        self.probe = probe
+        self.version: int | None = None
+        self._cached: tuple[int, list[int], torch.Tensor] | None = None
+
+    def __call__(self, token_ids: list[int]) -> torch.Tensor:
+        cached = self._cached
+        if self.version is not None and cached is not None and cached[0] == self.version and cached[1] == token_ids:
+            return cached[2]
+        value = self.probe(token_ids)
+        self._cached = None if self.version is None else (self.version, list(token_ids), value)
+        return value
+
+
+def _error_of(call: Callable[[Any], None], arg: Any) -> BaseException | None:
+    try:
+        call(arg)
+    except ServerConfigError as err:
+        return err
+    return None

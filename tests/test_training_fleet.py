@@ -1,0 +1,255 @@
+"""The trainer's fleet: pushes to every serving server, drains on a failed push or a worker's report, checks and
+catches up a returning server, names a server that differs; a fleet of one keeps the single server's behaviour."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from grpo_core.sync.base import SyncStats
+from grpo_core.sync.errors import WeightSyncError
+from grpo_core.training import fleet as fleet_module
+from grpo_core.training.distributed import DistInfo
+from grpo_core.training.fleet import ServerFleet, VersionProbe
+from grpo_core.training.weight_push import PushOutcome
+from grpo_core.vllm_server.checks import ServerCapabilities, ServerConfigError
+
+CAPS = ServerCapabilities(max_model_len=512, served_model="m", tokens_endpoint=True, candidate_sets=False)
+
+
+class FakeControl:
+    def __init__(self, url: str):
+        self.base_url = url
+        self.up = True
+        self.version = "default"
+        self.paused = False
+        self.config = {"model_config": {"dtype": "float32", "max_model_len": 512, "max_logprobs": 20,
+                                        "logprobs_mode": "processed_logprobs"},
+                       "weight_transfer_config": {"backend": "gloo"}}
+
+    def answers(self, route: str = "/v1/models", timeout: float = 2.0) -> bool:
+        return self.up
+
+    def weight_version(self, timeout: float | None = None) -> str:
+        if not self.up:
+            import httpx
+
+            raise httpx.ConnectError("refused")
+        return self.version
+
+    def is_paused(self) -> bool:
+        return self.paused
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        from grpo_core.vllm_server.control import VLLMRequestError
+
+        raise VLLMRequestError("/finish_weight_update -> HTTP 500: without a matching start", status=500)
+
+    def server_config(self) -> dict[str, Any]:
+        return self.config
+
+    def close(self) -> None:
+        pass
+
+
+class FakePusher:
+    def __init__(self, control: FakeControl):
+        self.control = control
+        self.fail = False
+        self.pushed: list[tuple[int, int | None]] = []
+        self.reopened = 0
+        self.recoveries = 0
+
+    def push(self, version: int, attempts: int | None = None) -> PushOutcome:
+        self.pushed.append((version, attempts))
+        if self.fail or not self.control.up:
+            raise WeightSyncError("transfer broke", server=self.control.base_url, version=version, phase="transfer")
+        self.control.version = str(version)
+        return PushOutcome(stats=SyncStats(mode="full", bytes=100, seconds=0.5), report=None, attempts=1, check_s=0.1)
+
+    def reopen(self) -> None:
+        self.reopened += 1
+
+    def close(self) -> None:
+        pass
+
+
+class FakeWatch:
+    def __init__(self, control: FakeControl):
+        self.control = control
+        self.expected_version: str | None = None
+        self.noted: str | None = None
+
+    def after_push(self, pushed: list[int]) -> None:
+        self.expected_version = self.control.version
+
+    def restarted(self) -> str | None:
+        reason, self.noted = self.noted, None
+        if reason is None and self.expected_version is not None and self.control.version != self.expected_version:
+            reason = f"it serves weight version {self.control.version!r}"
+        return reason
+
+    def note_restart(self, reason: str) -> None:
+        self.noted = reason
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_fleet(n: int = 2) -> tuple[ServerFleet, dict[str, FakeControl], list]:
+    controls: dict[str, FakeControl] = {}
+    views: list = []
+
+    def control(url: str) -> FakeControl:
+        controls[url] = FakeControl(url)
+        return controls[url]
+
+    fleet = ServerFleet([f"http://s{i}:8000" for i in range(n)], DistInfo(),
+                        make_pusher=lambda url, c, w: FakePusher(c), make_control=control, make_watch=FakeWatch,
+                        clock=Clock())
+    fleet.connect(lambda c: None)
+    fleet.check(lambda c: CAPS)
+    fleet.publish = views.append
+    return fleet, controls, views
+
+
+def test_a_push_reaches_every_server_and_reports_each():
+    fleet, _, views = make_fleet()
+    metrics = fleet.push(3)
+    assert [m.state for m in fleet.members.values()] == ["serving", "serving"]
+    assert metrics["sync/servers"] == 2.0 and metrics["sync/seconds"] == 1.0 and metrics["sync/bytes"] == 200.0
+    assert metrics["sync/server/s0-8000/seconds"] == 0.5 and metrics["weight_version"] == 3.0
+    assert views[-1] == {"s0-8000": ("http://s0:8000", 1), "s1-8000": ("http://s1:8000", 1)}
+    # While the other holds the version, a server gets one attempt (a failure drains it rather than waiting).
+    assert [p.pusher.pushed[-1][1] for p in fleet.members.values()] == [1, 1]
+
+
+def test_a_failed_push_drains_that_server_and_the_push_is_done_on_the_others(caplog):
+    fleet, controls, views = make_fleet()
+    fleet.push(1)
+    fleet.members["s1-8000"].pusher.fail = True
+    with caplog.at_level(logging.WARNING):
+        metrics = fleet.push(2)
+    assert metrics["sync/servers"] == 1.0
+    assert fleet.members["s1-8000"].state == "lost" and views[-1]["s1-8000"] == ("http://s1:8000", 0)
+    assert "s1-8000 (http://s1:8000) drained: its push of weight version 2 failed" in caplog.text
+
+
+def test_a_server_drained_by_the_worker_leaves_only_for_the_epoch_it_was_admitted_at():
+    fleet, _, _ = make_fleet()
+    fleet.push(1)
+    fleet.drained_by_worker = lambda: [("s0-8000", 0, "stale report"), ("s1-8000", 1, "refused")]
+    assert fleet.tend() == []
+    assert fleet.members["s0-8000"].state == "serving" and fleet.members["s1-8000"].state == "lost"
+
+
+def test_a_lost_server_that_answers_again_is_checked_and_caught_up_before_it_serves():
+    fleet, controls, views = make_fleet()
+    clock = fleet.clock
+    fleet.push(1)
+    lost = fleet.members["s1-8000"]
+    controls["http://s1:8000"].up = False
+    assert fleet.tend() == [] and lost.state == "lost"  # it stopped answering: drained, the other serves on
+    controls["http://s1:8000"].up = True
+    controls["http://s1:8000"].version = "default"  # restarted on its disk weights
+    assert fleet.tend() == []  # not probed again before PROBE_LOST_EVERY_S
+    clock.now += fleet_module.PROBE_LOST_EVERY_S
+    assert fleet.needs_tending()
+    assert fleet.tend() == ["s1-8000"] and lost.state == "joining" and lost.pusher.reopened == 1
+    assert views[-1]["s1-8000"][1] == 0  # not before it holds the weights
+    fleet.push(1, only=["s1-8000"])
+    assert lost.state == "serving" and lost.epoch == 2 and views[-1]["s1-8000"] == ("http://s1:8000", 2)
+    assert fleet.rejoins == 1 and controls["http://s1:8000"].version == "1"
+
+
+def test_a_returning_server_that_differs_stays_out_naming_why(caplog):
+    fleet, controls, _ = make_fleet()
+    fleet.push(1)
+    controls["http://s1:8000"].up = False
+    fleet.tend()
+    controls["http://s1:8000"].up = True
+    controls["http://s1:8000"].config["model_config"]["max_model_len"] = 256
+    fleet.clock.now += fleet_module.PROBE_LOST_EVERY_S
+    with caplog.at_level(logging.ERROR):
+        assert fleet.tend() == []
+    assert "does not pass the start-up checks" in caplog.text and "max_model_len: 512 there, 256 here" in caplog.text
+
+
+def test_the_start_up_check_names_the_server_that_differs():
+    fleet, controls, _ = make_fleet(3)
+    controls["http://s2:8000"].config["weight_transfer_config"]["backend"] = "nccl"
+    with pytest.raises(ServerConfigError, match=r"http://s2:8000 against http://s0:8000 .*weight_transfer_backend"):
+        fleet.check(lambda c: CAPS)
+    other = ServerCapabilities(max_model_len=512, served_model="m", tokens_endpoint=False, candidate_sets=False)
+    with pytest.raises(ServerConfigError, match=r"http://s1:8000 against http://s0:8000 \(tokens_endpoint"):
+        fleet.check(lambda c: other if c.base_url.endswith("s1:8000") else CAPS)
+
+
+def test_a_check_failure_names_the_fleet_server():
+    fleet, _, _ = make_fleet()
+
+    def check(control: FakeControl) -> ServerCapabilities:
+        if control.base_url.endswith("s1:8000"):
+            raise ServerConfigError("the server runs the model in bfloat16")
+        return CAPS
+
+    with pytest.raises(ServerConfigError, match=r"fleet server s1-8000 \(http://s1:8000\): the server runs"):
+        fleet.check(check)
+
+
+def test_a_fleet_of_one_is_never_drained_and_keeps_its_retries():
+    fleet, controls, _ = make_fleet(1)
+    member = fleet.members["s0-8000"]
+    fleet.push(1)
+    assert member.pusher.pushed[-1] == (1, None)  # the run's weight_sync_attempts, with waiting recovery
+    member.pusher.fail = True
+    with pytest.raises(WeightSyncError):
+        fleet.push(2)
+    assert member.state == "serving"
+    member.pusher.fail = False
+    controls["http://s0:8000"].version = "default"
+    assert fleet.needs_tending() and fleet.tend() == ["s0-8000"]
+
+
+def test_with_no_server_left_a_push_waits_for_the_first_to_come_back(monkeypatch):
+    fleet, controls, _ = make_fleet()
+    fleet.push(1)
+    for c in controls.values():
+        c.up = False
+    # Both servers refused the worker's requests (the trainer alone would wait for the last one instead).
+    fleet.drained_by_worker = lambda: [("s0-8000", 1, "refused"), ("s1-8000", 1, "refused")]
+    fleet.tend()
+    fleet.drained_by_worker = lambda: []
+    assert fleet.serving() == []
+    sleeps = []
+
+    def sleep(s: float) -> None:
+        sleeps.append(s)
+        fleet.clock.now += s
+        if len(sleeps) == 3:
+            controls["http://s0:8000"].up = True
+
+    monkeypatch.setattr(fleet_module.time, "sleep", sleep)
+    metrics = fleet.push(2)
+    assert metrics["sync/servers"] == 1.0 and fleet.members["s0-8000"].state == "serving"
+    fleet.unavailable_timeout_s = 5.0
+    for c in controls.values():
+        c.up = False
+    fleet.drained_by_worker = lambda: [("s0-8000", 2, "refused")]
+    with pytest.raises(fleet_module.ServerUnavailableError, match="no server of the fleet served for 5 s"):
+        fleet.push(3)
+
+
+def test_the_probe_runs_once_per_version_for_all_servers():
+    calls = []
+    probe = VersionProbe(lambda ids: calls.append(list(ids)) or len(calls))
+    probe.version = 4
+    assert probe([1, 2]) == probe([1, 2]) == 1
+    probe.version = 5
+    assert probe([1, 2]) == 2 and len(calls) == 2
