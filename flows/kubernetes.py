@@ -4,9 +4,11 @@ The flow runs in a pod of the ``grpo-kubernetes`` work pool and calls the same f
 methods as on one machine. Each call renders a template from ``infra/kubernetes/`` and sends it to
 the API server of the cluster the pod runs in:
 
-    start_server   Job + Service from vllm-server.yaml; returns http://<service>.<namespace>.svc:8000
+    start_server   Job + Service from vllm-server.yaml, per replica of a fleet; returns
+                   http://<service>.<namespace>.svc:8000, the replica's stable URL for the run
+    restart_server a new Job for the replica behind the same Service (same URL)
     run_training   Indexed Job (one pod per node, torchrun inside) + headless Service from training.yaml
-    server_alive / stop_server   read / delete the server's Job and Service
+    server_alive / stop_server   read / delete the server's Job (and Service)
 
 Settings come from the flow pod's environment (``GRPO_K8S_*``, set by the work pool's base job
 template), so the flow's code does not change between a laptop and a cluster. Every pod mounts one
@@ -128,8 +130,8 @@ def render_template(file_name: str, values: Mapping[str, Any], template_dir: Pat
     return [render(doc, values) for doc in documents if doc]
 
 
-def _common_values(settings: KubernetesSettings, name: str, component: str) -> dict[str, Any]:
-    selector = {"app.kubernetes.io/instance": name}
+def _common_values(settings: KubernetesSettings, name: str, component: str, instance: str | None = None) -> dict[str, Any]:
+    selector = {"app.kubernetes.io/instance": instance or name}
     return {
         "name": name,
         "namespace": settings.namespace,
@@ -152,8 +154,9 @@ def _cache_env(settings: KubernetesSettings) -> list[dict[str, Any]]:
     ]
 
 
-def server_manifests(settings: KubernetesSettings, spec: VLLMServerSpec, name: str) -> list[dict]:
-    """The Service and Job that serve ``spec`` on port 8000 of every pod interface."""
+def server_manifests(settings: KubernetesSettings, spec: VLLMServerSpec, name: str, job: str | None = None) -> list[dict]:
+    """The Service ``name`` and the Job (``job``, default ``name``) that serve ``spec`` on port 8000 of every pod
+    interface; the Service selects the pods of any Job rendered for the same ``name`` (a restarted replica)."""
     pod_spec = dataclasses.replace(spec, host="0.0.0.0", port=SERVER_PORT)
     # The flow's interpreter path means nothing in the server image; its `python3` does.
     command = ["python3", *pod_spec.command(SERVER_PORT)[1:]]
@@ -161,7 +164,8 @@ def server_manifests(settings: KubernetesSettings, spec: VLLMServerSpec, name: s
     added = {k: v for k, v in pod_spec.environment().items() if k.startswith("VLLM_") or k in pod_spec.env}
     env = [{"name": k, "value": v} for k, v in sorted(added.items())] + _cache_env(settings)
     values = {
-        **_common_values(settings, name, "vllm-server"),
+        **_common_values(settings, job or name, "vllm-server", instance=name),
+        "service": name,
         "image": settings.server_image,
         "command": command,
         "env": env,
@@ -300,8 +304,9 @@ class KubernetesProvisioner(Provisioner):
         self.api = api
         self.poll_s = poll_s
         self.run_token = uuid.uuid4().hex[:8]  # one flow run's objects share it; names stay unique per run
-        self.servers: dict[str, str] = {}
-        self.servers_started = 0
+        self.servers: dict[str, tuple[str, str]] = {}  # url -> (service, current job)
+        self.specs: dict[str, VLLMServerSpec] = {}
+        self.replica_starts: dict[int, int] = {}
         self.attempts = 0
 
     @classmethod
@@ -313,43 +318,62 @@ class KubernetesProvisioner(Provisioner):
         self.api.delete("batch/v1", "Job", ns, name)
         self.api.delete("v1", "Service", ns, name)
 
-    def start_server(self, spec: VLLMServerSpec, log_dir: str, timeout_s: float) -> str:
+    def start_server(self, spec: VLLMServerSpec, log_dir: str, timeout_s: float, replica: int = 0,
+                     replicas: int = 1) -> str:
         ns = self.settings.namespace
-        # A fresh name each time: a deleted Job lingers while its pods terminate, and a task retry
-        # reusing the name would be refused as AlreadyExists.
-        name = f"grpo-{self.run_token}-server-{self.servers_started}"
-        self.servers_started += 1
-        for manifest in server_manifests(self.settings, spec, name):
-            self.api.create(manifest)
-        url = f"http://{name}.{ns}.svc:{SERVER_PORT}"
-        self.servers[url] = name
+        # Stable per replica for the run; a task retry (a new fleet) gets fresh names: a deleted Service or Job
+        # lingers while its pods terminate, and creating one of the same name would be refused as AlreadyExists.
+        starts = self.replica_starts.get(replica, 0)
+        self.replica_starts[replica] = starts + 1
+        service = f"grpo-{self.run_token}-server-{replica}" + (f"-r{starts}" if starts else "")
+        url = f"http://{service}.{ns}.svc:{SERVER_PORT}"
+        self.specs[url] = spec
+        self._start_job(url, service, f"{service}-0", timeout_s, with_service=True)
+        return url
+
+    def restart_server(self, base_url: str, timeout_s: float) -> None:
+        service, job = self.servers[base_url]
+        self.api.delete("batch/v1", "Job", self.settings.namespace, job)
+        number = int(job.rsplit("-", 1)[1]) + 1
+        self._start_job(base_url, service, f"{service}-{number}", timeout_s, with_service=False)
+
+    def _start_job(self, url: str, service: str, job: str, timeout_s: float, with_service: bool) -> None:
+        ns = self.settings.namespace
+        for manifest in server_manifests(self.settings, self.specs[url], service, job=job):
+            if manifest["kind"] == "Job" or with_service:
+                self.api.create(manifest)
+        self.servers[url] = (service, job)
         deadline = time.monotonic() + timeout_s
+        failure = f"did not become ready within {timeout_s:.0f} s"
         while time.monotonic() < deadline:
-            job = self.api.read("batch/v1", "Job", ns, name)
-            if job is None or job_failed(job):
-                tail = self._log_tail(name)
-                self.stop_server(url)
-                raise RuntimeError(f"vLLM server job {ns}/{name} failed before serving:\n{tail}")
-            if job.get("status", {}).get("ready", 0) >= 1:  # the readiness probe answered /v1/models
-                return url
+            status = self.api.read("batch/v1", "Job", ns, job)
+            if status is None or job_failed(status):
+                failure = f"failed before serving:\n{self._log_tail(job)}"
+                break
+            if status.get("status", {}).get("ready", 0) >= 1:  # the readiness probe answered /v1/models
+                return
             time.sleep(self.poll_s)
-        self.stop_server(url)
-        raise RuntimeError(f"vLLM server job {ns}/{name} did not become ready within {timeout_s:.0f} s")
+        if with_service:
+            self.stop_server(url)
+        else:
+            self.api.delete("batch/v1", "Job", ns, job)  # the Service stays: a later restart keeps the URL
+        raise RuntimeError(f"vLLM server job {ns}/{job} {failure}")
 
     def trains_on_gpu(self) -> bool:
         return True  # training pods ask for nvidia.com/gpu (KubernetesSettings.gpus_per_node)
 
     def server_alive(self, base_url: str) -> bool:
-        name = self.servers.get(base_url)
-        if name is None:
+        if base_url not in self.servers:
             return False
-        job = self.api.read("batch/v1", "Job", self.settings.namespace, name)
+        job = self.api.read("batch/v1", "Job", self.settings.namespace, self.servers[base_url][1])
         return job is not None and not job_failed(job) and job.get("status", {}).get("active", 0) >= 1
 
     def stop_server(self, base_url: str) -> None:
-        name = self.servers.pop(base_url, None)
-        if name is not None:
-            self._delete(name)
+        names = self.servers.pop(base_url, None)
+        if names is not None:
+            service, job = names
+            self.api.delete("batch/v1", "Job", self.settings.namespace, job)
+            self.api.delete("v1", "Service", self.settings.namespace, service)
 
     def run_training(self, launch: TrainingLaunch, on_start: Callable[[int], None] | None = None) -> int:
         """Run one attempt as an Indexed Job; ``on_start`` is not called (there is no local pid)."""

@@ -1,9 +1,10 @@
 """Where the flow's processes run, behind one small interface.
 
-``LocalProvisioner`` starts the vLLM server and the training processes as children of the flow (the
+``LocalProvisioner`` starts the vLLM servers and the training processes as children of the flow (the
 embedded default, a process work pool). A cluster implementation renders the same two things as
-Kubernetes jobs (see ``flows/kubernetes.py``). The flow only calls ``start_server``,
-``server_alive``, ``stop_server`` and ``run_training``, so its code is the same for both.
+Kubernetes jobs (see ``flows/kubernetes.py``). The flow only calls ``start_server`` (once per replica of a
+fleet), ``server_alive``, ``restart_server``, ``stop_server`` and ``run_training``, so its code is the same for
+both. A restarted server keeps its URL, so the trainers find it where it was.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from grpo_core.vllm_server.cpu_placement import CpuPlacement, forked_on, resolve_placement
+from grpo_core.vllm_server.cpu_placement import CpuPlacement, forked_on, joined, resolve_placement
 from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class TrainingLaunch:
     job_file: str
     """The ``JobConfig`` as a JSON file every node reads."""
     server_url: str
-    """The vLLM server's base URL."""
+    """The vLLM server's base URL; a fleet's servers' URLs joined by commas."""
     model_path: str
     """The resolved model folder (so no node resolves ``job.model`` again)."""
     mlflow_run_id: str | None
@@ -115,11 +116,16 @@ class TrainingLaunch:
 
 class Provisioner(ABC):
     @abstractmethod
-    def start_server(self, spec: VLLMServerSpec, log_dir: str, timeout_s: float) -> str:
-        """Start a server and return its base URL once it serves."""
+    def start_server(self, spec: VLLMServerSpec, log_dir: str, timeout_s: float, replica: int = 0,
+                     replicas: int = 1) -> str:
+        """Start server ``replica`` of ``replicas`` and return its base URL once it serves."""
 
     @abstractmethod
     def server_alive(self, base_url: str) -> bool: ...
+
+    @abstractmethod
+    def restart_server(self, base_url: str, timeout_s: float) -> None:
+        """Start the server at ``base_url`` again, from its spec, at the same URL (after it died); returns once it serves."""
 
     @abstractmethod
     def stop_server(self, base_url: str) -> None: ...
@@ -144,18 +150,30 @@ class LocalProvisioner(Provisioner):
     def __init__(self) -> None:
         self.servers: dict[str, VLLMServer] = {}
 
-    def start_server(self, spec: VLLMServerSpec, log_dir: str, timeout_s: float) -> str:
-        placement = resolve_placement(spec.cpu_placement, cuda=_has_cuda(), server_started_here=True)
+    def start_server(self, spec: VLLMServerSpec, log_dir: str, timeout_s: float, replica: int = 0,
+                     replicas: int = 1) -> str:
+        placement = resolve_placement(spec.cpu_placement, cuda=_has_cuda(), server_started_here=True,
+                                      replica=replica, replicas=replicas)
         if placement is not None:
-            log.info("cpu placement: %s", placement.describe())
-        server = VLLMServer(spec, log_dir, placement=placement).start(timeout_s)
+            log.info("cpu placement%s: %s", f" of server {replica}" if replicas > 1 else "", placement.describe())
+        # A fleet's servers log side by side; a single server where it always has.
+        folder = Path(log_dir) / f"server-{replica}" if replicas > 1 else Path(log_dir)
+        server = VLLMServer(spec, folder, placement=placement).start(timeout_s)
         self.servers[server.base_url] = server
         return server.base_url
 
+    def restart_server(self, base_url: str, timeout_s: float) -> None:
+        server = self.servers[base_url]
+        server.stop()  # whatever is left of its process group
+        server.start(timeout_s)  # the same spec, placement, log and port
+
     def placement_for(self, server_url: str) -> CpuPlacement | None:
-        """The core split of the server at ``server_url`` when this provisioner started it placed, else None."""
-        server = self.servers.get(server_url)
-        return server.placement if server is not None else None
+        """The core split of the server(s) at ``server_url`` (a fleet: URLs joined by commas) when this provisioner
+        started them placed, else None."""
+        placements = [getattr(self.servers.get(url), "placement", None) for url in server_url.split(",")]
+        if not placements or any(p is None for p in placements):
+            return None
+        return joined(placements)
 
     def server_alive(self, base_url: str) -> bool:
         server = self.servers.get(base_url)
@@ -185,7 +203,8 @@ class LocalProvisioner(Provisioner):
             if "OMP_NUM_THREADS" in env:
                 placed.pop("OMP_NUM_THREADS")
             return {**env, **placed}
-        local_server = launch.server_url in self.servers or _is_loopback(launch.server_url)
+        urls = launch.server_url.split(",")
+        local_server = any(url in self.servers or _is_loopback(url) for url in urls)
         if local_server and "OMP_NUM_THREADS" not in env and not _has_cuda():
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // 2 // launch.nproc_per_node))
         return env

@@ -1,10 +1,12 @@
-"""The training flow: model → vLLM server → eval → train (resuming after crashes) → eval → summary.
+"""The training flow: model → vLLM server(s) → eval → train (resuming after crashes) → eval → summary.
 
     grpo_train(job: JobConfig, provisioner="local")
 
-Each stage is a small Prefect task; the flow composes them and always stops the server it started.
-A training process that dies (preemption, SIGKILL) is started again from the newest good
-checkpoint, after restarting the server if it died too, up to ``job.max_resumes`` times: the first
+Each stage is a small Prefect task; the flow composes them and always stops the servers it started.
+``server.replicas`` servers make a fleet: while a training attempt runs, one that dies is started again at
+its URL (``flows.fleet_keeper``) and the trainers catch it up; its leaving and coming back are tags of the
+MLflow run. A training process that dies (preemption, SIGKILL) is started again from the newest good
+checkpoint, after restarting any server that died too, up to ``job.max_resumes`` times: the first
 attempt follows ``job.trainer.resume_from_checkpoint``, every later one runs with it set to True
 (the newest good checkpoint of this run under ``output_dir``; none yet means step 0). The summary
 (also written to ``summary.json`` in the local run folder) says how often it resumed, how many
@@ -27,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 import logging
 import math
 import os
@@ -39,6 +43,7 @@ from prefect import flow, get_run_logger
 from prefect import task as prefect_task
 from prefect.cache_policies import NO_CACHE
 
+from flows.fleet_keeper import FleetKeeper
 from flows.progress import TrainingProgress, stage
 from flows.provision import LocalProvisioner, Provisioner, TrainingLaunch
 from grpo_core.launch.job import JobConfig, import_string, resolve_dataset, resolve_model
@@ -77,12 +82,29 @@ def server_spec(job: JobConfig, model_path: str, provisioner: Provisioner) -> VL
     return VLLMServerSpec.for_run(model_path, job.trainer, options, cuda=cuda)
 
 
-@task(name="start-vllm-server", retries=1, retry_delay_seconds=5)
-def start_server(provisioner: Provisioner, job: JobConfig, model_path: str, log_dir: str) -> str:
-    with stage("starting vLLM server"):
-        url = provisioner.start_server(server_spec(job, model_path, provisioner), log_dir, job.server.startup_timeout_s)
-    _logger().info("vLLM server serving %s at %s", model_path, url)
-    return url
+@task(name="start-vllm-servers", retries=1, retry_delay_seconds=5)
+def start_servers(provisioner: Provisioner, job: JobConfig, model_path: str, log_dir: str) -> list[str]:
+    """The job's ``server.replicas`` managed servers, started side by side; their URLs in replica order. If one
+    fails to start, those that did are stopped before the error is raised (a retry starts them all again)."""
+    spec, n = server_spec(job, model_path, provisioner), job.server.replicas
+    with stage(f"starting {n} vLLM server{'s' if n > 1 else ''}"), ThreadPoolExecutor(max_workers=n) as pool:
+        futures = [pool.submit(provisioner.start_server, spec.for_replica(i), log_dir, job.server.startup_timeout_s,
+                               i, n) for i in range(n)]
+        results: list[str | BaseException] = []
+        for future in futures:
+            try:
+                results.append(future.result())
+            except Exception as err:  # noqa: BLE001 - the others are stopped first
+                results.append(err)
+    urls = [r for r in results if isinstance(r, str)]
+    failures = [r for r in results if not isinstance(r, str)]
+    if failures:
+        for url in urls:
+            provisioner.stop_server(url)
+        raise failures[0]
+    for url in urls:
+        _logger().info("vLLM server serving %s at %s", model_path, url)
+    return urls
 
 
 @task(name="evaluate")
@@ -165,6 +187,43 @@ def train_attempt(provisioner: Provisioner, launch: TrainingLaunch, pid_file: st
 
     with follow_log(launch.log_file):
         return provisioner.run_training(launch, on_start=note_pid)
+
+
+@task(name="restart-dead-servers")
+def restart_dead_servers(provisioner: Provisioner, job: JobConfig, urls: list[str]) -> None:
+    """Before a resumed attempt: every managed server that is down or unhealthy starts again at its URL (the resumed
+    trainer pushes its weights to all of them before anything is generated)."""
+    for url in urls:
+        if not server_usable(provisioner, url):
+            _logger().warning("vLLM server at %s is down or unhealthy; starting it again", url)
+            provisioner.restart_server(url, job.server.startup_timeout_s)
+
+
+@contextlib.contextmanager
+def keep_fleet(provisioner: Provisioner, job: JobConfig, urls: list[str], tracking_uri: str,
+               run_id: str) -> Iterator[None]:
+    """While a training attempt runs, a managed fleet's dead servers are started again (``FleetKeeper``); each
+    leaving and coming back is a tag of the MLflow run (``fleet/<server>/left_at``, ``.../back_at``, unix seconds),
+    beside the trainer's ``rollout/server/<server>/serving``. A single server is restarted only when the trainer
+    resumes (it waits for its server, ``server_unavailable_timeout_s``)."""
+    if not job.server.managed or len(urls) < 2:
+        yield
+        return
+    import mlflow
+
+    from grpo_core.rollout.fleet import server_name
+
+    client = mlflow.MlflowClient(tracking_uri)
+
+    def record(url: str, what: str, seconds: float) -> None:
+        key = {"left": "left_at", "back": "back_at", "failed": "restart_failed_at"}[what]
+        try:
+            client.set_tag(run_id, f"fleet/{server_name(url)}/{key}", f"{time.time():.0f}")
+        except Exception as err:  # noqa: BLE001 - a tag must never stop the keeper
+            _logger().warning("could not tag the MLflow run with %s %s: %s", url, what, err)
+
+    with FleetKeeper(provisioner, urls, job.server.startup_timeout_s, on_event=record):
+        yield
 
 
 def server_usable(provisioner: Provisioner, base_url: str) -> bool:
@@ -272,12 +331,12 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
     out = local_run_dir(job)
     tracking_uri = default_tracking_uri(job)
     model_path = prepare_model(job.model)
-    server_url = job.server.base_url
+    server_urls = job.server.urls()
     exit_stack = contextlib.ExitStack()
     try:
         if job.server.managed:
-            server_url = start_server(prov, job, model_path, str(out))
-        eval_before = evaluate(job, model_path, server_url, "before")
+            server_urls = start_servers(prov, job, model_path, str(out))
+        eval_before = evaluate(job, model_path, server_urls[0], "before")
         run_id = create_mlflow_run(job, tracking_uri, {"model": job.model, "dataset": job.dataset})
         if job.tracking.system_metrics:
             # CPU/GPU/memory of this machine for the rest of the job (server, trainers, evaluation).
@@ -290,9 +349,10 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
         resume_file.write_text(JobConfig.model_validate(resume_job).model_dump_json(indent=2))
         resumes = 0
         while True:
-            launch = training_launch(job, job_file if resumes == 0 else resume_file, server_url, model_path, run_id,
-                                     tracking_uri, out)
-            with TrainingProgress(tracking_uri, run_id, job.trainer.max_steps, on_step=progress_artifact()):
+            launch = training_launch(job, job_file if resumes == 0 else resume_file, ",".join(server_urls), model_path,
+                                     run_id, tracking_uri, out)
+            with TrainingProgress(tracking_uri, run_id, job.trainer.max_steps, on_step=progress_artifact()), \
+                    keep_fleet(prov, job, server_urls, tracking_uri, run_id):
                 code = train_attempt(prov, launch, pid_file=str(out / "trainer.pid"))
             if code == 0:
                 break
@@ -300,17 +360,16 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
                 raise RuntimeError(f"training failed with exit code {code} after {resumes} resumes; see {out / 'train.log'}")
             resumes += 1
             _logger().warning("training process exited with %s; resume %d/%d", code, resumes, job.max_resumes)
-            if job.server.managed and not server_usable(prov, server_url):
-                _logger().warning("vLLM server at %s is down or unhealthy; starting a new one", server_url)
-                prov.stop_server(server_url)
-                server_url = start_server(prov, job, model_path, str(out))
+            if job.server.managed:
+                restart_dead_servers(prov, job, server_urls)
         resume_counts = report_resumes(job, tracking_uri, run_id, resumes)
         final_model_uri = log_final_model(tracking_uri, run_id, job.tracking.registered_model_name)
-        eval_after = evaluate(job, model_path, server_url, "after")
+        eval_after = evaluate(job, model_path, server_urls[0], "after")
     finally:
         exit_stack.close()
-        if job.server.managed and server_url:
-            prov.stop_server(server_url)
+        if job.server.managed:
+            for url in server_urls:
+                prov.stop_server(url)
     summary = {
         **reward_summary(tracking_uri, run_id),
         "eval_accuracy_before": eval_before,

@@ -262,15 +262,16 @@ def test_provisioner_server_lifecycle():
     cluster = RecordingCluster()
     prov = provisioner(cluster)
     name = f"grpo-{prov.run_token}-server-0"
+    job = f"{name}-0"
     # Pending, then running but loading the model, then ready.
-    cluster.statuses[name] = [{}, {"active": 1}, {"active": 1, "ready": 1}]
+    cluster.statuses[job] = [{}, {"active": 1}, {"active": 1, "ready": 1}]
     url = prov.start_server(VLLMServerSpec(model="m"), "/tmp", timeout_s=5)
     assert url == f"http://{name}.grpo.svc:8000"
-    assert {f"services/{name}", f"jobs/{name}"} <= cluster.objects.keys()
-    assert cluster.statuses[name] == [{"active": 1, "ready": 1}]  # it waited through both earlier states
+    assert {f"services/{name}", f"jobs/{job}"} <= cluster.objects.keys()
+    assert cluster.statuses[job] == [{"active": 1, "ready": 1}]  # it waited through both earlier states
     assert prov.server_alive(url)
     prov.stop_server(url)
-    assert {f"jobs/{name}", f"services/{name}"} <= set(cluster.deleted)
+    assert {f"jobs/{job}", f"services/{name}"} <= set(cluster.deleted)
     assert not prov.server_alive(url)
 
 
@@ -278,10 +279,43 @@ def test_provisioner_server_failure_is_reported():
     cluster = RecordingCluster()
     prov = provisioner(cluster)
     name = f"grpo-{prov.run_token}-server-0"
-    cluster.statuses[name] = [{"active": 1}, {"failed": 1}]
+    cluster.statuses[f"{name}-0"] = [{"active": 1}, {"failed": 1}]
     with pytest.raises(RuntimeError, match="failed before serving"):
         prov.start_server(VLLMServerSpec(model="m"), "/tmp", timeout_s=5)
-    assert f"jobs/{name}" in cluster.deleted
+    assert {f"jobs/{name}-0", f"services/{name}"} <= set(cluster.deleted)
+
+
+def test_fleet_replicas_render_validate_and_keep_their_names_across_a_restart():
+    """N replicas: each its own Service (its stable URL for the run) and Job; a restarted replica is a new Job
+    whose pod the same Service selects, so the trainers find it at the same URL."""
+    cluster = RecordingCluster()
+    prov = provisioner(cluster)
+    spec = VLLMServerSpec(model="Qwen/Qwen3-0.6B", dtype="bfloat16", weight_transfer_backend="nccl")
+    for i in range(3):
+        cluster.statuses[f"grpo-{prov.run_token}-server-{i}-0"] = [{"active": 1, "ready": 1}]
+    urls = [prov.start_server(spec.for_replica(i), "/tmp", timeout_s=5, replica=i, replicas=3) for i in range(3)]
+    assert urls == [f"http://grpo-{prov.run_token}-server-{i}.grpo.svc:8000" for i in range(3)]
+    services = {k: v for k, v in cluster.objects.items() if k.startswith("services/")}
+    jobs = {k: v for k, v in cluster.objects.items() if k.startswith("jobs/")}
+    assert len(services) == len(jobs) == 3  # every one validated (strict) as the cluster stand-in stored it
+    seeds = sorted(int(j["spec"]["template"]["spec"]["containers"][0]["command"][
+        j["spec"]["template"]["spec"]["containers"][0]["command"].index("--seed") + 1]) for j in jobs.values())
+    assert seeds == [0, 1, 2]  # one spec, a sampling seed per replica
+    # Replica 1's pod dies; the flow starts it again: a new Job, the same Service and URL.
+    second = f"grpo-{prov.run_token}-server-1"
+    cluster.statuses[f"{second}-0"] = [{"failed": 1}]
+    assert not prov.server_alive(urls[1])
+    cluster.statuses[f"{second}-1"] = [{"active": 1}, {"active": 1, "ready": 1}]
+    prov.restart_server(urls[1], timeout_s=5)
+    assert f"jobs/{second}-0" in cluster.deleted and f"jobs/{second}-1" in cluster.objects
+    assert f"services/{second}" not in cluster.deleted and prov.server_alive(urls[1])
+    service = cluster.objects[f"services/{second}"]
+    pod = cluster.objects[f"jobs/{second}-1"]["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    others = [cluster.objects[f"jobs/grpo-{prov.run_token}-server-{i}-0"]["spec"]["template"] for i in (0, 2)]
+    assert not any(service["spec"]["selector"].items() <= p["metadata"]["labels"].items() for p in others)
+    for manifest in server_manifests(SETTINGS, spec.for_replica(1), second, job=f"{second}-1"):
+        validate(manifest)
 
 
 def test_provisioner_training_exit_codes(tmp_path):

@@ -21,7 +21,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m grpo_core.launch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("job", help="JobConfig as a JSON file")
-    parser.add_argument("--server-url", required=True, help="vLLM server base URL")
+    parser.add_argument("--server-url", required=True,
+                        help="vLLM server base URL; a fleet's servers' URLs joined by commas")
     parser.add_argument("--model-path", help="resolved model folder (default: resolve job.model here)")
     parser.add_argument("--mlflow-run-id", help="continue logging into this MLflow run")
     parser.add_argument("--tracking-uri", help="MLflow tracking URI")
@@ -40,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     from grpo_core.training.distributed import DistInfo
     from grpo_core.training.trainer import AsyncGRPOTrainer
 
-    config = job.trainer_config(vllm_server_base_url=args.server_url)
+    urls = [u for u in args.server_url.split(",") if u]
+    config = job.trainer_config(vllm_server_base_url=urls[0] if len(urls) == 1 else urls)
     model_path = args.model_path or resolve_model(job.model)
     data = resolve_dataset(job.dataset)
     train_dataset = data["train"] if "train" in data else data

@@ -54,12 +54,19 @@ def _aliases(cls: type[BaseModel]) -> list[str]:
 
 @dataclasses.dataclass(kw_only=True)
 class ServerParams(ServerOptions):
-    """The vLLM server: started by the flow (``managed``), or an existing one at ``base_url``."""
+    """The vLLM server(s): started by the flow (``managed``), or existing ones at ``base_url``."""
 
     managed: bool = True
-    """Start the server as a child process (or Kubernetes job) and stop it at the end."""
-    base_url: str | None = None
-    """URL of an existing server (when ``managed`` is false)."""
+    """Start the server(s) as child processes (or Kubernetes jobs) and stop them at the end."""
+    replicas: Annotated[int, Field(ge=1)] = 1
+    """Servers the flow starts (``managed``): a fleet of this many, the same model and flags each (its own sampling
+    seed, ``seed + replica``), its own cores and port on one machine (``cpu_placement``), its own stable name on
+    Kubernetes. The rollout worker routes each group to one of them, every push reaches all of them, and a server
+    that dies is restarted by the flow and catches up before it serves again. A server's own data parallelism (vLLM's
+    ``--data-parallel-size`` in ``extra_args``) is the other way to more generation: README, "A fleet of rollout
+    servers", says when to use which."""
+    base_url: str | list[str] | None = None
+    """URL of an existing server, or the URLs of an existing fleet (when ``managed`` is false)."""
     startup_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     """Seconds to wait for a managed server to serve."""
 
@@ -67,6 +74,13 @@ class ServerParams(ServerOptions):
         super().__post_init__()
         if not self.managed and not self.base_url:
             raise ConfigError("ServerParams.base_url is required when managed is false: give the URL of the running server")
+        if not self.managed and self.replicas > 1:
+            raise ConfigError("ServerParams.replicas counts the servers the flow starts (managed: true); list the URLs "
+                              "of an existing fleet in base_url instead")
+
+    def urls(self) -> list[str]:
+        """The existing servers' URLs (``managed: false``)."""
+        return [self.base_url] if isinstance(self.base_url, str) else list(self.base_url or [])
 
     def options(self) -> ServerOptions:
         """The launch options alone (what ``VLLMServerSpec.for_run`` takes)."""

@@ -111,16 +111,47 @@ def embedded_placement(cpus: Sequence[int]) -> CpuPlacement | None:
     return CpuPlacement(trainer=trainer, generation=generation, engine=engine)
 
 
+def replica_placement(cpus: Sequence[int], replica: int, replicas: int) -> CpuPlacement | None:
+    """Server ``replica`` of a fleet of ``replicas`` on one machine: the trainers keep the top half of ``cpus`` as
+    beside one server, and the generation half is cut into one run of cores per server (the first ones one core
+    longer when it does not divide), each server's engine bound inside its own; with fewer generation cores than
+    servers, the servers share them in turn (on two cores both servers run on core 0, the trainer alone on core 1).
+    None on one core."""
+    if not 0 <= replica < replicas:
+        raise ValueError(f"replica {replica} of {replicas}: need 0 <= replica < replicas")
+    base = embedded_placement(cpus)
+    if base is None or replicas == 1:
+        return base
+    generation = base.generation
+    if len(generation) >= replicas:
+        size, extra = divmod(len(generation), replicas)
+        start = replica * size + min(replica, extra)
+        own = generation[start:start + size + (replica < extra)]
+    else:
+        own = (generation[replica % len(generation)],)
+    return CpuPlacement(trainer=base.trainer, generation=own, engine=own[:-1] if len(own) > 1 else own)
+
+
+def joined(placements: Sequence[CpuPlacement]) -> CpuPlacement:
+    """One placement for the trainers of a fleet's servers: their shared trainer cores, and every server's
+    generation cores (where the rollout worker runs)."""
+    if len({p.trainer for p in placements}) != 1:
+        raise ValueError(f"the servers' placements give the trainers different cores: {[p.trainer for p in placements]}")
+    generation = tuple(sorted({c for p in placements for c in p.generation}))
+    engine = tuple(sorted({c for p in placements for c in p.engine}))
+    return CpuPlacement(trainer=placements[0].trainer, generation=generation, engine=engine)
+
+
 def resolve_placement(mode: PlacementMode, *, cuda: bool, server_started_here: bool,
-                      cpus: Sequence[int] | None = None) -> CpuPlacement | None:
-    """The placement a launcher applies: ``embedded_placement`` of this process's cores (``cpus``: these instead)
-    when ``mode`` is ``auto``, the trainers run on CPU and the launcher itself starts the vLLM server on this
+                      cpus: Sequence[int] | None = None, replica: int = 0, replicas: int = 1) -> CpuPlacement | None:
+    """The placement a launcher applies: ``replica_placement`` of this process's cores (``cpus``: these instead)
+    when ``mode`` is ``auto``, the trainers run on CPU and the launcher itself starts the vLLM server(s) on this
     machine; otherwise None (GPU trainers, a server elsewhere or started by someone else, ``mode="off"``)."""
     if mode not in ("auto", "off"):
         raise ValueError(f"cpu placement mode {mode!r}: choose 'auto' or 'off'")
     if mode == "off" or cuda or not server_started_here:
         return None
-    return embedded_placement(sorted(os.sched_getaffinity(0)) if cpus is None else cpus)
+    return replica_placement(sorted(os.sched_getaffinity(0)) if cpus is None else cpus, replica, replicas)
 
 
 @contextlib.contextmanager

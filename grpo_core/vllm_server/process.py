@@ -180,6 +180,11 @@ class VLLMServerSpec(ServerOptions):
             **launch,
         )
 
+    def for_replica(self, replica: int) -> VLLMServerSpec:
+        """Server ``replica`` of a fleet started from this spec: the same flags, its own sampling seed (servers with
+        one seed would draw alike from alike batches)."""
+        return dataclasses.replace(self, seed=self.seed + replica)
+
     def command(self, port: int) -> list[str]:
         """The full command line (the CPU build has no ``vllm serve``; the module entry point works everywhere)."""
         cmd = [
