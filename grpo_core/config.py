@@ -267,6 +267,12 @@ class AsyncGRPOConfig:
     server's own KV-cache usage), every push reaches every server, and a server that stops answering or fails a
     push is drained (its requests go to the others) until it answers again and has received the current weights
     (``grpo_core.training.fleet``)."""
+    vllm_server_fleet_file: str | None = None
+    """A file (any fsspec URL) listing more servers of the fleet, a base URL per line (``#`` starts a comment): read
+    at start-up and every few seconds while the run goes on. A server listed there joins the run as a restarted one
+    does: once it answers and passes the start-up checks it gets the current weights, and only then the rollout
+    worker sends it groups. A server taken off the list is not drained by that (stop it: it is drained once it stops
+    answering)."""
     server_drain_after_s: Annotated[float, Field(gt=0)] = 10.0
     """A fleet of two or more servers: a server whose ``/metrics`` has not answered for this long is drained (a
     refused connection drains it at once); its rollouts go on on the others. A fleet's last serving server is never

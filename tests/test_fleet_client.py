@@ -253,3 +253,18 @@ def test_a_server_lost_mid_run_loses_no_group_and_trains_none_twice(tokenizer):
 
 def test_server_name_of_the_test_urls():
     assert server_name("http://a:1") == "a-1"
+
+
+def test_a_server_added_to_the_run_gets_a_client_and_groups():
+    async def go():
+        fleet, a, b, _ = two_servers()
+        c = FakeServer()
+        fleet.make_client = lambda url: c
+        await fleet.start(ceiling=16)
+        await fleet.apply_view({"a-1": ("http://a:1", 1), "b-1": ("http://b:1", 1), "c-1": ("http://c:1", 1)})
+        fleet.drain(fleet.router.slots["a-1"], "test", report=False)
+        fleet.drain(fleet.router.slots["b-1"], "test", report=False)
+        await in_group(fleet, fleet.router.pick().name, calls=2)
+        return c
+
+    assert asyncio.run(go()).answered == 2

@@ -253,3 +253,21 @@ def test_the_probe_runs_once_per_version_for_all_servers():
     assert probe([1, 2]) == probe([1, 2]) == 1
     probe.version = 5
     assert probe([1, 2]) == 2 and len(calls) == 2
+
+
+def test_a_server_listed_in_the_fleet_file_joins_once_checked_and_caught_up(tmp_path):
+    from grpo_core.training.fleet import read_fleet_file
+
+    listing = tmp_path / "fleet.txt"
+    listing.write_text("# the run's servers\nhttp://s0:8000\n\n")
+    fleet, controls, views = make_fleet()
+    fleet.listing = lambda: read_fleet_file(str(listing))
+    fleet.push(1)
+    listing.write_text("http://s0:8000\nhttp://s2:8000/  # added while the run goes on\n")
+    fleet.clock.now += fleet_module.PROBE_LOST_EVERY_S
+    assert fleet.tend() == ["s2-8000"]  # added, answered, checked: ready for the current weights
+    added = fleet.members["s2-8000"]
+    assert views[-1].get("s2-8000", ("", 0))[1] == 0  # not routed to before it has them
+    fleet.push(1, only=["s2-8000"])
+    assert added.state == "serving" and added.epoch == 1 and views[-1]["s2-8000"] == ("http://s2:8000", 1)
+    assert fleet.rejoins == 0 and controls["http://s2:8000"].version == "1"

@@ -81,7 +81,8 @@ class FleetClient:
 
     def __init__(self, members: list[tuple[str, Any]], *, unavailable_timeout_s: float = 0.0,
                  drain_after_s: float = 10.0, report_drained: Callable[[str, int, str], None] | None = None,
-                 make_client: Callable[[str], Any] | None = None, clock: Callable[[], float] = time.monotonic):
+                 make_client: Callable[[str], Any] | None = None, own_resends: bool = False,
+                 clock: Callable[[], float] = time.monotonic):
         self.clients = {server_name(url): client for url, client in members}
         slots = [ServerSlot(name=server_name(url), url=url.rstrip("/")) for url, _ in members]
         self.router = Router(slots, ceiling=1)  # the real ceiling comes with start()
@@ -90,6 +91,7 @@ class FleetClient:
         self.drain_after_s = drain_after_s
         self.report_drained = report_drained or (lambda name, epoch, reason: None)
         self.make_client = make_client  # a client for a server added while the run goes on
+        self.own_resends = own_resends
         self.clock = clock
         self.on_change: Callable[[], None] = lambda: None  # the scheduler wakes its waiters here
         self.resent = 0
@@ -100,15 +102,17 @@ class FleetClient:
 
     @classmethod
     def for_urls(cls, urls: list[str], *, timeout: float, tokens_endpoint: bool, unavailable_timeout_s: float,
-                 drain_after_s: float, report_drained: Callable[[str, int, str], None] | None = None) -> FleetClient:
+                 drain_after_s: float, report_drained: Callable[[str, int, str], None] | None = None,
+                 fleet: bool | None = None) -> FleetClient:
         def make(url: str, wait: float = 0.0) -> VLLMGenerateClient:
             return VLLMGenerateClient(url, timeout=timeout, tokens_endpoint=tokens_endpoint, unavailable_timeout_s=wait)
 
         # One server keeps its client's own resends with backoff (a restart on the same address); in a fleet a
         # failure surfaces at once, and this class decides between draining and waiting.
-        wait = unavailable_timeout_s if len(urls) == 1 else 0.0
+        single = not (len(urls) > 1 if fleet is None else fleet)
+        wait = unavailable_timeout_s if single else 0.0
         return cls([(url, make(url, wait)) for url in urls], unavailable_timeout_s=unavailable_timeout_s,
-                   drain_after_s=drain_after_s, report_drained=report_drained, make_client=make)
+                   drain_after_s=drain_after_s, report_drained=report_drained, make_client=make, own_resends=single)
 
     @classmethod
     def around(cls, client: Any, url: str) -> FleetClient:
@@ -134,7 +138,8 @@ class FleetClient:
 
     @property
     def single(self) -> bool:
-        return len(self.router.slots) == 1
+        """One server whose client resends to it by itself (``for_urls``): a failure that gets here is final."""
+        return self.own_resends
 
     @property
     def requests_sent(self) -> int:

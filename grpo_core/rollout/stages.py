@@ -149,6 +149,7 @@ class AsyncRolloutLoop:
             self.base_urls, timeout=c.request_timeout, tokens_endpoint=self.tokens_endpoint,
             unavailable_timeout_s=c.server_unavailable_timeout_s, drain_after_s=c.server_drain_after_s,
             report_drained=lambda name, epoch, reason: self.report_drained(name, epoch, reason),
+            fleet=len(self.base_urls) > 1 or c.vllm_server_fleet_file is not None,
         )
         self.max_model_len = await self.client.start(self.ceiling, self.fleet_view())
 

@@ -68,16 +68,18 @@ class ServerFleet:
 
     def __init__(self, urls: list[str], dist: DistInfo, make_pusher: Callable[[str, Any, Any], WeightPusher],
                  make_control: Callable[[str], Any] | None = None, make_watch: Callable[[Any], Any] | None = None,
-                 unavailable_timeout_s: float = 900.0, clock: Callable[[], float] = time.monotonic):
+                 unavailable_timeout_s: float = 900.0, listing: Callable[[], list[str]] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.dist = dist
         self.clock = clock
+        self.make_pusher, self.make_control, self.make_watch = make_pusher, make_control, make_watch
         self.members: dict[str, Member] = {}
         for url in urls:
-            control = make_control(url) if dist.is_main and make_control is not None else None
-            watch = make_watch(control) if control is not None and make_watch is not None else None
-            member = Member(name=server_name(url), url=url, pusher=make_pusher(url, control, watch),
-                            control=control, watch=watch)
-            self.members[member.name] = member
+            self._add(url)
+        self.listing = listing  # the servers a fleet file lists now (rank 0 reads it; None: no file)
+        self.next_listing = 0.0
+        self.added: list[tuple[str, str]] = []  # (name, url) added on rank 0 since the ranks last heard
+
         self.capabilities: ServerCapabilities | None = None
         self.check_one: Callable[[Any], ServerCapabilities] | None = None  # the start-up checks of one server
         self.unavailable_timeout_s = unavailable_timeout_s
@@ -86,6 +88,32 @@ class ServerFleet:
         self.rejoins = 0
         self.publish: Callable[[FleetView], None] = lambda view: None  # to the rollout worker, once it runs
         self.drained_by_worker: Callable[[], list[tuple[str, int, str]]] = lambda: []
+
+    def _add(self, url: str) -> Member:
+        control = self.make_control(url) if self.dist.is_main and self.make_control is not None else None
+        watch = self.make_watch(control) if control is not None and self.make_watch is not None else None
+        member = Member(name=server_name(url), url=url, pusher=self.make_pusher(url, control, watch),
+                        control=control, watch=watch)
+        self.members[member.name] = member
+        return member
+
+    def _read_listing(self) -> None:
+        """Rank 0, every few seconds: servers the fleet file lists that the run does not know join it (lost until
+        they answer and pass the checks)."""
+        if self.listing is None or self.clock() < self.next_listing:
+            return
+        self.next_listing = self.clock() + PROBE_LOST_EVERY_S
+        try:
+            urls = self.listing()
+        except Exception as err:  # noqa: BLE001 - a file being rewritten, storage down: read it next time
+            log.warning("fleet: could not read the fleet file: %s", err)
+            return
+        for url in urls:
+            if server_name(url) not in self.members:
+                self._add(url)
+                self.added.append((server_name(url), url))
+                log.warning("fleet: %s added to the run; it serves once it answers, passes the start-up checks and "
+                            "has the current weights", url)
 
     @property
     def single(self) -> bool:
@@ -207,6 +235,7 @@ class ServerFleet:
         """Rank 0: whether ``tend`` has something to do now (the collection waiting for samples asks every few
         seconds): a server restarted or ready to join again. Servers that stopped answering are drained here."""
         self._take_worker_reports()
+        self._read_listing()
         if self.single:
             member = next(iter(self.members.values()))
             reason = member.watch.restarted()  # waits while the server does not answer, as a single server always has
@@ -223,15 +252,20 @@ class ServerFleet:
         """Rank 0 looks at every server, every rank gets the outcome: the servers ready to receive the current
         weights (checked; ``push(v, only=...)`` admits them). A fleet's last serving server that stops answering is
         waited for (``ServerWatch``), as a single server is."""
-        ready = None
+        ready = added = None
         if self.dist.is_main:
             self._take_worker_reports()
+            self._read_listing()
             for member in self.serving():
                 self._look_at_serving(member)
             for member in [m for m in self.members.values() if m.state == "lost" and self.clock() >= m.next_probe]:
                 self._look_at_lost(member)
             ready = [m.name for m in self.members.values() if m.state == "joining"]
-        ready = broadcast_object(ready)
+            added, self.added = self.added, []
+        ready, added = broadcast_object((ready, added))
+        for name, url in added:
+            if name not in self.members:  # the other ranks: a pusher for a server added from the fleet file
+                self._add(url)
         for name in ready:
             self.members[name].state = "joining"
             self.members[name].pusher.reopen()  # the old session died with the server (or never was)
@@ -349,3 +383,12 @@ def _error_of(call: Callable[[Any], None], arg: Any) -> BaseException | None:
     except ServerConfigError as err:
         return err
     return None
+
+
+def read_fleet_file(url: str) -> list[str]:
+    """The base URLs a fleet file lists (``AsyncGRPOConfig.vllm_server_fleet_file``): one per line, ``#`` comments."""
+    import fsspec
+
+    with fsspec.open(url, "rt") as f:
+        lines = [line.split("#", 1)[0].strip() for line in f]
+    return [line.rstrip("/") for line in lines if line]

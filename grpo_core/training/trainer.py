@@ -53,7 +53,7 @@ from grpo_core.training.collector import (
     WatchedSource,
     WeightVersions,
 )
-from grpo_core.training.fleet import ServerFleet, VersionProbe
+from grpo_core.training.fleet import ServerFleet, VersionProbe, read_fleet_file
 from grpo_core.training.distributed import (
     DistInfo,
     StepFeed,
@@ -383,8 +383,11 @@ class AsyncGRPOTrainer:
                           backend=args.resolved_weight_transfer_backend(self.device.type == "cuda"),
                           wire_dtype=wire_dtype(self.bf16), model_path=self.model_path, peft_config=self.peft_config)
         self.probe = VersionProbe(lambda ids: probe_logprobs(self.model, ids, self.device))
+        listing = (lambda: read_fleet_file(args.vllm_server_fleet_file)) if args.vllm_server_fleet_file else None
+        urls = args.server_urls()
+        urls += [u for u in (listing() if listing else []) if u not in urls]
         fleet = ServerFleet(
-            args.server_urls(), self.dist, unavailable_timeout_s=args.server_unavailable_timeout_s,
+            urls, self.dist, unavailable_timeout_s=args.server_unavailable_timeout_s, listing=listing,
             make_pusher=lambda url, control, watch: WeightPusher.for_run(setup, self.dist, control, watch,
                                                                          self.vocab_size, probe=self.probe),
             make_control=lambda url: VLLMControlClient(url, timeout=args.request_timeout),
@@ -399,7 +402,7 @@ class AsyncGRPOTrainer:
             tokenizer=self.processing_class,
             dataset=self.train_dataset,
             reward_funcs=self.reward_funcs,
-            base_url=self.args.server_urls(),
+            base_url=[m.url for m in self.fleet.members.values()],
             start_position=self.frontier.position,
             num_processes=self.dist.world_size,
             tools=self.tools,
