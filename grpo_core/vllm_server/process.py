@@ -114,17 +114,16 @@ class ServerOptions:
     ``sampling/routing_mismatch`` metric need them; set by the model's needs, ``grpo_core.vllm_server.model_needs``)."""
     cpu_worker_in_engine: bool = True
     """A CPU server runs its one model worker inside vLLM's engine process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
-    instead of a process of its own: one process fewer that starts and imports vLLM. On two busy cores the tiny
-    model's server started in 0.53x the time, generated 1.26x the tokens per second and spent 0.47x the server CPU
-    per token (``benchmarks/server_start.py``). The worker then runs
-    ``OMP_NUM_THREADS`` threads, as many as vLLM's own binding would have given it, unless the environment sets it.
-    False: vLLM's default (a worker process with its OpenMP threads bound). GPU servers are never changed: vLLM
-    already runs a one-GPU server's worker in its engine process."""
+    instead of a process of its own: one process fewer that starts and imports vLLM, so the server starts in about
+    half the time and spends less CPU per generated token (benchmarks/README.md, "CPU server start-up"). The worker
+    then runs ``OMP_NUM_THREADS`` threads, as many as vLLM's own binding would have given it, unless the environment
+    sets it. False: vLLM's default (a worker process with its OpenMP threads bound). GPU servers are never changed:
+    vLLM already runs a one-GPU server's worker in its engine process."""
     enforce_eager: bool = False
-    """Run the model without vLLM's compilation (``--enforce-eager``). Measured on a CPU server for the tiny Gated
-    DeltaNet hybrid (``benchmarks/server_start.py``): eager started in 59 s against 125 s compiled (74 s with vLLM's
-    compile cache warm from an earlier start), and generated 0.64x the tokens per second; so eager pays for a server that generates little (checks, short runs), compiled for
-    one that generates for long. A server with LoRA enabled runs eagerly on CPU either way (vLLM's choice)."""
+    """Run the model without vLLM's compilation (``--enforce-eager``): a faster start but slower generation for the
+    Gated DeltaNet hybrid on CPU (benchmarks/README.md, "CPU server start-up"), so eager pays for a server that
+    generates little (checks, short runs), compiled for one that generates for long. A server with LoRA enabled runs
+    eagerly on CPU either way (vLLM's choice)."""
     cpu_placement: Literal["auto", "off"] = "auto"
     """No GPU and the server started on the trainer's machine (the flow's local provisioner): ``auto`` splits the
     cores, the trainer alone on the top half, the server and the rollout worker on the rest
