@@ -7,10 +7,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from transformers import Qwen3Config, Qwen3MoeConfig
 
 from grpo_core.vllm_server.cpu_placement import CpuPlacement
-from grpo_core.vllm_server.model_needs import server_preferences
 from grpo_core.vllm_server.process import (
     ENFORCE_EAGER,
     ENGINE_MULTIPROCESSING_ENV,
@@ -18,10 +16,6 @@ from grpo_core.vllm_server.process import (
     VLLMServer,
     VLLMServerSpec,
 )
-
-SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-             num_key_value_heads=1, head_dim=16)
-
 
 def test_a_cpu_server_runs_its_worker_in_the_engine_process() -> None:
     spec = VLLMServerSpec(model="m")
@@ -43,17 +37,9 @@ def test_the_in_engine_worker_takes_the_placements_engine_cores_or_all_but_one()
     assert unplaced.engine_threads() == max(1, len(os.sched_getaffinity(0)) - 1)
 
 
-@pytest.mark.parametrize("eager,flagged", [(None, False), (False, False), (True, True)])
-def test_enforce_eager_reaches_the_command_only_when_chosen(eager: bool | None, flagged: bool) -> None:
-    assert (ENFORCE_EAGER in VLLMServerSpec(model="m", enforce_eager=eager).flags()) is flagged
-
-
-def test_only_a_cpu_server_for_moe_or_gated_delta_layers_prefers_eager() -> None:
-    moe = Qwen3MoeConfig(**SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-    dense = Qwen3Config(**SMALL)
-    assert {k: v for k, (v, _) in server_preferences(moe, cuda=False).items()} == {"enforce_eager": True}
-    assert server_preferences(moe, cuda=True) == {}
-    assert server_preferences(dense, cuda=False) == {}
+@pytest.mark.parametrize("eager", [False, True])
+def test_enforce_eager_reaches_the_command_only_when_chosen(eager: bool) -> None:
+    assert (ENFORCE_EAGER in VLLMServerSpec(model="m", enforce_eager=eager).flags()) is eager
 
 
 def test_for_run_passes_the_device_on() -> None:

@@ -15,10 +15,6 @@ Two architectures need server settings that the user's ``ServerOptions`` default
   from its V2 model runner, which needs Triton, so the CPU build refuses to start with the flag
   ("AuxOutput Connector requires Model Runner V2"); there the trainer warns once and routes itself.
 
-One more is a choice the user may make either way, resolved here when left unset (``enforce_eager=None``): a CPU
-server for a Gated DeltaNet or mixture-of-experts model runs eagerly, since vLLM's compile warm-up for those
-layers took 60-93 s of each start on two cores (``benchmarks/server_start.py``).
-
 ``model_server_options`` applies these to the user's options and logs each change with its reason;
 the flow's managed server goes through it, so ``model: tiny:arithmetic-hybrid`` in a job file or
 ``grpo demo --model`` gets the right server without a setting of its own.
@@ -68,14 +64,6 @@ def server_needs(config: Any, cuda: bool) -> dict[str, tuple[Any, str]]:
     return needs
 
 
-def server_preferences(config: Any, cuda: bool) -> dict[str, tuple[Any, str]]:
-    """``{ServerOptions field: (value, why)}`` for fields the user left unset (None) that this model resolves."""
-    prefs: dict[str, tuple[Any, str]] = {}
-    if not cuda and (has_gated_delta_layers(config) or is_mixture_of_experts(config)):
-        prefs["enforce_eager"] = (True, "vLLM's compile warm-up for these layers costs a CPU server a minute or more of its start")
-    return prefs
-
-
 def model_server_options(model: str, options: ServerOptions, cuda: bool) -> ServerOptions:
     """``options`` with what the model at ``model`` (a folder or hub id) needs of its server.
 
@@ -92,9 +80,5 @@ def model_server_options(model: str, options: ServerOptions, cuda: bool) -> Serv
     for name, (value, why) in server_needs(config, cuda).items():
         if getattr(options, name) != value:
             log.info("vLLM server %s: %r instead of %r (%s)", name, value, getattr(options, name), why)
-            changes[name] = value
-    for name, (value, why) in server_preferences(config, cuda).items():
-        if getattr(options, name) is None:
-            log.info("vLLM server %s: %r (unset; %s)", name, value, why)
             changes[name] = value
     return dataclasses.replace(options, **changes) if changes else options

@@ -114,15 +114,16 @@ class ServerOptions:
     ``sampling/routing_mismatch`` metric need them; set by the model's needs, ``grpo_core.vllm_server.model_needs``)."""
     cpu_worker_in_engine: bool = True
     """A CPU server runs its one model worker inside vLLM's engine process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
-    instead of a process of its own: one process fewer that starts and imports vLLM, which took a CPU server's start
-    from 120-168 s to 74-85 s on two busy cores (``benchmarks/server_start.py``). The worker then runs
-    ``OMP_NUM_THREADS`` threads, as many as vLLM's own binding would have given it, unless the environment sets it.
-    False: vLLM's default (a worker process with its OpenMP threads bound). GPU servers are never changed: vLLM
-    already runs a one-GPU server's worker in its engine process."""
-    enforce_eager: bool | None = None
-    """Run the model without vLLM's compilation (``--enforce-eager``). None: vLLM compiles, except on a CPU server
-    for a model with Gated DeltaNet or mixture-of-experts layers (``grpo_core.vllm_server.model_needs``), whose
-    compile warm-up took 60-93 s of each start on two cores (``benchmarks/server_start.py``)."""
+    instead of a process of its own: one process fewer that starts and imports vLLM, so the server starts in about
+    half the time and spends less CPU per generated token (benchmarks/README.md, "CPU server start-up"). The worker
+    then runs ``OMP_NUM_THREADS`` threads, as many as vLLM's own binding would have given it, unless the environment
+    sets it. False: vLLM's default (a worker process with its OpenMP threads bound). GPU servers are never changed:
+    vLLM already runs a one-GPU server's worker in its engine process."""
+    enforce_eager: bool = False
+    """Run the model without vLLM's compilation (``--enforce-eager``): a faster start but slower generation for the
+    Gated DeltaNet hybrid on CPU (benchmarks/README.md, "CPU server start-up"), so eager pays for a server that
+    generates little (checks, short runs), compiled for one that generates for long. A server with LoRA enabled runs
+    eagerly on CPU either way (vLLM's choice)."""
     cpu_placement: Literal["auto", "off"] = "auto"
     """No GPU and the server started on the trainer's machine (the flow's local provisioner): ``auto`` splits the
     cores, the trainer alone on the top half, the server and the rollout worker on the rest
@@ -215,7 +216,7 @@ class VLLMServerSpec(ServerOptions):
             flags.append(LANGUAGE_MODEL_ONLY)
         if self.return_routed_experts:
             flags.append(RETURN_ROUTED_EXPERTS)
-        if self.runs_eager:
+        if self.enforce_eager:
             flags.append(ENFORCE_EAGER)
         if self.enable_lora:
             flags += [ENABLE_LORA, MAX_LORA_RANK, str(self.max_lora_rank)]
@@ -231,11 +232,6 @@ class VLLMServerSpec(ServerOptions):
         if self.runs_worker_in_engine:
             env[ENGINE_MULTIPROCESSING_ENV] = "0"
         return {**env, **self.env}
-
-    @property
-    def runs_eager(self) -> bool:
-        """Whether the server runs without vLLM's compilation (``enforce_eager``; None leaves vLLM's default)."""
-        return bool(self.enforce_eager)
 
     @property
     def runs_worker_in_engine(self) -> bool:
