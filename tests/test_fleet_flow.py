@@ -14,7 +14,7 @@ from flows.provision import LocalProvisioner, TrainingLaunch
 from grpo_core.config import ConfigError
 from grpo_core.launch.job import JobConfig, ServerParams
 from grpo_core.vllm_server.cpu_placement import joined, replica_placement
-from grpo_core.vllm_server.process import VLLMServerSpec
+from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec
 
 
 def test_two_servers_on_two_cores_share_core_0_and_leave_the_trainer_core_1():
@@ -35,6 +35,18 @@ def test_more_cores_give_each_server_its_own_run_of_them(cores: int, replicas: i
     assert all(p.engine == (p.generation[:-1] or p.generation) for p in placements)
     both = joined(placements)
     assert both.generation == tuple(c for g in generation for c in g) and both.trainer == placements[0].trainer
+
+
+@pytest.mark.parametrize("cores,replicas,threads", [(2, 2, [1, 1]), (8, 2, [1, 1]), (12, 2, [2, 2]), (16, 3, [2, 2, 1])])
+def test_each_replicas_in_engine_worker_runs_a_thread_per_core_of_its_own(cores: int, replicas: int, threads: list):
+    """A CPU server's worker runs in its engine process (``cpu_worker_in_engine``) with ``OMP_NUM_THREADS`` threads:
+    a replica's count comes from its own engine cores, so servers side by side do not oversubscribe the machine."""
+    spec = VLLMServerSpec(model="m")
+    servers = [VLLMServer(spec.for_replica(i), "/tmp/unused", placement=replica_placement(range(cores), i, replicas))
+               for i in range(replicas)]
+    assert all(s.spec.runs_worker_in_engine for s in servers)
+    assert [s.engine_threads() for s in servers] == threads
+    assert [s.engine_threads() for s in servers] == [len(s.placement.engine) for s in servers]
 
 
 def test_a_replica_outside_the_fleet_is_refused():
