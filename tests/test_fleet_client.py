@@ -183,11 +183,14 @@ class TwoServerLoop(ScriptedLoop):
     """Two scripted servers; ``fail_a_after`` requests, server a refuses every connection."""
 
     fail_a_after: int | None = None
+    kv_usage: tuple[float, float] | None = None  # each server's KV-cache gauge in its /metrics (None: no /metrics)
 
     async def connect(self) -> None:
         from tests.test_loop_scheduler import script
 
         servers = [CountingClient(self.tokenizer, script, fail_after=self.fail_a_after), CountingClient(self.tokenizer, script)]
+        for server, kv in zip(servers, self.kv_usage or (None, None)):
+            server.kv_usage = kv
         self.servers = servers
         self.client = FleetClient([("http://a:1", servers[0]), ("http://b:1", servers[1])], unavailable_timeout_s=5.0)
         self.max_model_len = await self.client.start(self.ceiling)
@@ -205,11 +208,17 @@ class CountingClient(ScriptedClient):
         self.groups.add(self.tokenizer.decode(token_ids).split("Problem ")[1].split()[0])
         return await super().generate(token_ids, params, num_top)
 
+    kv_usage: float | None = None  # what its /metrics says (None: no /metrics)
+
     async def scrape(self) -> tuple[bool, str | None]:
-        return True, None
+        if self.kv_usage is None:
+            return True, None
+        return True, (f"vllm:kv_cache_usage_perc{{engine=\"0\"}} {self.kv_usage}\n"
+                      f"vllm:num_requests_waiting{{engine=\"0\"}} 0.0\n")
 
 
-def drive_fleet(tokenizer: Any, rows: int, fail_a_after: int | None = None) -> tuple[TwoServerLoop, list[Any]]:
+def drive_fleet(tokenizer: Any, rows: int, fail_a_after: int | None = None,
+                kv_usage: tuple[float, float] | None = None) -> tuple[TwoServerLoop, list[Any]]:
     items: list[Any] = []
 
     async def emit(item: Any) -> float:
@@ -221,6 +230,7 @@ def drive_fleet(tokenizer: Any, rows: int, fail_a_after: int | None = None) -> t
                              vllm_server_base_url=["http://a:1", "http://b:1"])
     loop = TwoServerLoop(config, tokenizer, dataset(rows), [right_or_wrong], config.server_urls(), emit)
     loop.fail_a_after = fail_a_after
+    loop.kv_usage = kv_usage
     asyncio.run(RolloutScheduler(loop, threading.Event()).run())
     return loop, items
 
@@ -235,6 +245,13 @@ def test_the_scheduler_spreads_groups_over_both_servers_one_server_each(tokenize
     metrics = group_metrics(reports)
     assert metrics["rollout/server/a-1/groups"] + metrics["rollout/server/b-1/groups"] == 12
     assert metrics["rollout/servers_serving"] == 2.0 and "rollout/server/b-1/in_flight" in metrics
+
+
+def test_the_scheduler_spreads_groups_although_one_server_read_a_block_fuller(tokenizer):
+    # The run takes less than one metrics period: the first scrape's gauges (one KV block apart) hold throughout.
+    loop, items = drive_fleet(tokenizer, rows=12, kv_usage=(2 / 4096, 1 / 4096))
+    servers = [r.server for r in items if isinstance(r, GroupReport)]
+    assert len(servers) == 12 and min(servers.count("a-1"), servers.count("b-1")) >= 4, servers
 
 
 def test_a_server_lost_mid_run_loses_no_group_and_trains_none_twice(tokenizer):

@@ -34,6 +34,22 @@ def test_groups_alternate_between_equal_servers_and_fill_the_emptier():
     assert router.in_flight == 16
 
 
+def test_equal_servers_share_the_groups_whatever_their_last_kv_readings():
+    # Caps at the ceiling (where they start on a server whose KV cache holds a ceiling's worth of requests): every
+    # server's room is the fleet's, so every pick is a tie. The KV gauges, read seconds ago, differ by one block of a
+    # 4,096-block cache; they must not send every group to the same server until the next scrape.
+    router = fleet({"a": 16, "b": 16}, ceiling=16)
+    router.slots["a"].kv_usage, router.slots["b"].kv_usage = 2 / 4096, 1 / 4096
+    routes = [fill(router, 4) for _ in range(4)]
+    assert [r.server for r in routes] == ["a", "b", "a", "b"]
+    # b's groups finish first: the next groups go to b, which holds none, while a still holds two.
+    for route in routes[1::2]:
+        for _ in range(4):
+            router.release(route)
+        router.close(route)
+    assert [fill(router, 4).server for _ in range(2)] == ["b", "b"]
+
+
 def test_a_group_goes_where_its_server_has_room_by_its_own_cap():
     router = fleet({"a": 2, "b": 10})
     assert [fill(router, 2).server for _ in range(3)] == ["b", "b", "b"]  # b has more room each time

@@ -3,10 +3,17 @@
 A GROUP's requests all go to one server: its rollouts share the prompt, which that server then holds in its
 prefix cache, and a multi-turn continuation finds its own earlier turns there. ``Router.pick`` sends a new
 group to the serving server with the most room: the free slots of that server's own adaptive concurrency cap
-(``concurrency.ConcurrencyController``, steered by its KV-cache usage) less the rollouts already promised to it;
-ties go to the emptier KV cache, then to the server that got a group least recently. All servers together stay
-under the run's ceiling (``max_concurrent_rollouts``), which bounds what the trainer can consume before samples
-go stale, however many servers there are.
+(``concurrency.ConcurrencyController``, steered by its KV-cache usage) less the rollouts already promised to it.
+All servers together stay under the run's ceiling (``max_concurrent_rollouts``), which bounds what the trainer can
+consume before samples go stale, however many servers there are.
+
+Ties go to the server with the least load now (its rollouts in flight and promised, as a share of its cap), then
+to the one that got a group least recently. They are the rule, not the exception: while each server's cap is at
+the ceiling (where it starts whenever the KV cache holds a ceiling's worth of full-length requests), every server's
+room is the fleet's room under the ceiling. The tie is not broken by the KV-cache gauge itself: that is read every
+few seconds, and at low load two servers differ in it by a block or two of a cache of thousands, so one server
+won every tie until the next scrape and took every new group meanwhile, while the other idled. The gauge steers
+each server's cap; the live counts pick.
 
 A drained server's groups move, with their rollouts in flight and those not yet admitted, to the serving server
 with the most room (whose cap adopts them, over its limit if need be); with no server serving they stay where
@@ -36,13 +43,19 @@ class ServerSlot:
     unadmitted: int = 0
     """Rollouts of its groups that wait for a slot under its cap."""
     kv_usage: float | None = None
-    """The last KV-cache usage read from its ``/metrics`` (a fraction)."""
+    """The last KV-cache usage read from its ``/metrics`` (a fraction): a metric and its cap's input, not a tie-break."""
     last_picked: int = 0
     routes: set[GroupRoute] = field(default_factory=set)
 
     @property
     def in_flight(self) -> int:
         return sum(route.in_flight for route in self.routes)
+
+    @property
+    def load(self) -> float:
+        """Its rollouts in flight and promised (created, not yet admitted), as a share of its cap, counted now."""
+        cap = self.controller.cap if self.controller is not None else 1
+        return (self.in_flight + self.unadmitted) / max(1, cap)
 
 
 @dataclass(eq=False)
@@ -180,7 +193,6 @@ class Router:
         rank_by = rank_by or self.room
 
         def key(s: ServerSlot) -> tuple[float, float, int]:
-            kv = s.kv_usage if s.kv_usage is not None else 0.0
-            return (-rank_by(s), kv, s.last_picked)
+            return (-rank_by(s), s.load, s.last_picked)  # ties: see the module docstring
 
         return min(candidates, key=key)

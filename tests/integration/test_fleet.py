@@ -77,13 +77,19 @@ def fleet(tiny_model_path, server_logs):
 
 
 @pytest.fixture
-def trainer_core(monkeypatch):
+def trainer_core(fleet, monkeypatch):
     """This thread (the trainer) on the trainer's cores and its rollout worker on the servers', as the flow's
-    local provisioner places a CPU run; one torch thread per trainer core."""
+    local provisioner places a CPU run; one torch thread per trainer core.
+
+    After ``fleet``, which it names for that: the servers are placed from the cores this thread may use, and a test
+    that asks for both as ``usefixtures`` and argument gets the ``usefixtures`` one first. Before this dependency the
+    servers saw only the trainer's core, started unplaced on it (no "# cpu placement" line in their logs), and
+    shared it with the trainer."""
     cpus = sorted(os.sched_getaffinity(0))
     placement = replica_placement(cpus, 0, 2)
     threads = torch.get_num_threads()
     if placement is not None:
+        assert all(s.placement is not None for s in fleet), "the servers started without their cores"
         monkeypatch.setenv(ROLLOUT_CPUS_ENV, format_cpus(placement.generation))
         os.sched_setaffinity(0, set(placement.trainer))
         torch.set_num_threads(len(placement.trainer))
@@ -208,12 +214,12 @@ def test_two_servers_serve_hold_the_weights_and_survive_a_kill(fleet, tiny_model
     frontier = records[-1]["frontier"]
     assert not set(range(frontier)) - set(consumed), "a prompt position below the frontier was never trained"
     resent = sum(h.get("rollout/resent_requests", 0.0) for h in history)
-    print(f"requests sent again after the kill: {resent:.0f}; frontier {frontier}; "
-          f"victim left at step {left}, serving again at step {returned}")
 
     # It left, the other carried the run, it came back caught up and served again.
     left = min(s for s, v in serving.items() if v == 0.0)
     returned = min(s for s, v in serving.items() if v == 1.0 and s > left)
+    print(f"requests sent again after the kill: {resent:.0f}; frontier {frontier}; "
+          f"victim left at step {left}, serving again at step {returned}")
     assert serving[killed - 1] == 1.0 and serving[steps] == 1.0
     assert groups_per_server(history, [names[0]], set(range(left, returned)))[names[0]] > 0
     after = set(range(returned + 1, steps + 1))
