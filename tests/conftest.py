@@ -29,6 +29,10 @@ from tests.startup import BACKGROUND, begin, order_items
 
 SERVER_LOGS = pytest.StashKey[Path]()
 
+# Every Python process the tests start (spawned ranks, servers, flows) prints its threads' stacks if it dies
+# of a fatal signal: a rank that aborts in native code otherwise leaves only the signal's name behind.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
 SHARED_MAX_LORAS = 6
 SHARED_MAX_LORA_RANK = 16
 SESSION_SERVER_HOST = "127.0.0.2"
