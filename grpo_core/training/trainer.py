@@ -548,13 +548,7 @@ class AsyncGRPOTrainer:
         else:
             history.append({"step": float(self.global_step), **metrics})
         if self.dist.is_main and self.global_step % self.args.logging_steps == 0:
-            self.tracker.log_metrics({k: v for k, v in metrics.items() if k not in self._constant_metrics},
-                                     step=self.global_step)
-            tags = constant_tags({k: v for k, v in metrics.items() if k in self._constant_metrics})
-            tags = {k: v for k, v in tags.items() if self._constant_tags.get(k) != v}
-            if tags:
-                self.tracker.set_tags(tags)
-                self._constant_tags.update(tags)
+            self._track(metrics)
             if same_step:
                 return
             log.info(
@@ -565,6 +559,17 @@ class AsyncGRPOTrainer:
                 metrics.get("rollout/generated_tok_s", 0.0),
                 metrics.get("perf/rollout_wait_s", 0.0),
             )
+
+    def _track(self, metrics: dict[str, float]) -> None:
+        """To the tracker: the metrics the settings do not fix, and the value of each one they fix that no param
+        or tag holds otherwise, as a tag once (again if it changes)."""
+        self.tracker.log_metrics({k: v for k, v in metrics.items() if k not in self._constant_metrics},
+                                 step=self.global_step)
+        tags = constant_tags({k: v for k, v in metrics.items() if k in self._constant_metrics})
+        tags = {k: v for k, v in tags.items() if self._constant_tags.get(k) != v}
+        if tags:
+            self.tracker.set_tags(tags)
+            self._constant_tags.update(tags)
 
     def _log_completions(self, batch: StepBatch) -> None:
         """``log_completions``: a table of the step's prompts, completions and rewards to the tracker, and
