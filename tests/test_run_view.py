@@ -31,6 +31,7 @@ from grpo_core.tracking.run_view import (
     ui_command,
     with_headline,
 )
+from grpo_core.tracking.tracker import redact
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,10 +96,12 @@ def test_params_are_spelled_as_python_prints_them_and_unset_ones_are_left_out():
 def test_job_params_use_trl_names_once_each():
     job = json.loads(JobConfig.model_validate({
         "model": "Qwen/Qwen3-0.6B", "peft_config": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"},
-        "server": {"max_model_len": 2048, "dtype": "bfloat16", "managed": False, "base_url": "http://gpu:8000"},
+        "server": {"max_model_len": 2048, "dtype": "bfloat16", "managed": False, "base_url": "http://gpu:8000",
+                   "env": {"VLLM_LOGGING_LEVEL": "INFO", "AWS_SECRET_ACCESS_KEY": "s3cr3t"}},
         "tracking": {"experiment": "x"}, "rendezvous_address": "10.0.0.1",
     }).model_dump_json())
-    params = job_params(job)
+    params = as_params(redact(job_params(job)))  # as MLflowTracker.log_params writes them
+    assert params["vllm_env.VLLM_LOGGING_LEVEL"] == "INFO" and "s3cr3t" not in json.dumps(params)
     assert params["model_name_or_path"] == "Qwen/Qwen3-0.6B" and params["dataset_name"] == "tiny:arithmetic"
     assert json.loads(params["reward_funcs"]) == job["reward_funcs"]
     assert (params["use_peft"], params["lora_r"], params["lora_alpha"], params["lora_target_modules"]) == (

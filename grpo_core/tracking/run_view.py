@@ -152,17 +152,18 @@ UNLOGGED_SERVER_KEYS = frozenset({"managed", "base_url", "startup_timeout_s"})
 """Server keys that say where or whether the flow starts the server, not how it serves."""
 
 
-def job_params(job: dict[str, Any]) -> dict[str, str]:
+def job_params(job: dict[str, Any]) -> dict[str, Any]:
     """The job's settings beyond the trainer's, one param each under the name a TRL user knows: ``model_name_or_path``,
     ``dataset_name``, ``reward_funcs``; LoRA as ``use_peft`` and ``lora_*`` (``lora_r``, ``lora_alpha``,
     ``lora_target_modules``); the vLLM server's options as ``vllm_<option>`` (``vllm_max_model_len``). ``job`` is a
-    ``JobConfig`` as a dict."""
+    ``JobConfig`` as a dict. Values stay as they are (``vllm_env`` a mapping): the tracker drops credential-like keys
+    (``tracker.redact``) before it writes them as text."""
     values: dict[str, Any] = {JOB_PARAM_NAMES.get(k, k): v for k, v in job.items() if k not in UNLOGGED_JOB_KEYS}
     lora = job.get("peft_config")
     values["use_peft"] = lora is not None
     values.update({_lora_param(k): v for k, v in (lora or {}).items()})
     values.update({f"vllm_{k}": v for k, v in (job.get("server") or {}).items() if k not in UNLOGGED_SERVER_KEYS})
-    return as_params(values)
+    return values
 
 
 # ---------------------------------------------------------------------------------------------- links
