@@ -248,7 +248,7 @@ def report_resumes(job: JobConfig, tracking_uri: str, run_id: str, resumes: int)
     return counts
 
 
-@task(name="log-run-summary")
+@task(name="log-run-summary", retries=1)
 def log_run_summary(tracking_uri: str, run_id: str, summary_file: Path, final_model_uri: str | None) -> None:
     """``summary.json`` into the run's artifacts; the metrics the flow logged itself (the held-out accuracy) into
     the headline charts, as the trainer's own are, and onto the final model with the others."""
@@ -381,10 +381,12 @@ def summary_markdown(job: JobConfig, summary: dict[str, Any], experiment_id: str
     the numbers (the MLflow run id as a link)."""
     uri, run_id = summary["mlflow_tracking_uri"], summary["mlflow_run_id"]
 
-    def fmt(key: str, value: Any) -> str:
+    def cell(key: str, value: Any) -> str:
         if key == "mlflow_run_id":
             return f"[{value}]({run_url(uri, experiment_id, value)})"
-        return f"{value:.3f}" if isinstance(value, float) else f"`{value}`" if isinstance(value, str) else str(value)
+        if isinstance(value, float):
+            return f"{value:.3f}"
+        return f"`{value}`" if isinstance(value, str) else str(value)
 
     serve = ui_command(uri)
     lines = [
@@ -395,7 +397,7 @@ def summary_markdown(job: JobConfig, summary: dict[str, Any], experiment_id: str
         + (f" (once `{serve}` serves the store)" if serve else ""), "",
         f"Checkpoints: `{job.trainer.output_dir}`", "",
         "| summary | value |", "|---|---|",
-        *(f"| {key} | {fmt(key, value)} |" for key, value in summary.items()),
+        *(f"| {key} | {cell(key, value)} |" for key, value in summary.items()),
     ]
     return "\n".join(lines) + "\n"
 
