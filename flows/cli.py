@@ -65,15 +65,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
     job = JobConfig.model_validate({"trainer": trainer, **({"model": args.model} if args.model else {})})
     summary = _run(job)
     print(json.dumps(summary, indent=2))
-    print(f"\nMLflow run {summary['mlflow_run_id']} in {summary['mlflow_tracking_uri']}")
-    print(f"  browse it: mlflow ui --backend-store-uri {summary['mlflow_tracking_uri']}")
+    print_mlflow_links(summary)
     print(f"summary: {Path(out) / 'summary.json'}")
     return 0
+
+
+def print_mlflow_links(summary: dict) -> None:
+    """Where to see the run: the command that serves the UI of the store (a file or a database) and the links
+    that open the run and its experiment's runs (not MLflow's GenAI views)."""
+    import mlflow
+
+    from grpo_core.tracking.run_view import experiment_url, run_url, ui_command
+
+    uri, run_id = summary["mlflow_tracking_uri"], summary["mlflow_run_id"]
+    experiment_id = mlflow.MlflowClient(uri).get_run(run_id).info.experiment_id
+    print(f"\nMLflow run {run_id} in {uri}")
+    if serve := ui_command(uri):
+        print(f"  serve the UI:   {serve}")
+    print(f"  the run:        {run_url(uri, experiment_id, run_id)}")
+    print(f"  its charts:     {run_url(uri, experiment_id, run_id, 'model-metrics')}")
+    print(f"  the experiment: {experiment_url(uri, experiment_id)}")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     summary = _run(_job_from_yaml(args.config, args.output_dir, args.server_url))
     print(json.dumps(summary, indent=2))
+    print_mlflow_links(summary)
     return 0
 
 

@@ -22,10 +22,12 @@ from grpo_core.vllm_server.process import ServerOptions
 
 ImportString = Annotated[str, Field(pattern=r"^[\w.]+:[\w.]+$", description="package.module:attribute")]
 
-JOB_TRAINER_DEFAULTS: dict[str, Any] = {"report_to": "mlflow", "do_eval": True}
+JOB_TRAINER_DEFAULTS: dict[str, Any] = {"report_to": "mlflow", "do_eval": True, "log_completions": True,
+                                        "num_completions_to_log": 16}
 """Where a job's trainer differs from ``AsyncGRPOConfig``'s defaults, for keys the job does not set: the flow
-tracks every job in MLflow (the library itself reports nowhere by default, as transformers does) and reports
-the held-out accuracy before and after training."""
+tracks every job in MLflow (the library itself reports nowhere by default, as transformers does), reports
+the held-out accuracy before and after training, and keeps a sample of completions in the run (the first 16 of
+each logged step: two groups of the default ``num_generations``)."""
 
 REPLACED_JOB_KEYS = {
     "eval_reward": "reward_funcs (the held-out accuracy is the first reward function's mean)",
@@ -83,7 +85,8 @@ class TrackingParams(_Strict):
     system_metrics: bool = True
     """Log CPU/GPU/memory system metrics with the run."""
     registered_model_name: str | None = None
-    """Register the final model under this name in the MLflow model registry (None: log it without registering)."""
+    """The name the final model is registered under in the MLflow model registry (a new version per run); None:
+    ``<model>-<task>`` (``tiny-arithmetic-arithmetic`` for the demo), the run's name without its config hash."""
 
 
 class JobConfig(_Strict):
