@@ -29,8 +29,10 @@ from typing import Any
 
 from grpo_core.tiny import tasks
 from grpo_core.tiny.spec import TinySpec, default_spec
+from grpo_core.waiting import announced_wait
 
 MARKER = ".complete"
+BUILD_TIME = "no time limit; the default build takes about 2 min on two cores"
 BUILD_INFO = "build_info.json"
 
 
@@ -65,7 +67,12 @@ def build_from_spec(spec: TinySpec, cache_dir: str | Path | None = None, *, verb
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     with open(final.parent / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            with announced_wait(f"another process to finish building the tiny model {final.name}", None,
+                                f"if no other build runs, remove {lock.name}", limit_text=BUILD_TIME):
+                fcntl.flock(lock, fcntl.LOCK_EX)
         if is_complete(final, spec):  # another process finished it while we waited
             return final
         if final.exists():  # debris of an interrupted manual copy; never of ours, which renames atomically
@@ -75,7 +82,10 @@ def build_from_spec(spec: TinySpec, cache_dir: str | Path | None = None, *, verb
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         try:
-            _build_into(spec, tmp, cache_dir, verbose=verbose)
+            with announced_wait(f"the tiny model {spec.variant} to build into {final}", None,
+                                "it is built once and then reused from that folder (GRPO_CORE_CACHE moves it)",
+                                limit_text=BUILD_TIME):
+                _build_into(spec, tmp, cache_dir, verbose=verbose)
             (tmp / MARKER).write_text(spec.to_json())
             # mkdtemp makes the folder private; a server running as another user must still read it.
             for path in (tmp, *tmp.iterdir()):
