@@ -24,6 +24,7 @@ import random
 import shutil
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -139,8 +140,12 @@ def _build_into(spec: TinySpec, out: Path, cache_dir: str | Path | None, *, verb
         _portable_tokenizer_class(out)
         if stage is not None:
             pool = encode_pool(stage, tokenizer, train, with_tools=with_tools, seed=spec.seed)
+            # The same chats with every answer right, for the warm-up's first clean_steps.
+            clean = encode_pool(replace(stage, correct_prob=1.0), tokenizer, train, with_tools=with_tools,
+                                seed=spec.seed) if stage.clean_steps else None
             t0 = time.perf_counter()
-            losses = warmup_train(model, pool, stage, pad_id=tokenizer.pad_token_id, seed=spec.seed, log_every=log_every)
+            losses = warmup_train(model, pool, stage, pad_id=tokenizer.pad_token_id, seed=spec.seed, log_every=log_every,
+                                  clean_pool=clean)
             info["warmup_seconds"] = time.perf_counter() - t0
             info["final_loss"] = sum(losses[-20:]) / max(1, len(losses[-20:]))
 
