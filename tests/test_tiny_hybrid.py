@@ -99,6 +99,8 @@ def test_server_options_follow_the_model(built: dict[str, Path], tmp_path: Path)
     user = ServerOptions(kv_cache_gib=3, max_model_len=256)
     got = model_server_options(str(built["vlm"]), user, cuda=False)
     assert (got.dtype, got.language_model_only, got.kv_cache_gib, got.max_model_len) == ("bfloat16", True, 3, 256)
+    eager = ServerOptions(enforce_eager=True)
+    assert model_server_options(str(built["hybrid"]), eager, cuda=False).enforce_eager is True  # the user's choice stays
     assert model_server_options(str(built["hybrid"]), user, cuda=True) is user
     plain = build_from_spec(replace(SMALL, variant="arithmetic", model=replace(SMALL_MODEL, num_hidden_layers=1,
                                                                                linear_attention=None)), tmp_path)

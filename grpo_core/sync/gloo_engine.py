@@ -36,6 +36,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from grpo_core.sync.buckets import Bucket, plan_from_sizes
 from grpo_core.sync.delta import apply_bucket, payload_nbytes
+from grpo_core.sync.expert_repack import repack_cpu_experts
 from grpo_core.sync.receiver import HeldWeights, apply_storage_update
 
 RENDEZVOUS_TIMEOUT = timedelta(seconds=300)
@@ -159,6 +160,8 @@ class GlooWeightTransferEngine(
 
         finalize_layerwise_reload(self.model, self.model_config)
         _retie_word_embeddings(self.model, self.model_config)
+        if self.device.type == "cpu":
+            repack_cpu_experts(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on CPU-only

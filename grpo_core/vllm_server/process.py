@@ -50,6 +50,8 @@ DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 CPU_OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+ENGINE_MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+OMP_THREADS_ENV = "OMP_NUM_THREADS"
 ENTRY_POINT = "vllm.entrypoints.openai.api_server"
 MODEL = "--model"
 HOST = "--host"
@@ -68,6 +70,7 @@ MAX_LORAS = "--max-loras"
 API_SERVER_COUNT = "--api-server-count"
 LANGUAGE_MODEL_ONLY = "--language-model-only"
 RETURN_ROUTED_EXPERTS = "--enable-return-routed-experts"
+ENFORCE_EAGER = "--enforce-eager"
 
 
 ServedDtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -110,6 +113,18 @@ class ServerOptions:
     return_routed_experts: bool = False
     """Return the experts each token was routed to (a mixture-of-experts model; routing replay and the
     ``sampling/routing_mismatch`` metric need them; set by the model's needs, ``grpo_core.vllm_server.model_needs``)."""
+    cpu_worker_in_engine: bool = True
+    """A CPU server runs its one model worker inside vLLM's engine process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+    instead of a process of its own: one process fewer that starts and imports vLLM, so the server starts in about
+    half the time and spends less CPU per generated token (benchmarks/README.md, "CPU server start-up"). The worker
+    then runs ``OMP_NUM_THREADS`` threads, as many as vLLM's own binding would have given it, unless the environment
+    sets it. False: vLLM's default (a worker process with its OpenMP threads bound). GPU servers are never changed:
+    vLLM already runs a one-GPU server's worker in its engine process."""
+    enforce_eager: bool = False
+    """Run the model without vLLM's compilation (``--enforce-eager``): a faster start but slower generation for the
+    Gated DeltaNet hybrid on CPU (benchmarks/README.md, "CPU server start-up"), so eager pays for a server that
+    generates little (checks, short runs), compiled for one that generates for long. A server with LoRA enabled runs
+    eagerly on CPU either way (vLLM's choice)."""
     cpu_placement: Literal["auto", "off"] = "auto"
     """No GPU and the server started on the trainer's machine (the flow's local provisioner): ``auto`` splits the
     cores, the trainer alone on the top half, the server and the rollout worker on the rest
@@ -143,6 +158,8 @@ class VLLMServerSpec(ServerOptions):
     """Server sampling seed."""
     dtype: ServedDtype = "float32"
     """Weight dtype of this launch; ``for_run`` sets it from ``ServerOptions.dtype``, else from the training dtype."""
+    cuda: bool = False
+    """The server runs on GPUs (vLLM's CUDA build); False: vLLM's CPU build."""
 
     @classmethod
     def for_run(cls, model: str | os.PathLike[str], config: Any, options: ServerOptions | None = None,
@@ -161,6 +178,7 @@ class VLLMServerSpec(ServerOptions):
             max_logprobs=max(20, config.num_sampler_logprobs + 1),
             return_sampling_mask=config.needs_candidate_sets(),
             seed=config.seed,
+            cuda=cuda,
             **launch,
         )
 
@@ -194,6 +212,8 @@ class VLLMServerSpec(ServerOptions):
             flags.append(LANGUAGE_MODEL_ONLY)
         if self.return_routed_experts:
             flags.append(RETURN_ROUTED_EXPERTS)
+        if self.enforce_eager:
+            flags.append(ENFORCE_EAGER)
         if self.enable_lora:
             flags += [ENABLE_LORA, MAX_LORA_RANK, str(self.max_lora_rank)]
             if self.max_loras is not None:
@@ -205,7 +225,14 @@ class VLLMServerSpec(ServerOptions):
         env = {DEV_MODE_ENV: "1", CPU_KV_CACHE_ENV: os.environ.get(CPU_KV_CACHE_ENV, str(self.kv_cache_gib))}
         if self.enable_lora:
             env[RUNTIME_LORA_ENV] = "1"
+        if self.runs_worker_in_engine:
+            env[ENGINE_MULTIPROCESSING_ENV] = "0"
         return {**env, **self.env}
+
+    @property
+    def runs_worker_in_engine(self) -> bool:
+        """Whether vLLM's one model worker runs inside the engine process (``cpu_worker_in_engine`` on a CPU server)."""
+        return self.cpu_worker_in_engine and not self.cuda
 
     def environment(self) -> dict[str, str]:
         return {**os.environ, **self.server_environment()}
@@ -259,6 +286,8 @@ class VLLMServer:
             env[CPU_OMP_BIND_ENV] = format_cpus(self.placement.engine)
             log.write(f"# cpu placement: {self.placement.describe()}\n".encode())
             log.flush()
+        if self.spec.runs_worker_in_engine and OMP_THREADS_ENV not in env:
+            env[OMP_THREADS_ENV] = str(self.engine_threads())
         with forked_on(self.placement.generation if self.placement is not None else None):
             self.process = subprocess.Popen(
                 self.spec.command(self.port),
@@ -270,6 +299,14 @@ class VLLMServer:
         log.close()
         self._wait_ready(timeout_s)
         return self
+
+    def engine_threads(self) -> int:
+        """OpenMP threads of a worker that runs in the engine process: the placement's engine cores, else what
+        vLLM's own binding gives a worker process (every core this process may use but one, kept for the API
+        server and the engine's scheduling)."""
+        if self.placement is not None:
+            return len(self.placement.engine)
+        return max(1, len(os.sched_getaffinity(0)) - 1)
 
     def _wait_ready(self, timeout_s: float) -> None:
         from grpo_core.vllm_server.control import VLLMControlClient

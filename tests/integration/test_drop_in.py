@@ -189,7 +189,8 @@ def seed_server(tiny_model_path, tmp_path_factory):
     """A server started by hand with the seed's flags: no --enable-scale-out, no --max-logprobs."""
     logs = tmp_path_factory.mktemp("seed-server")
     port = 0
-    spec = VLLMServerSpec(model=tiny_model_path, port=port, max_model_len=512)
+    # vLLM's own process layout too (its worker in a process of its own), as a user's command gets it.
+    spec = VLLMServerSpec(model=tiny_model_path, port=port, max_model_len=512, cpu_worker_in_engine=False)
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model_path,
                "--max-model-len", "512", *SEED_FLAGS, "--weight-transfer-config", '{"backend":"gloo"}', "--dtype", "float32"]
 
