@@ -77,8 +77,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from flows.heldout import heldout_line
+
     summary = _run(_job_from_yaml(args.config, args.output_dir, args.server_url))
     print(json.dumps(summary, indent=2))
+    if summary.get("eval_accuracy_before") is not None:
+        print(heldout_line(summary))
     return 0
 
 

@@ -9,7 +9,10 @@ attempt follows ``job.trainer.resume_from_checkpoint``, every later one runs wit
 (the newest good checkpoint of this run under ``output_dir``; none yet means step 0). The summary
 (also written to ``summary.json`` in the local run folder) says how often it resumed, how many
 prompts were trained twice (those past the last checkpoint before each crash), and how often the
-server restarted under the trainer (an external one: the trainer pushed its weights to it again).
+server restarted under the trainer (an external one: the trainer pushed its weights to it again), and the
+held-out accuracy before and after with 95% intervals over problems and the paired gain (``flows.heldout``,
+also ``eval/accuracy`` in MLflow at step 0 and the last step). ``run.png`` beside it pictures the run
+(``flows.run_picture``) and is logged to the MLflow run.
 
 A remote ``output_dir`` (``s3://...``) holds checkpoints and the ledger only; the job file, logs,
 pid file and default MLflow store go to a local run folder (``local_run_dir``). Storage credentials
