@@ -335,7 +335,7 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
         # Restarts of the vLLM server the trainer met and pushed its weights to again (an external one).
         "server_restarts": resume_counts["server_restarts"],
     }
-    summary["picture"] = run_picture(tracking_uri, run_id, heldout, out / "run.png", title=f"{job.model} on {job.dataset}")
+    summary["picture"] = run_picture(tracking_uri, run_id, heldout, out / "run.png", title=f"GRPO: model {job.model}, data {job.dataset}, seed {job.trainer.seed}")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     summary_artifact(job, summary)
     return summary
