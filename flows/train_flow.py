@@ -9,7 +9,10 @@ attempt follows ``job.trainer.resume_from_checkpoint``, every later one runs wit
 (the newest good checkpoint of this run under ``output_dir``; none yet means step 0). The summary
 (also written to ``summary.json`` in the local run folder) says how often it resumed, how many
 prompts were trained twice (those past the last checkpoint before each crash), and how often the
-server restarted under the trainer (an external one: the trainer pushed its weights to it again).
+server restarted under the trainer (an external one: the trainer pushed its weights to it again), and the
+held-out accuracy before and after with 95% intervals over problems and the paired gain (``flows.heldout``,
+also ``eval/accuracy`` in MLflow at step 0 and the last step). ``run.png`` beside it pictures the run
+(``flows.run_picture``) and is logged to the MLflow run.
 
 A remote ``output_dir`` (``s3://...``) holds checkpoints and the ledger only; the job file, logs,
 pid file and default MLflow store go to a local run folder (``local_run_dir``). Storage credentials
@@ -42,6 +45,7 @@ from prefect import flow, get_run_logger
 from prefect import task as prefect_task
 from prefect.cache_policies import NO_CACHE
 
+from flows.heldout import heldout_scores, heldout_summary, log_heldout, prompts_digest
 from flows.progress import TrainingProgress, stage
 from flows.provision import LocalProvisioner, Provisioner, TrainingLaunch
 from grpo_core.launch.job import JobConfig, import_string, resolve_dataset, resolve_model
@@ -90,17 +94,19 @@ def start_server(provisioner: Provisioner, job: JobConfig, model_path: str, log_
 
 
 @task(name="evaluate")
-def evaluate(job: JobConfig, model_path: str, server_url: str, label: str) -> float | None:
-    """The held-out accuracy (the first reward function's mean) of what the server serves, with the trainer's
-    evaluation settings: ``do_eval``, ``num_generations_eval``, the reward functions and their weights."""
+def evaluate(job: JobConfig, model_path: str, server_url: str, label: str) -> dict[str, Any] | None:
+    """The held-out accuracy (the first reward function's mean) of what the server serves, overall and per problem
+    (``flows.heldout``), with the trainer's evaluation settings: ``do_eval``, ``num_generations_eval``, the reward
+    functions and their weights."""
     trainer = job.trainer
     if not trainer.runs_evaluation():
         return None
     from transformers import AutoTokenizer
 
-    from grpo_core.training.evaluation import evaluate_rewards
+    from grpo_core.data.inputs import first_rows
+    from grpo_core.training.evaluation import evaluate_rewards, problem_keys
 
-    data = resolve_dataset(job.dataset)
+    data = resolve_dataset(job.dataset, trainer.seed)
     if "eval" not in data:
         return None
     result = evaluate_rewards(
@@ -115,7 +121,8 @@ def evaluate(job: JobConfig, model_path: str, server_url: str, label: str) -> fl
     )
     _logger().info("held-out accuracy %s: %.3f over %d samples (%s)", label, result.accuracy, result.num_samples,
                    ", ".join(f"{k} {v:.3f}" for k, v in result.per_func.items()))
-    return result.accuracy
+    rows = first_rows(data["eval"], 1 << 62)
+    return {**heldout_scores(result, problem_keys(rows)), "prompts_digest": prompts_digest([r["prompt"] for r in rows])}
 
 
 @task(name="create-mlflow-run")
@@ -335,10 +342,14 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
         exit_stack.close()
         if job.server.managed and server_url:
             prov.stop_server(server_url)
+    rewards = reward_summary(tracking_uri, run_id)
+    heldout = heldout_summary(eval_before, eval_after)
+    log_heldout(tracking_uri, run_id, eval_before, eval_after, last_step=rewards["steps"])
     summary = {
-        **reward_summary(tracking_uri, run_id),
-        "eval_accuracy_before": eval_before,
-        "eval_accuracy_after": eval_after,
+        **rewards,
+        **heldout,
+        "seed": job.trainer.seed,
+        "eval_prompts_digest": (eval_after or eval_before or {}).get("prompts_digest"),
         "mlflow_tracking_uri": tracking_uri,
         "mlflow_run_id": run_id,
         "final_model_uri": final_model_uri,
@@ -348,6 +359,7 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
         # Restarts of the vLLM server the trainer met and pushed its weights to again (an external one).
         "server_restarts": resume_counts["server_restarts"],
     }
+    summary["picture"] = run_picture(tracking_uri, run_id, heldout, out / "run.png", title=f"GRPO: model {job.model}, data {job.dataset}, seed {job.trainer.seed}")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     log_run_summary(tracking_uri, run_id, out / "summary.json", final_model_uri)
     summary_artifact(job, summary)
@@ -359,6 +371,22 @@ def registered_model_name(job: JobConfig) -> str:
     from grpo_core.tracking.tracker import recipe_name
 
     return job.tracking.registered_model_name or recipe_name(json.loads(job.model_dump_json()))
+
+
+def run_picture(tracking_uri: str, run_id: str, heldout: dict[str, Any], path: Path, title: str) -> str | None:
+    """Draw the run (``flows.run_picture``) beside ``summary.json`` and log it to the MLflow run; its path, or None
+    when it could not be drawn (a picture must never fail a finished run)."""
+    import mlflow
+
+    from flows.run_picture import draw_run_picture, metric_history
+
+    try:
+        draw_run_picture(metric_history(tracking_uri, run_id), heldout, path, title=title)
+        mlflow.MlflowClient(tracking_uri).log_artifact(run_id, str(path))
+    except Exception:  # noqa: BLE001
+        _logger().warning("could not draw or log the run's picture %s", path, exc_info=True)
+        return None
+    return str(path)
 
 
 def progress_artifact() -> Any:

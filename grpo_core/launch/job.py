@@ -190,8 +190,10 @@ def resolve_model(spec: str) -> str:
     return spec
 
 
-def resolve_dataset(spec: str) -> Any:
-    """A ``DatasetDict`` with ``train`` (and optionally ``eval``) for ``spec``."""
+def resolve_dataset(spec: str, seed: int = 0) -> Any:
+    """A ``DatasetDict`` with ``train`` (and optionally ``eval``) for ``spec``; ``seed`` (the trainer's) orders a
+    tiny task's rows, so one seed always gives the same training and held-out prompts. A tiny task's held-out
+    problems are the tiny model's, whatever the seed (see ``tiny.tasks.arithmetic_dataset``)."""
     if spec.startswith("tiny:"):
         from grpo_core.tiny import arithmetic_dataset
 
@@ -200,5 +202,5 @@ def resolve_dataset(spec: str) -> Any:
         task = spec.removeprefix("tiny:")
         if task not in builders:
             raise ValueError(f"dataset {spec!r}: unknown tiny task; use one of {sorted(builders)}")
-        return builders[task]()
+        return builders[task](seed=seed)
     return import_string(spec)()

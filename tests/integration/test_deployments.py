@@ -30,6 +30,8 @@ import pytest
 import torch
 import yaml
 
+from flows.heldout import prompts_digest
+from grpo_core.launch.job import resolve_dataset
 from tests.conftest import HTTP, Service
 
 pytestmark = pytest.mark.integration
@@ -311,6 +313,27 @@ def test_embedded_default_run_completes_with_metrics_in_mlflow(prefect, embedded
                               run_ids=[run_id])
     assert {"step", "prompt", "completion", "reward"} <= set(table.columns)
     assert sorted(set(table["step"])) == [1, 2, 3] and table.groupby("step").size().max() <= 16
+
+    # The held-out accuracy before and after, each with its 95% interval over the 20 held-out problems, and the
+    # paired gain; the same numbers as eval/accuracy at step 0 and at the last step.
+    assert (summary["eval_problems"], summary["eval_prompts"], summary["eval_samples"]) == (20, 100, 100)
+    for label in ("before", "after"):
+        low, high = summary[f"eval_accuracy_{label}_ci95"]
+        assert 0.0 <= summary[f"eval_accuracy_{label}"] <= 1.0 and low <= summary[f"eval_accuracy_{label}"] <= high
+    gain_low, gain_high = summary["eval_gain_ci95"]
+    assert gain_low <= summary["eval_gain"] <= gain_high
+    assert summary["eval_gain"] == pytest.approx(summary["eval_accuracy_after"] - summary["eval_accuracy_before"])
+    seed = job["trainer"].get("seed", 0)
+    held_out = resolve_dataset(job.get("dataset", "tiny:arithmetic"), seed)["eval"]["prompt"]
+    assert summary["seed"] == seed and summary["eval_prompts_digest"] == prompts_digest(held_out)
+    accuracy = {m.step: m.value for m in client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy")}
+    assert accuracy == {0: summary["eval_accuracy_before"], 3: summary["eval_accuracy_after"]}
+    lows = {m.step: m.value for m in client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy_ci95_low")}
+    assert lows[3] == pytest.approx(summary["eval_accuracy_after_ci95"][0])
+    # The run's picture beside summary.json, and in the MLflow run.
+    picture = tmp_path / "run" / "run.png"
+    assert summary["picture"] == str(picture) and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "run.png" in [a.path for a in client.list_artifacts(mlflow_run.info.run_id)]
 
     # The checkpoint the trainer wrote after its last step is referenced by URI, not copied...
     refs = mlflow.artifacts.download_artifacts(artifact_uri=f"runs:/{run_id}/checkpoints", tracking_uri=mlflow_server,
