@@ -27,7 +27,13 @@ try {
       for (const [key, value] of Object.entries(entries)) window.localStorage.setItem(key, value);
     }, shot.local_storage ?? {});
     await page.goto(shot.url, { waitUntil: "load", timeout: 120000 });
-    await page.getByText(shot.text, { exact: false }).first().waitFor({ timeout: 120000 });
+    try {
+      await page.getByText(shot.text, { exact: false }).first().waitFor({ timeout: 120000 });
+    } catch (error) {
+      // What the page showed instead, beside the picture it should have been (not one the README uses).
+      await page.screenshot({ path: shot.path.replace(/\.png$/, ".failed.png") });
+      throw error;
+    }
     await page.waitForTimeout(shot.settle_ms ?? 3000);  // the UIs keep polling, so "no network" never comes
     await page.screenshot({ path: shot.path });
     console.log(`${shot.path} <- ${page.url()}`);

@@ -93,7 +93,9 @@ def main() -> int:
     with ExitStack() as stack:
         stack.enter_context(serving(
             [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
-            {k: v for k, v in env.items() if k != "PREFECT_API_URL"}, f"{api}/health", work / "prefect.log"))
+            # The UI finds its API through PREFECT_UI_API_URL; `--port` alone leaves it at the default port 4200.
+            {**{k: v for k, v in env.items() if k != "PREFECT_API_URL"}, "PREFECT_UI_API_URL": api},
+            f"{api}/health", work / "prefect.log"))
         if not (demo / "summary.json").is_file():
             steps = ["--max-steps", str(args.max_steps)] if args.max_steps else []
             subprocess.run([sys.executable, "-m", "flows.cli", "demo", "--output-dir", str(demo), *steps], env=env,
