@@ -375,8 +375,8 @@ def test_embedded_default_run_completes_with_metrics_in_mlflow(prefect, embedded
     assert "[train]" in logs and "step 3" in logs, logs[-3000:]
 
 
-# needs the demo branch: it logs eval/accuracy at step 0 and the last step and draws run.png; until it is merged
-# this test fails (on purpose: a skip would let the must-show pass without them).
+# The held-out accuracy as a metric before training and after the final sync (also in the headline section and on
+# the registered model), and the run's picture as an artifact.
 @pytest.mark.slow
 def test_embedded_default_run_holds_the_heldout_accuracy_and_the_picture(embedded_run, mlflow_server):
     import mlflow
