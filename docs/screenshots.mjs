@@ -4,8 +4,9 @@
 //     node docs/screenshots.mjs SPEC.json
 //
 // SPEC: {"chromium": "/usr/bin/chromium", "shots": [{"path": "x.png", "url": "...", "text": "shown once loaded",
-//        "width": 1600, "height": 1000, "settle_ms": 3000, "local_storage": {"key": "value"}}]}. Each shot starts
-// with the given browser storage (a UI's remembered choices, such as a side panel closed), waits for its text,
+//        "width": 1600, "height": 1000, "settle_ms": 3000, "local_storage": {"key": "value"}, "click": "Tab"}]}.
+// Each shot starts with the given browser storage (a UI's remembered choices, such as a side panel closed), clicks
+// the element whose text is "click" if given (a tab the URL cannot select), waits for its text,
 // then for the page to settle (charts draw after their data arrives), and captures the viewport only: what a
 // person sees without scrolling.
 import { readFileSync } from "node:fs";
@@ -28,6 +29,11 @@ try {
     }, shot.local_storage ?? {});
     await page.goto(shot.url, { waitUntil: "load", timeout: 120000 });
     try {
+      if (shot.click) {
+        const target = page.getByText(shot.click, { exact: true }).first();
+        await target.waitFor({ timeout: 120000 });
+        await target.click();
+      }
       await page.getByText(shot.text, { exact: false }).first().waitFor({ timeout: 120000 });
     } catch (error) {
       // What the page showed instead, beside the picture it should have been (not one the README uses).

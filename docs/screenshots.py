@@ -121,7 +121,8 @@ def main() -> int:
              "text": "0_headline", "width": 1600, "height": 1000, "settle_ms": 6000, "local_storage": closed},
             {"path": str(PICTURES / "prefect_artifacts.png"),
              "url": f"http://127.0.0.1:{prefect_port}/runs/flow-run/{flow_run['id']}?tab=Artifacts",
-             "text": "training-summary", "width": 1600, "height": 1000},
+             "text": "training-summary", "width": 1600, "height": 1000,
+             "click": "Artifacts"},  # the flow run page opens on its logs whatever the URL's tab says
         ]
         spec = work / "shots.json"
         spec.write_text(json.dumps({"chromium": chromium, "shots": shots}))

@@ -331,7 +331,7 @@ def test_embedded_default_run_completes_with_metrics_in_mlflow(prefect, embedded
     lows = {m.step: m.value for m in client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy_ci95_low")}
     assert lows[3] == pytest.approx(summary["eval_accuracy_after_ci95"][0])
     # The run's picture beside summary.json, and in the MLflow run.
-    picture = tmp_path / "run" / "run.png"
+    picture = embedded_run.output_dir / "run.png"
     assert summary["picture"] == str(picture) and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "run.png" in [a.path for a in client.list_artifacts(mlflow_run.info.run_id)]
 
