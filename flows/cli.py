@@ -26,6 +26,7 @@ DEMO_TRAINER = {
     "max_completion_length": 24,
     "max_staleness": 2,
     "num_sampler_logprobs": 8,
+    "num_generations_eval": 16,  # 16 x 100 held-out prompts: each problem's accuracy from 80 samples
     "save_steps": 40,
     "logging_steps": 1,
     "token_budget": 4096,
@@ -55,25 +56,50 @@ def _run(job) -> dict:  # noqa: ANN001
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from flows.heldout import heldout_line
     from grpo_core.launch.job import JobConfig
 
     out = str(Path(args.output_dir).absolute())
-    trainer = {**DEMO_TRAINER, "output_dir": out}
+    trainer = {**DEMO_TRAINER, "output_dir": out, "seed": args.seed}
     if args.max_steps:
         trainer["max_steps"] = args.max_steps
     # The model decides its server's settings (bf16 for Gated DeltaNet layers on CPU, no vision tower).
     job = JobConfig.model_validate({"trainer": trainer, **({"model": args.model} if args.model else {})})
     summary = _run(job)
     print(json.dumps(summary, indent=2))
-    print(f"\nMLflow run {summary['mlflow_run_id']} in {summary['mlflow_tracking_uri']}")
-    print(f"  browse it: mlflow ui --backend-store-uri {summary['mlflow_tracking_uri']}")
+    print_mlflow_links(summary)
     print(f"summary: {Path(out) / 'summary.json'}")
+    if summary.get("picture"):
+        print(f"picture: {summary['picture']}")
+    print(heldout_line(summary))
     return 0
 
 
+def print_mlflow_links(summary: dict) -> None:
+    """Where to see the run: the command that serves the UI of the store (a file or a database) and the links
+    that open the run and its experiment's runs (not MLflow's GenAI views)."""
+    import mlflow
+
+    from grpo_core.tracking.run_view import experiment_url, run_url, ui_command
+
+    uri, run_id = summary["mlflow_tracking_uri"], summary["mlflow_run_id"]
+    experiment_id = mlflow.MlflowClient(uri).get_run(run_id).info.experiment_id
+    print(f"\nMLflow run {run_id} in {uri}")
+    if serve := ui_command(uri):
+        print(f"  serve the UI:   {serve}")
+    print(f"  the run:        {run_url(uri, experiment_id, run_id)}")
+    print(f"  its charts:     {run_url(uri, experiment_id, run_id, 'model-metrics')}")
+    print(f"  the experiment: {experiment_url(uri, experiment_id)}")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    from flows.heldout import heldout_line
+
     summary = _run(_job_from_yaml(args.config, args.output_dir, args.server_url))
     print(json.dumps(summary, indent=2))
+    print_mlflow_links(summary)
+    if summary.get("eval_accuracy_before") is not None:
+        print(heldout_line(summary))
     return 0
 
 
@@ -90,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="run the embedded default end to end on this machine")
     demo.add_argument("--output-dir", default="outputs/demo")
     demo.add_argument("--max-steps", type=int, default=None, help="override the demo's step count")
+    demo.add_argument("--seed", type=int, default=0,
+                      help="the trainer's seed; it also orders the prompts, so one seed gives the same held-out prompts")
     demo.add_argument("--model", default=None,
                       help="another model, e.g. tiny:arithmetic-hybrid (Gated DeltaNet) or tiny:arithmetic-vlm (vision-language)")
     demo.set_defaults(func=cmd_demo)

@@ -9,14 +9,23 @@ template is what makes the flow pod (Kubernetes) or process (local) look the way
 So each pool a selected deployment names is created, or has its template updated, from
 ``infra/work-pools/`` before the deployments are registered, with Prefect's own
 ``prefect work-pool create --overwrite``. Registration itself is Prefect's own ``prefect deploy``, so
-``prefect.yaml`` means exactly what Prefect's documentation says it means.
+``prefect.yaml`` means exactly what Prefect's documentation says it means, with one addition: each
+deployment's ``job`` is registered whole, every value the run will use written out (``full_jobs``), so the
+UI's run form shows the defaults the run takes (the two reward functions, ``report_to: mlflow``) instead
+of empty fields. ``prefect deploy --all`` on the file itself registers the same runs with a sparser form.
+
+Deployments run where the worker runs: ``outputs/deployments/<name>`` under this checkout, and their
+MLflow runs go to a SQLite store there unless the worker's environment sets ``MLFLOW_TRACKING_URI``
+(README, "Deploy and trigger from Prefect").
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,8 +102,25 @@ def deploy_command(file: Path, names: list[str] | None) -> list[str]:
     return cmd
 
 
+def full_jobs(project: dict[str, Any]) -> dict[str, Any]:
+    """``project`` with each deployment's ``job`` parameter replaced by the whole ``JobConfig`` it validates to:
+    every value written out, defaults included, as the run will use them (an invalid job fails here, named)."""
+    from grpo_core.launch.job import JobConfig
+
+    out = copy.deepcopy(project)
+    for deployment in out["deployments"]:
+        parameters = deployment.get("parameters") or {}
+        if "job" in parameters:
+            try:
+                parameters["job"] = JobConfig.model_validate(parameters["job"]).model_dump(mode="json")
+            except ValueError as exc:
+                raise ValueError(f"deployment {deployment['name']!r}: {exc}") from exc
+    return out
+
+
 def deploy_all(file: str | Path = "prefect.yaml", names: list[str] | None = None) -> list[str]:
-    """Ensure the work pools, then register the deployments; returns their names as ``flow/deployment``.
+    """Ensure the work pools, then register the deployments with their jobs whole (``full_jobs``); returns their
+    names as ``flow/deployment``.
 
     Runs in the folder that holds ``file``: entry points and ``infra/`` are relative to it.
     """
@@ -107,9 +133,14 @@ def deploy_all(file: str | Path = "prefect.yaml", names: list[str] | None = None
     unknown = [p for p in pool_names if p not in specs]
     if unknown:
         raise ValueError(f"work pools {unknown} have no template in {POOLS_INDEX}")
+    resolved = yaml.safe_dump(full_jobs(project), sort_keys=False)
     ensure_work_pools([specs[p] for p in pool_names], root)
     short_names = [n.split("/")[-1] for n in names] if names else None
-    subprocess.run(deploy_command(path, short_names), cwd=root, check=True)
+    # Beside the original, so that whatever Prefect resolves against the file's folder resolves the same.
+    with tempfile.NamedTemporaryFile("w", dir=root, prefix=".grpo-deploy-", suffix=".yaml") as full:
+        full.write(resolved)
+        full.flush()
+        subprocess.run(deploy_command(Path(full.name), short_names), cwd=root, check=True)
     # Every deployment here runs the same flow; its name comes from the @flow decorator.
     from flows.train_flow import grpo_train
 

@@ -11,7 +11,10 @@ attempt follows ``job.trainer.resume_from_checkpoint``, every later one runs wit
 (the newest good checkpoint of this run under ``output_dir``; none yet means step 0). The summary
 (also written to ``summary.json`` in the local run folder) says how often it resumed, how many
 prompts were trained twice (those past the last checkpoint before each crash), and how often the
-server restarted under the trainer (an external one: the trainer pushed its weights to it again).
+server restarted under the trainer (an external one: the trainer pushed its weights to it again), and the
+held-out accuracy before and after with 95% intervals over problems and the paired gain (``flows.heldout``,
+also ``eval/accuracy`` in MLflow at step 0 and the last step). ``run.png`` beside it pictures the run
+(``flows.run_picture``) and is logged to the MLflow run.
 
 A remote ``output_dir`` (``s3://...``) holds checkpoints and the ledger only; the job file, logs,
 pid file and default MLflow store go to a local run folder (``local_run_dir``). Storage credentials
@@ -19,10 +22,13 @@ come from the environment (``AWS_*`` for s3fs) or from a prefect-aws ``AwsCreden
 by ``storage_credentials``; they reach the training process through its environment only, never the
 job file, a log line or MLflow.
 
-What a Prefect user sees: the training process's log lines in the flow run's logs, a progress
-artifact (``training-progress``) updated as steps land, and a markdown summary artifact
-(``training-summary``) with the run's numbers and links at the end. The final model is logged to
-MLflow as a transformers model (``model/``), registered when ``tracking.registered_model_name`` is set.
+What a Prefect user sees: the training process's log lines in the flow run's logs, one progress
+artifact (``training-progress``) per flow run that moves as steps land, across resumed attempts, and a
+markdown summary artifact (``training-summary``) with the run's numbers and links at the end. What an
+MLflow user sees: a run in a model-training experiment, its headline charts first, the summary
+(``summary.json``) and a completions table among its artifacts, and the final model logged as a
+transformers model (``model/``) and registered (``tracking.registered_model_name``, default
+``<model>-<task>``) with the run's last headline metrics.
 """
 
 from __future__ import annotations
@@ -44,9 +50,11 @@ from prefect import task as prefect_task
 from prefect.cache_policies import NO_CACHE
 
 from flows.fleet_keeper import FleetKeeper
+from flows.heldout import heldout_scores, heldout_summary, log_heldout, prompts_digest
 from flows.progress import TrainingProgress, stage
 from flows.provision import LocalProvisioner, Provisioner, TrainingLaunch
 from grpo_core.launch.job import JobConfig, import_string, resolve_dataset, resolve_model
+from grpo_core.tracking.run_view import experiment_url, run_url, ui_command
 from grpo_core.tracking.tracker import system_metrics
 from grpo_core.vllm_server.model_needs import model_server_options
 from grpo_core.vllm_server.process import VLLMServerSpec
@@ -108,17 +116,19 @@ def start_servers(provisioner: Provisioner, job: JobConfig, model_path: str, log
 
 
 @task(name="evaluate")
-def evaluate(job: JobConfig, model_path: str, server_url: str, label: str) -> float | None:
-    """The held-out accuracy (the first reward function's mean) of what the server serves, with the trainer's
-    evaluation settings: ``do_eval``, ``num_generations_eval``, the reward functions and their weights."""
+def evaluate(job: JobConfig, model_path: str, server_url: str, label: str) -> dict[str, Any] | None:
+    """The held-out accuracy (the first reward function's mean) of what the server serves, overall and per problem
+    (``flows.heldout``), with the trainer's evaluation settings: ``do_eval``, ``num_generations_eval``, the reward
+    functions and their weights."""
     trainer = job.trainer
     if not trainer.runs_evaluation():
         return None
     from transformers import AutoTokenizer
 
-    from grpo_core.training.evaluation import evaluate_rewards
+    from grpo_core.data.inputs import first_rows
+    from grpo_core.training.evaluation import evaluate_rewards, problem_keys
 
-    data = resolve_dataset(job.dataset)
+    data = resolve_dataset(job.dataset, trainer.seed)
     if "eval" not in data:
         return None
     result = evaluate_rewards(
@@ -133,19 +143,21 @@ def evaluate(job: JobConfig, model_path: str, server_url: str, label: str) -> fl
     )
     _logger().info("held-out accuracy %s: %.3f over %d samples (%s)", label, result.accuracy, result.num_samples,
                    ", ".join(f"{k} {v:.3f}" for k, v in result.per_func.items()))
-    return result.accuracy
+    rows = first_rows(data["eval"], 1 << 62)
+    return {**heldout_scores(result, problem_keys(rows)), "prompts_digest": prompts_digest([r["prompt"] for r in rows])}
 
 
 @task(name="create-mlflow-run")
 def create_mlflow_run(job: JobConfig, tracking_uri: str, tags: dict[str, str]) -> str:
+    from grpo_core.tracking.run_view import job_params
     from grpo_core.tracking.tracker import MLflowTracker, run_identity, trainer_params
 
     job_dict = json.loads(job.model_dump_json())
     # Named <model>-<task>-<config hash> unless the job names it; tagged so runs of a recipe group.
     default_name, identity = run_identity(job_dict)
     tracker = MLflowTracker(tracking_uri, job.tracking.experiment, job.trainer.run_name or default_name)
-    # The trainer's settings under their own (TRL) names; the rest of the job under job.*.
-    tracker.log_params({**trainer_params(job.trainer), "job": {k: v for k, v in job_dict.items() if k != "trainer"}})
+    # Every setting once, under the name a TRL user knows: the trainer's own, model_name_or_path, vllm_*, ...
+    tracker.log_params({**trainer_params(job.trainer), **job_params(job_dict)})
     tracker.set_tags({**identity, **tags})
     if tracker.flush():  # tags are queued like every write during training; these must land now
         raise RuntimeError(f"MLflow at {tracking_uri} did not take the tags of run {tracker.run_id}")
@@ -153,9 +165,9 @@ def create_mlflow_run(job: JobConfig, tracking_uri: str, tags: dict[str, str]) -
 
 
 @task(name="log-final-model", retries=1)
-def log_final_model(tracking_uri: str, run_id: str, registered_model_name: str | None) -> str | None:
+def log_final_model(tracking_uri: str, run_id: str, registered_model_name: str) -> str | None:
     """Log the final checkpoint's servable files to the MLflow run as a transformers model (loadable
-    with ``mlflow.transformers.load_model``, registered under ``registered_model_name`` when given)."""
+    with ``mlflow.transformers.load_model``), registered under ``registered_model_name``."""
     import mlflow
 
     from grpo_core.tracking import tracker
@@ -284,19 +296,37 @@ def load_storage_credentials(name: str) -> None:
     _logger().info("storage credentials from AwsCredentials block %r: %s", name, sorted(values))
 
 
+RESUME_COUNTS = ("resumes", "prompts_trained_twice", "prompts_consumed", "server_restarts")
+"""What ``report_resumes`` counts; tags of the run under these names (one number each, not a chart)."""
+
+
 @task(name="report-resumes")
 def report_resumes(job: JobConfig, tracking_uri: str, run_id: str, resumes: int) -> dict[str, int]:
-    """Count attempts and prompts trained twice from the run's ledger, and log them to its MLflow run."""
+    """Count attempts and prompts trained twice from the run's ledger, and tag its MLflow run with them."""
     import mlflow
 
     from grpo_core.checkpoint import ledger_summary
 
     counts = {**ledger_summary(job.trainer.output_dir), "resumes": resumes}
     client = mlflow.MlflowClient(tracking_uri)
-    for key in ("resumes", "prompts_trained_twice", "prompts_consumed", "server_restarts"):
-        client.log_metric(run_id, f"job/{key}", float(counts[key]), step=job.trainer.max_steps)
-    client.set_tag(run_id, "resumes", str(resumes))
+    for key in RESUME_COUNTS:
+        client.set_tag(run_id, key, str(counts[key]))
     return counts
+
+
+@task(name="log-run-summary", retries=1)
+def log_run_summary(tracking_uri: str, run_id: str, summary_file: Path, final_model_uri: str | None) -> None:
+    """``summary.json`` into the run's artifacts; the metrics the flow logged itself (the held-out accuracy) into
+    the headline charts, as the trainer's own are, and onto the final model with the others."""
+    import mlflow
+
+    from grpo_core.tracking.tracker import complete_headline, link_model_metrics
+
+    client = mlflow.MlflowClient(tracking_uri)
+    client.log_artifact(run_id, str(summary_file))
+    complete_headline(client, run_id)
+    if final_model_uri:
+        link_model_metrics(client, run_id, final_model_uri.removeprefix("models:/"))
 
 
 def reward_summary(tracking_uri: str, run_id: str) -> dict[str, float]:
@@ -348,10 +378,11 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
         resume_job["trainer"]["resume_from_checkpoint"] = True
         resume_file.write_text(JobConfig.model_validate(resume_job).model_dump_json(indent=2))
         resumes = 0
+        on_step = progress_artifact()  # one for the flow run: every attempt moves it
         while True:
             launch = training_launch(job, job_file if resumes == 0 else resume_file, ",".join(server_urls), model_path,
                                      run_id, tracking_uri, out)
-            with TrainingProgress(tracking_uri, run_id, job.trainer.max_steps, on_step=progress_artifact()), \
+            with TrainingProgress(tracking_uri, run_id, job.trainer.max_steps, on_step=on_step), \
                     keep_fleet(prov, job, server_urls, tracking_uri, run_id):
                 code = train_attempt(prov, launch, pid_file=str(out / "trainer.pid"))
             if code == 0:
@@ -363,17 +394,21 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
             if job.server.managed:
                 restart_dead_servers(prov, job, server_urls)
         resume_counts = report_resumes(job, tracking_uri, run_id, resumes)
-        final_model_uri = log_final_model(tracking_uri, run_id, job.tracking.registered_model_name)
+        final_model_uri = log_final_model(tracking_uri, run_id, registered_model_name(job))
         eval_after = evaluate(job, model_path, server_urls[0], "after")
     finally:
         exit_stack.close()
         if job.server.managed:
             for url in server_urls:
                 prov.stop_server(url)
+    rewards = reward_summary(tracking_uri, run_id)
+    heldout = heldout_summary(eval_before, eval_after)
+    log_heldout(tracking_uri, run_id, eval_before, eval_after, last_step=rewards["steps"])
     summary = {
-        **reward_summary(tracking_uri, run_id),
-        "eval_accuracy_before": eval_before,
-        "eval_accuracy_after": eval_after,
+        **rewards,
+        **heldout,
+        "seed": job.trainer.seed,
+        "eval_prompts_digest": (eval_after or eval_before or {}).get("prompts_digest"),
         "mlflow_tracking_uri": tracking_uri,
         "mlflow_run_id": run_id,
         "final_model_uri": final_model_uri,
@@ -383,9 +418,34 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
         # Restarts of the vLLM server the trainer met and pushed its weights to again (an external one).
         "server_restarts": resume_counts["server_restarts"],
     }
+    summary["picture"] = run_picture(tracking_uri, run_id, heldout, out / "run.png", title=f"GRPO: model {job.model}, data {job.dataset}, seed {job.trainer.seed}")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    log_run_summary(tracking_uri, run_id, out / "summary.json", final_model_uri)
     summary_artifact(job, summary)
     return summary
+
+
+def registered_model_name(job: JobConfig) -> str:
+    """The job's ``tracking.registered_model_name``, else ``<model>-<task>`` (the run's name without its hash)."""
+    from grpo_core.tracking.tracker import recipe_name
+
+    return job.tracking.registered_model_name or recipe_name(json.loads(job.model_dump_json()))
+
+
+def run_picture(tracking_uri: str, run_id: str, heldout: dict[str, Any], path: Path, title: str) -> str | None:
+    """Draw the run (``flows.run_picture``) beside ``summary.json`` and log it to the MLflow run; its path, or None
+    when it could not be drawn (a picture must never fail a finished run)."""
+    import mlflow
+
+    from flows.run_picture import draw_run_picture, metric_history
+
+    try:
+        draw_run_picture(metric_history(tracking_uri, run_id), heldout, path, title=title)
+        mlflow.MlflowClient(tracking_uri).log_artifact(run_id, str(path))
+    except Exception:  # noqa: BLE001
+        _logger().warning("could not draw or log the run's picture %s", path, exc_info=True)
+        return None
+    return str(path)
 
 
 def progress_artifact() -> Any:
@@ -403,22 +463,42 @@ def progress_artifact() -> Any:
     return on_step
 
 
+def summary_markdown(job: JobConfig, summary: dict[str, Any], experiment_id: str) -> str:
+    """The run's summary as markdown: links to the MLflow run, its charts and its experiment, then a table of
+    the numbers (the MLflow run id as a link)."""
+    uri, run_id = summary["mlflow_tracking_uri"], summary["mlflow_run_id"]
+
+    def cell(key: str, value: Any) -> str:
+        if key == "mlflow_run_id":
+            return f"[{value}]({run_url(uri, experiment_id, value)})"
+        if isinstance(value, float):
+            return f"{value:.3f}"
+        return f"`{value}`" if isinstance(value, str) else str(value)
+
+    serve = ui_command(uri)
+    lines = [
+        f"# GRPO run: {job.model} on {job.dataset}", "",
+        f"MLflow: [the run]({run_url(uri, experiment_id, run_id)}), "
+        f"[its charts]({run_url(uri, experiment_id, run_id, 'model-metrics')}), "
+        f"[experiment {job.tracking.experiment}]({experiment_url(uri, experiment_id)})"
+        + (f" (once `{serve}` serves the store)" if serve else ""), "",
+        f"Checkpoints: `{job.trainer.output_dir}`", "",
+        "| summary | value |", "|---|---|",
+        *(f"| {key} | {cell(key, value)} |" for key, value in summary.items()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def summary_artifact(job: JobConfig, summary: dict[str, Any]) -> None:
-    """The run's summary as a markdown artifact on the flow run, with links to MLflow and the checkpoints."""
+    """The run's summary as a markdown artifact on the flow run (``summary_markdown``)."""
+    import mlflow
     from prefect.artifacts import create_markdown_artifact
 
-    def fmt(value: Any) -> str:
-        return f"{value:.3f}" if isinstance(value, float) else str(value)
-
-    rows = "\n".join(f"| {key} | {fmt(value)} |" for key, value in summary.items())
-    uri = summary["mlflow_tracking_uri"]
-    link = f"[{summary['mlflow_run_id']}]({uri.rstrip('/')}/#/experiments/0/runs/{summary['mlflow_run_id']})" if uri.startswith("http") else f"`{summary['mlflow_run_id']}` in `{uri}`"
-    markdown = (
-        f"# GRPO run: {job.model} on {job.dataset}\n\nMLflow run: {link}\n\n"
-        f"Checkpoints: `{job.trainer.output_dir}`\n\n| | |\n|---|---|\n{rows}\n"
-    )
     try:
-        create_markdown_artifact(markdown=markdown, key="training-summary", description="GRPO run summary")
+        client = mlflow.MlflowClient(summary["mlflow_tracking_uri"])
+        experiment_id = client.get_run(summary["mlflow_run_id"]).info.experiment_id
+        create_markdown_artifact(markdown=summary_markdown(job, summary, experiment_id), key="training-summary",
+                                 description="GRPO run summary")
     except Exception:  # noqa: BLE001 - a summary must never fail a finished run
         _logger().warning("could not create the summary artifact", exc_info=True)
 

@@ -77,6 +77,9 @@ class AsyncGRPOConfig:
     to this long for the queue to drain, then names what it could not deliver."""
     log_completions: bool = False
     """Log a table of prompts, completions and rewards to the tracker every ``logging_steps``."""
+    num_completions_to_log: Annotated[int, Field(ge=1)] | None = None
+    """With ``log_completions``: rows of each logged step in the table, its first groups (None: every completion of
+    the step, as TRL logs them). The table is one artifact that grows by these rows at each logged step."""
     num_completions_to_print: Annotated[int, Field(ge=0)] = 3
     """With ``log_completions``: also print this many of each logged step's completions to the console."""
 
@@ -147,7 +150,7 @@ class AsyncGRPOConfig:
     loaded with the ``kernels`` package (see ``attention_kernel``); ``flash_attn_cute``: FlashAttention-4
     (``pip install flash-attn-4``); ``torch_varlen``: PyTorch's FlashAttention-2 (``varlen_attn``); ``aten_flash``:
     the same through an older PyTorch op; ``reference``: dense PyTorch attention, any device, memory growing with
-    the square of the row (the only one on CPU). The run's ``perf/attention_backend`` param records the choice."""
+    the square of the row (the only one on CPU). The run's ``resolved.attention_backend`` tag records the choice."""
     tree_attention_plan: Literal["auto", "split", "gather"] = "auto"
     """How a fused kernel runs a tree row's attention. ``split``: one call for every segment's own tokens and one
     per ancestor depth (the queries below each ancestor against its keys), merged by log-sum-exp; no key is copied
@@ -157,7 +160,7 @@ class AsyncGRPOConfig:
     ``auto``: per row, ``split`` where the row's paths hold at least 3 keys per token of the row
     (``SPLIT_MIN_PATHS_PER_TOKEN``; long prompts shared by many completions) and the kernel has the entry points and
     passes the start-up probe that way, else ``gather``: split is ahead where paths are long and behind where they
-    are short (benchmarks/README.md, "Tree attention split by ancestor level"). ``perf/attention_backend`` shows the
+    are short (benchmarks/README.md, "Tree attention split by ancestor level"). ``resolved.attention_backend`` shows the
     plan (``+split``, ``+split/gather``). Ignored by ``reference``."""
     tree_kv_regather: Literal["eager", "always", "never"] = "eager"
     """The gather plan (``tree_attention_plan``): whether a tree row's attention keeps, for backward, the K/V it

@@ -29,6 +29,10 @@ from tests.startup import BACKGROUND, begin, order_items
 
 SERVER_LOGS = pytest.StashKey[Path]()
 
+# Every Python process the tests start (spawned ranks, servers, flows) prints its threads' stacks if it dies
+# of a fatal signal: a rank that aborts in native code otherwise leaves only the signal's name behind.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
 SHARED_MAX_LORAS = 6
 SHARED_MAX_LORA_RANK = 16
 SESSION_SERVER_HOST = "127.0.0.2"
@@ -163,8 +167,37 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory):
 
 # ---- Prefect ----------------------------------------------------------------------------------------------
 REPO = Path(__file__).resolve().parents[1]
+
+
+class RetryBusyAnswers(httpx.HTTPTransport):
+    """Asks again, with growing waits for up to a minute, while a server answers 503 (or 429/502).
+
+    The Prefect server answers 503 when its database is briefly locked or slow (it marks such errors as
+    retryable, and its own client retries them); on the suite's two busy cores that happens now and then.
+    A person at the UI would click again, so the tests do too, rather than failing on a passing moment.
+    """
+
+    BUSY = frozenset({429, 502, 503})
+
+    def __init__(self, patience_s: float = 60.0, **kwargs):
+        super().__init__(**kwargs)
+        self.patience_s = patience_s
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        deadline = time.monotonic() + self.patience_s
+        wait = 0.5
+        while True:
+            response = super().handle_request(request)
+            if response.status_code not in self.BUSY or time.monotonic() + wait > deadline:
+                return response
+            response.read()
+            response.close()
+            time.sleep(wait)
+            wait = min(wait * 2, 8.0)
+
+
 # Generous: on a busy two-core machine the Prefect server can take many seconds per request.
-HTTP = httpx.Client(timeout=60)
+HTTP = httpx.Client(timeout=60, transport=RetryBusyAnswers())
 
 
 class Service:

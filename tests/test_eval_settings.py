@@ -43,10 +43,12 @@ def flow_evaluation(monkeypatch):
 
     def record(base_url, tokenizer, dataset, reward_funcs, **kwargs):
         calls.append({"dataset": dataset, "reward_funcs": reward_funcs, **kwargs})
-        return EvalResult(accuracy=0.25, num_prompts=len(dataset), num_samples=2 * len(dataset), mean_length=3.0)
+        return EvalResult(accuracy=0.25, num_prompts=len(dataset), num_samples=2 * len(dataset), mean_length=3.0,
+                          prompt_scores=[0.0, 0.5, 0.5])
 
+    eval_rows = [{"prompt": "e1", "problem": "1 + 2"}, {"prompt": "e2", "problem": "1 + 2"}, {"prompt": "e3", "problem": "4 + 5"}]
     monkeypatch.setattr(evaluation, "evaluate_rewards", record)
-    monkeypatch.setattr(train_flow, "resolve_dataset", lambda spec: {"train": ["t"], "eval": ["e1", "e2"]})
+    monkeypatch.setattr(train_flow, "resolve_dataset", lambda spec, seed: {"train": ["t"], "eval": eval_rows})
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(lambda path: "tokenizer"))
     return train_flow.evaluate.fn, calls
 
@@ -55,9 +57,12 @@ def test_the_flow_evaluates_with_the_trainers_settings(flow_evaluation) -> None:
     evaluate, calls = flow_evaluation
     job = JobConfig(trainer={"num_generations_eval": 3, "reward_weights": [1.0, 0.5], "temperature": 0.7,
                              "max_completion_length": 20})
-    assert evaluate(job, "model", "http://server", "before") == 0.25
+    scores = evaluate(job, "model", "http://server", "before")
+    # The overall accuracy, and the mean per problem (two phrasings of 1 + 2 count as one problem).
+    assert scores["accuracy"] == 0.25 and scores["problems"] == {"1 + 2": 0.25, "4 + 5": 0.5}
+    assert scores["num_prompts"] == 3 and scores["num_samples"] == 6
     (call,) = calls
-    assert call["dataset"] == ["e1", "e2"] and call["reward_funcs"] == [accuracy_reward, format_reward]
+    assert [r["prompt"] for r in call["dataset"]] == ["e1", "e2", "e3"] and call["reward_funcs"] == [accuracy_reward, format_reward]
     assert call["samples_per_prompt"] == 3 and call["weights"] == [1.0, 0.5]
     assert call["temperature"] == 0.7 and call["max_tokens"] == 20
     assert evaluate(JobConfig(trainer={"do_eval": False}), "model", "http://server", "after") is None

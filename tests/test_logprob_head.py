@@ -5,7 +5,7 @@
 * ``row_logprobs`` on a packed tree row of a tiny Qwen3 (fp64): the same log-probs and every weight's
   gradient as the dense head, and the head really sees no positions;
 * the trainer: ``logprob_chunk_size`` reaches its micro-batch, the dense and chunked steps agree, and
-  the chosen attention backend is logged as the run's ``perf/attention_backend`` param;
+  the chosen attention backend is logged as the run's ``resolved.attention_backend`` tag;
 * under FSDP2 (two gloo ranks, with and without activation checkpointing): the chunked head's step
   gives the gradients of the dense one-process step;
 * the config's rule for ``auto``.
@@ -265,12 +265,12 @@ def test_resolved_chunk_size():
             AsyncGRPOConfig(logprob_chunk_size=bad)
 
 
-class ParamsTracker:
+class TagsTracker:
     def __init__(self):
-        self.params: dict = {}
+        self.tags: dict = {}
 
-    def log_params(self, params):
-        self.params.update(params)
+    def set_tags(self, tags):
+        self.tags.update(tags)
 
     def close(self, status="FINISHED"):
         pass
@@ -282,7 +282,7 @@ def make_trainer(model_path, rows, tmp_path, **overrides):
 
     args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", **overrides)
     trainer = AsyncGRPOTrainer(model=model_path, reward_funcs=accuracy_reward, train_dataset=rows, args=args,
-                               tracker=ParamsTracker())
+                               tracker=TagsTracker())
     trainer.server = SimpleNamespace(candidate_sets=False)  # what _setup learns from the server (MicroBatch keeps False)
     trainer.model.double()  # fp64 for tight bounds; the optimizer never steps here
     return trainer
@@ -291,8 +291,9 @@ def make_trainer(model_path, rows, tmp_path, **overrides):
 def test_trainer_logs_its_backend_and_trains_with_the_chunked_head(model_path, train_rows, tmp_path):  # noqa: F811
     dense = make_trainer(model_path, train_rows, tmp_path / "dense")
     chunked = make_trainer(model_path, train_rows, tmp_path / "chunked", logprob_chunk_size=2)
-    assert dense.tracker.params == {"perf/attention_backend": "reference",  # the CPU's only backend
-                                    "perf/compile_mode": "none"}  # auto stays eager on the CPU
+    assert dense.tracker.tags["resolved.attention_backend"] == "reference"  # the CPU's only backend
+    assert dense.tracker.tags["resolved.compile_mode"] == "none"  # auto stays eager on the CPU
+    assert dense.tracker.tags["resolved.bf16"] == "False"  # bf16=None trains in fp32 on the CPU
     vocab = dense.vocab_size
     packed = packed_row(vocab)
     num_tokens = packed.num_trained + 3

@@ -7,6 +7,7 @@ warm-up landed in the accuracy window that RL needs.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -172,6 +173,26 @@ def test_small_build_is_cached_and_deterministic(tmp_path: Path, monkeypatch: py
     tok = AutoTokenizer.from_pretrained(first)
     assert model.config.head_dim == 32 and model.config.vocab_size == len(tok)
     assert tok.eos_token_id == model.generation_config.eos_token_id
+
+
+def test_the_warm_up_learns_from_right_answers_first_then_from_noisy_ones(tokenizer) -> None:  # noqa: ANN001
+    from grpo_core.tiny.warmup import encode_pool, init_model, warmup_conversations, warmup_train
+
+    train, _ = tasks.split_problems(9, ("+",), 0.2, 1234)
+    clean = replace(SMALL.warmup, correct_prob=1.0)
+    chats = warmup_conversations(clean, train, with_tools=False, seed=0)
+    for chat in (next(chats) for _ in range(50)):
+        a, b = re.search(r"(\d+) \+ (\d+)", chat[-2]["content"]).groups()
+        assert chat[-1]["content"].endswith(f"\\boxed{{{int(a) + int(b)}}}")
+    w = replace(SMALL.warmup, clean_steps=SMALL.warmup.steps)
+    pool = encode_pool(clean, tokenizer, train, with_tools=False, seed=0)
+    model = init_model(SMALL.model, tokenizer, seed=0)
+    with pytest.raises(ValueError, match="clean_pool"):
+        warmup_train(model, pool, w, pad_id=tokenizer.pad_token_id, seed=0)
+    # Every step is a clean one here, so the (empty) noisy pool is never drawn from.
+    assert len(warmup_train(model, [], w, pad_id=tokenizer.pad_token_id, seed=0, clean_pool=pool)) == w.steps
+    with pytest.raises(ValueError, match="clean_steps"):
+        replace(SMALL.warmup, clean_steps=SMALL.warmup.steps + 1)
 
 
 def test_incomplete_folder_is_rebuilt(tmp_path: Path) -> None:

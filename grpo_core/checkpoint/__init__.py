@@ -22,8 +22,8 @@ id written by a fresh start and kept in every manifest, so checkpoints an earlie
 folder are ignored, and ``save_total_limit`` never deletes them); a path takes that checkpoint or
 fails naming why. Weights, optimizer, scheduler, RNG, step and the prompt position are restored and
 the rollout worker starts at that position without replaying (``ignore_data_skip`` is always True).
-Steps re-run after a resume log ``train/rerun_step=1`` (those an earlier attempt already logged)
-next to ``train/attempt``, into the same MLflow run (its id is in ``trainer_state.json``).
+A resumed attempt logs ``train/rerun_step`` at each step, 1 for those an earlier attempt already logged,
+into the same MLflow run (its id is in ``trainer_state.json``), whose ``attempt`` tag counts the attempts.
 
 The *ledger* (``<output_dir>/ledger/``) is an audit trail of which prompt positions each step
 consumed, one small JSON object per step (object stores cannot append), written before the step

@@ -51,6 +51,10 @@ from grpo_core.storage.store import Storage, fsync_dir
 
 log = logging.getLogger(__name__)
 
+LOGGED_EVERY_STEP = "loss"
+"""A metric the trainer logs at every logged step: the highest step it reached in the run is where an earlier
+attempt's logging stopped."""
+
 
 class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
@@ -190,17 +194,17 @@ class Checkpointer:
             self.ledger.clear()
             self.ledger.set_lineage(self.lineage)
         self.attempt = self.ledger.start_attempt(self.resumed.checkpoint, self.resumed.step, self.resumed.position)
-        self.rerun_until = self.tracker.last_logged_step("train/attempt") or 0
-        if self.attempt > 1:
-            self.tracker.set_tags({"resumes": str(self.attempt - 1)})
+        self.rerun_until = self.tracker.last_logged_step(LOGGED_EVERY_STEP) or 0
+        self.tracker.set_tags({"attempt": str(self.attempt), "resumes": str(self.attempt - 1)})
         if self.rerun_until > self.resumed.step:
             log.info("attempt %d: steps %d..%d were logged before and are marked train/rerun_step=1",
                      self.attempt, self.resumed.step + 1, self.rerun_until)
 
     def record_step(self, batch: Any, server_restarts: int = 0) -> dict[str, float]:
         """Write this step's consumed prompt positions to the ledger (before the step counts as done);
-        returns the metrics that tell a re-run step (logged before by an earlier attempt) apart.
-        ``server_restarts``: restarts of the vLLM server this attempt has met so far."""
+        returns the metric that tells a re-run step (logged before by an earlier attempt) apart, in a resumed
+        attempt only (in a first attempt it would be a flat 0). ``server_restarts``: restarts of the vLLM server
+        this attempt has met so far."""
         step = self.parts.global_step
         if self.dist.is_main:
             self.ledger.record(
@@ -216,7 +220,7 @@ class Checkpointer:
                 foreign_dropped=int(getattr(batch, "foreign_dropped", 0)),
                 server_restarts=server_restarts,
             )
-        return {"train/attempt": float(self.attempt), "train/rerun_step": float(step <= self.rerun_until)}
+        return {"train/rerun_step": float(step <= self.rerun_until)} if self.attempt > 1 else {}
 
     def save(self) -> dict[str, float]:
         """Write ``checkpoint-<global_step>``; every rank calls it (the state gather is a collective).

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     urls = [u for u in args.server_url.split(",") if u]
     config = job.trainer_config(vllm_server_base_url=urls[0] if len(urls) == 1 else urls)
     model_path = args.model_path or resolve_model(job.model)
-    data = resolve_dataset(job.dataset)
+    data = resolve_dataset(job.dataset, job.trainer.seed)
     train_dataset = data["train"] if "train" in data else data
     eval_dataset = data["eval"] if config.eval_strategy != "no" and "eval" in data else None
     dist = DistInfo.from_env()

@@ -22,10 +22,12 @@ from grpo_core.vllm_server.process import ServerOptions
 
 ImportString = Annotated[str, Field(pattern=r"^[\w.]+:[\w.]+$", description="package.module:attribute")]
 
-JOB_TRAINER_DEFAULTS: dict[str, Any] = {"report_to": "mlflow", "do_eval": True}
+JOB_TRAINER_DEFAULTS: dict[str, Any] = {"report_to": "mlflow", "do_eval": True, "log_completions": True,
+                                        "num_completions_to_log": 16}
 """Where a job's trainer differs from ``AsyncGRPOConfig``'s defaults, for keys the job does not set: the flow
-tracks every job in MLflow (the library itself reports nowhere by default, as transformers does) and reports
-the held-out accuracy before and after training."""
+tracks every job in MLflow (the library itself reports nowhere by default, as transformers does), reports
+the held-out accuracy before and after training, and keeps a sample of completions in the run (the first 16 of
+each logged step: two groups of the default ``num_generations``)."""
 
 REPLACED_JOB_KEYS = {
     "eval_reward": "reward_funcs (the held-out accuracy is the first reward function's mean)",
@@ -97,7 +99,8 @@ class TrackingParams(_Strict):
     system_metrics: bool = True
     """Log CPU/GPU/memory system metrics with the run."""
     registered_model_name: str | None = None
-    """Register the final model under this name in the MLflow model registry (None: log it without registering)."""
+    """The name the final model is registered under in the MLflow model registry (a new version per run); None:
+    ``<model>-<task>`` (``tiny-arithmetic-arithmetic`` for the demo), the run's name without its config hash."""
 
 
 class JobConfig(_Strict):
@@ -201,8 +204,10 @@ def resolve_model(spec: str) -> str:
     return spec
 
 
-def resolve_dataset(spec: str) -> Any:
-    """A ``DatasetDict`` with ``train`` (and optionally ``eval``) for ``spec``."""
+def resolve_dataset(spec: str, seed: int = 0) -> Any:
+    """A ``DatasetDict`` with ``train`` (and optionally ``eval``) for ``spec``; ``seed`` (the trainer's) orders a
+    tiny task's rows, so one seed always gives the same training and held-out prompts. A tiny task's held-out
+    problems are the tiny model's, whatever the seed (see ``tiny.tasks.arithmetic_dataset``)."""
     if spec.startswith("tiny:"):
         from grpo_core.tiny import arithmetic_dataset
 
@@ -211,5 +216,5 @@ def resolve_dataset(spec: str) -> Any:
         task = spec.removeprefix("tiny:")
         if task not in builders:
             raise ValueError(f"dataset {spec!r}: unknown tiny task; use one of {sorted(builders)}")
-        return builders[task]()
+        return builders[task](seed=seed)
     return import_string(spec)()

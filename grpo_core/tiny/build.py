@@ -24,13 +24,16 @@ import random
 import shutil
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from grpo_core.tiny import tasks
 from grpo_core.tiny.spec import TinySpec, default_spec
+from grpo_core.waiting import announced_wait
 
 MARKER = ".complete"
+BUILD_TIME = "no time limit; the default build takes about 2 min on two cores"
 BUILD_INFO = "build_info.json"
 
 
@@ -65,7 +68,12 @@ def build_from_spec(spec: TinySpec, cache_dir: str | Path | None = None, *, verb
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     with open(final.parent / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            with announced_wait(f"another process to finish building the tiny model {final.name}", None,
+                                f"if no other build runs, remove {lock.name}", limit_text=BUILD_TIME):
+                fcntl.flock(lock, fcntl.LOCK_EX)
         if is_complete(final, spec):  # another process finished it while we waited
             return final
         if final.exists():  # debris of an interrupted manual copy; never of ours, which renames atomically
@@ -75,7 +83,10 @@ def build_from_spec(spec: TinySpec, cache_dir: str | Path | None = None, *, verb
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         try:
-            _build_into(spec, tmp, cache_dir, verbose=verbose)
+            with announced_wait(f"the tiny model {spec.variant} to build into {final}", None,
+                                "it is built once and then reused from that folder (GRPO_CORE_CACHE moves it)",
+                                limit_text=BUILD_TIME):
+                _build_into(spec, tmp, cache_dir, verbose=verbose)
             (tmp / MARKER).write_text(spec.to_json())
             # mkdtemp makes the folder private; a server running as another user must still read it.
             for path in (tmp, *tmp.iterdir()):
@@ -129,8 +140,12 @@ def _build_into(spec: TinySpec, out: Path, cache_dir: str | Path | None, *, verb
         _portable_tokenizer_class(out)
         if stage is not None:
             pool = encode_pool(stage, tokenizer, train, with_tools=with_tools, seed=spec.seed)
+            # The same chats with every answer right, for the warm-up's first clean_steps.
+            clean = encode_pool(replace(stage, correct_prob=1.0), tokenizer, train, with_tools=with_tools,
+                                seed=spec.seed) if stage.clean_steps else None
             t0 = time.perf_counter()
-            losses = warmup_train(model, pool, stage, pad_id=tokenizer.pad_token_id, seed=spec.seed, log_every=log_every)
+            losses = warmup_train(model, pool, stage, pad_id=tokenizer.pad_token_id, seed=spec.seed, log_every=log_every,
+                                  clean_pool=clean)
             info["warmup_seconds"] = time.perf_counter() - t0
             info["final_loss"] = sum(losses[-20:]) / max(1, len(losses[-20:]))
 

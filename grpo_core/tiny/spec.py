@@ -179,6 +179,9 @@ class WarmupSpec:
     correct_prob: float = 0.35
     """Probability that a warm-up answer states the right result; the rest are off by 1 or 2. Below 1
     this caps how sure the policy becomes, leaving reward for RL to gain."""
+    clean_steps: int = 0
+    """The first ``clean_steps`` of ``steps`` train on answers that are all right, the rest on answers right with
+    ``correct_prob``: the model first learns the sums, then to miss them by 1 or 2 most of the time."""
     tool_prob: float = 0.0
     """(tools variant) Share of warm-up examples that call the calculator instead of answering."""
     reasoning_prob: float = 0.0
@@ -196,6 +199,8 @@ class WarmupSpec:
                 raise ValueError(f"{name} must be in [0, 1], got {value}")
         if self.steps < 0 or self.batch_size < 1 or self.warmup_steps < 0:
             raise ValueError("steps and warmup_steps must be >= 0 and batch_size >= 1")
+        if not 0 <= self.clean_steps <= self.steps:
+            raise ValueError(f"clean_steps must be in [0, steps={self.steps}], got {self.clean_steps}")
 
 
 @dataclass(frozen=True)
@@ -271,7 +276,7 @@ class TinySpec:
 
 # Fields added after models were first cached, with the default that reproduces the older build.
 # Left out of the digest at that default, so adding them does not invalidate existing caches.
-_LATE_FIELD_DEFAULTS = {"reasoning_prob": 0.0, "linear_attention": None, "vision": None, "moe": None, "moe_warmup": None}
+_LATE_FIELD_DEFAULTS = {"reasoning_prob": 0.0, "clean_steps": 0, "linear_attention": None, "vision": None, "moe": None, "moe_warmup": None}
 
 
 def _without_late_defaults(value: object) -> object:
@@ -280,6 +285,10 @@ def _without_late_defaults(value: object) -> object:
                 if not (k in _LATE_FIELD_DEFAULTS and v == _LATE_FIELD_DEFAULTS[k])}
     return value
 
+
+# The Qwen3 arithmetic model's warm-up (and so the tools and MoE variants' base): the sums first, then the near
+# misses (see the module docstring).
+ARITHMETIC_WARMUP = WarmupSpec(clean_steps=300)
 
 # The upcycled MoE models' warm-up: the dense recipe (same noisy answers), shorter and slower, since it
 # starts from the dense model's policy and only has to make the experts and the router differ.
@@ -296,9 +305,9 @@ def default_spec(variant: str = "arithmetic", seed: int = 0) -> TinySpec:
                           vision=VisionSpec() if variant == "arithmetic-vlm" else None)
         return TinySpec(variant=variant, seed=seed, model=model)
     if variant != "tools":
-        return TinySpec(variant=variant, seed=seed)
+        return TinySpec(variant=variant, seed=seed, warmup=ARITHMETIC_WARMUP)
     # Tool calls always give the right answer, direct answers rarely do: accuracy starts near
     # tool_prob + (1 - tool_prob) * correct_prob and RL can raise it by calling the tool more.
     tools = WarmupSpec(steps=300, batch_size=16, lr=3e-3, warmup_steps=10, correct_prob=0.2, tool_prob=0.2,
                        reasoning_prob=1.0, num_examples=2048)
-    return TinySpec(variant=variant, seed=seed, tools_warmup=tools)
+    return TinySpec(variant=variant, seed=seed, warmup=ARITHMETIC_WARMUP, tools_warmup=tools)

@@ -6,7 +6,7 @@ drift apart.
 
     from grpo_core.tiny.tasks import arithmetic_dataset
     ds = arithmetic_dataset(num_train=1000, num_eval=100)
-    ds["train"][0]  # {"prompt": [{"role": "system", ...}, {"role": "user", ...}], "solution": "12"}
+    ds["train"][0]  # {"prompt": [{"role": "system", ...}, {"role": "user", ...}], "solution": "12", "problem": "7 + 5"}
 """
 
 from __future__ import annotations
@@ -191,12 +191,15 @@ def _rows(problems: list[Problem], num: int, rng: random.Random, system_prompt: 
     combos = [(p, t) for p in problems for t in range(len(QUESTION_TEMPLATES))]
     prompts: list[list[Message]] = []
     solutions: list[str] = []
+    exprs: list[str] = []
     while len(prompts) < num:
         rng.shuffle(combos)
         for problem, template in combos[: num - len(prompts)]:
             prompts.append(make_prompt(problem, template, system_prompt))
             solutions.append(str(problem.value))
-    return {"prompt": prompts, "solution": solutions}
+            exprs.append(problem.expr)
+    # ``problem`` names what a row asks, whatever its phrasing: held-out intervals count problems, not prompts.
+    return {"prompt": prompts, "solution": solutions, "problem": exprs}
 
 
 def arithmetic_dataset(
@@ -207,7 +210,7 @@ def arithmetic_dataset(
     system_prompt: str | None = SYSTEM_PROMPT,
     task: TaskSpec | None = None,
 ) -> DatasetDict:
-    """The RL data set: ``train`` and ``eval`` splits of rows ``{"prompt": messages, "solution": "12"}``.
+    """The RL data set: ``train`` and ``eval`` splits of rows ``{"prompt": messages, "solution": "12", "problem": "7 + 5"}``.
 
     The split is by problem (see ``split_problems``) and fixed by ``task.split_seed``, so it agrees with
     the problems the tiny model was warmed up on whatever ``seed`` is; ``seed`` only orders the rows.

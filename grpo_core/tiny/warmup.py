@@ -236,9 +236,13 @@ def _lr_at(step: int, w: WarmupSpec) -> float:
 
 
 def warmup_train(
-    model: PreTrainedModel, pool: Sequence[Example], w: WarmupSpec, *, pad_id: int, seed: int, log_every: int = 0
+    model: PreTrainedModel, pool: Sequence[Example], w: WarmupSpec, *, pad_id: int, seed: int, log_every: int = 0,
+    clean_pool: Sequence[Example] | None = None,
 ) -> list[float]:
-    """Run the warm-up in place and return the per-step losses."""
+    """Run the warm-up in place and return the per-step losses: the first ``w.clean_steps`` steps draw their
+    batches from ``clean_pool`` (every answer right), the others from ``pool``."""
+    if w.clean_steps and clean_pool is None:
+        raise ValueError("a warm-up with clean_steps needs clean_pool")
     rng = random.Random(f"batches-{seed}")
     opt = torch.optim.AdamW(model.parameters(), lr=w.lr, weight_decay=w.weight_decay, betas=(0.9, 0.98))
     model.train()
@@ -247,7 +251,8 @@ def warmup_train(
     for step in range(w.steps):
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, w)
-        ids, labels, attn = _collate([pool[rng.randrange(len(pool))] for _ in range(w.batch_size)], pad_id)
+        source = clean_pool if step < w.clean_steps else pool
+        ids, labels, attn = _collate([source[rng.randrange(len(source))] for _ in range(w.batch_size)], pad_id)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -13,8 +13,10 @@ the timestamp it was given when logged; MLflow stores a repeated identical metri
 Run identity (``run_identity``): a name ``<model>-<task>-<config hash>`` and tags ``model``, ``task``,
 ``git_commit`` and ``config_hash``, so runs of one recipe group together in the MLflow UI. Large
 files are referenced, not copied: ``log_artifact_uri`` records a checkpoint's URI as a small JSON
-artifact; only the final model is copied in (``log_final_model``, as an MLflow transformers model
-that registers and loads back), so that it can be served from the run.
+artifact; only the final model is copied in (``log_final_model``, as an MLflow transformers model,
+registered under ``<model>-<task>`` unless the job names it, with the run's last headline metrics), so
+that it can be served from the run. How the run reads in MLflow's UI (the experiment's kind, the
+headline charts, param spelling, links) is ``run_view``'s.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Protocol
+
+from grpo_core.tracking.run_view import EXPERIMENT_KIND_TAG, EXPERIMENT_TAGS, HEADLINE_METRICS, as_params, with_headline
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,7 @@ def redact(params: dict[str, Any]) -> dict[str, Any]:
 class Tracker(Protocol):
     run_id: str | None
     tracking_uri: str | None
+    experiment_id: str | None
 
     def log_params(self, params: dict[str, Any]) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
@@ -67,6 +72,7 @@ class Tracker(Protocol):
 class NullTracker:
     run_id: str | None = None
     tracking_uri: str | None = None
+    experiment_id: str | None = None
 
     def log_params(self, params: dict[str, Any]) -> None:
         pass
@@ -121,44 +127,42 @@ class MLflowTracker:
         self.tracking_uri = mlflow.get_tracking_uri()
         self._client = mlflow.MlflowClient(self.tracking_uri)
         if run_id is None:
-            experiment_obj = self._client.get_experiment_by_name(experiment)
-            experiment_id = (
-                experiment_obj.experiment_id
-                if experiment_obj
-                else self._client.create_experiment(experiment, artifact_location=_artifact_root(self.tracking_uri))
-            )
+            experiment_id = training_experiment(self._client, experiment)
             run = self._client.create_run(experiment_id, run_name=run_name)
             run_id = run.info.run_id
         else:
             self._client.update_run(run_id, status="RUNNING")
+            experiment_id = self._client.get_run(run_id).info.experiment_id
         self.run_id = run_id
+        self.experiment_id = experiment_id
         self._outbox = Outbox(f"MLflow at {self.tracking_uri}")
         self._system_monitor = None
         if system_metrics:
             self._system_monitor = _start_system_metrics(run_id)
 
     def log_params(self, params: dict[str, Any]) -> None:
+        """Each value as its text (``run_view.param_text``: ``learning_rate`` 2e-4 as ``0.0002``, as transformers
+        writes it for a TRL run); unset ones (None, empty) are left out."""
         from mlflow.entities import Param
 
         existing = self._client.get_run(self.run_id).data.params
         batch = []
-        for key, value in redact(params).items():
-            text = value if isinstance(value, str) else json.dumps(value, default=str)
-            text = text[:6000]
+        for key, text in as_params(redact(params)).items():
             if key in existing:
                 continue  # params are immutable in MLflow; a resumed run keeps the original ones
-            batch.append(Param(key, text))
+            batch.append(Param(key, text[:6000]))
         for i in range(0, len(batch), 100):
             self._client.log_batch(self.run_id, params=batch[i : i + 100])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """``metrics`` at ``step``, the headline ones also under ``run_view.HEADLINE_SECTION`` (charted first)."""
         import time
 
         from mlflow.entities import Metric
 
         # The timestamp is fixed here, once: a batch sent again after a lost reply is the same rows.
         now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
+        batch = [Metric(k, float(v), now, step) for k, v in with_headline(metrics).items() if v is not None]
         for i in range(0, len(batch), 500):
             chunk = batch[i : i + 500]
             self._outbox.put(f"{len(chunk)} metrics of step {step}",
@@ -242,6 +246,20 @@ def trainer_params(config: Any) -> dict[str, Any]:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
+def training_experiment(client: Any, name: str) -> str:
+    """The id of experiment ``name``, made a model-training experiment with its runs view (``run_view.EXPERIMENT_TAGS``)
+    when it does not exist. One that exists gets the runs view as this code defines it, and a kind if it has none
+    (a kind someone chose stays)."""
+    experiment = client.get_experiment_by_name(name)
+    if experiment is None:
+        return client.create_experiment(name, artifact_location=_artifact_root(client.tracking_uri),
+                                        tags=EXPERIMENT_TAGS)
+    for key, value in EXPERIMENT_TAGS.items():
+        if experiment.tags.get(key) != value and (key != EXPERIMENT_KIND_TAG or key not in experiment.tags):
+            client.set_experiment_tag(experiment.experiment_id, key, value)
+    return experiment.experiment_id
+
+
 def _start_system_metrics(run_id: str):
     try:
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
@@ -263,7 +281,8 @@ def _artifact_root(tracking_uri: str) -> str | None:
 
 
 def log_final_model(client: Any, run_id: str, registered_model_name: str | None = None, artifact_path: str = "model") -> str | None:
-    """Log the servable files of the run's newest checkpoint to the run as an MLflow transformers model;
+    """Log the servable files of the run's newest checkpoint to the run as an MLflow transformers model at the
+    checkpoint's step, registered under ``registered_model_name`` and carrying the run's last headline metrics;
     its model URI, or None when the run wrote no checkpoint.
 
     The newest checkpoint is the one ``log_artifact_uri("checkpoint", ...)`` recorded last (the
@@ -290,12 +309,14 @@ def log_final_model(client: Any, run_id: str, registered_model_name: str | None 
         return None
     training_only = {MANIFEST, MASTER_FILE, OPTIMIZER_FILE, RNG_FILE, ROLLOUT_STATE, SCHEDULER_FILE, TRAINER_STATE}
     fs, root = open_url(url)
+    with fs.open(f"{root.rstrip('/')}/{TRAINER_STATE}") as f:
+        step = int(json.load(f)["global_step"])
     with tempfile.TemporaryDirectory(prefix="grpo-final-model-") as tmp:
         for path in fs.ls(root, detail=False):
             name = path.rstrip("/").rsplit("/", 1)[-1]
             if name not in training_only and fs.isfile(path):
                 fs.get_file(path, str(Path(tmp) / name))
-        return log_transformers_model(client.tracking_uri, run_id, tmp, registered_model_name, artifact_path)
+        return log_transformers_model(client.tracking_uri, run_id, tmp, registered_model_name, artifact_path, step=step)
 
 
 def _serving_requirements() -> list[str]:
@@ -312,15 +333,21 @@ def _serving_requirements() -> list[str]:
 
 
 def log_transformers_model(
-    tracking_uri: str, run_id: str, model_dir: str | Path, registered_model_name: str | None = None, artifact_path: str = "model"
+    tracking_uri: str, run_id: str, model_dir: str | Path, registered_model_name: str | None = None,
+    artifact_path: str = "model", step: int = 0,
 ) -> str:
-    """Log a Hugging Face model folder to ``run_id`` with MLflow's transformers flavor; its model URI."""
+    """Log a Hugging Face model folder to ``run_id`` with MLflow's transformers flavor at ``step``; its model URI.
+
+    MLflow links every metric the run logged at ``step`` to the model (system metrics number their samples as
+    steps, so one numbered like ``step`` is among them); ``link_model_metrics`` adds the last value of each
+    headline metric logged at another step."""
     import mlflow
 
     folder = Path(model_dir)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} is not a Hugging Face model folder (no config.json)")
     mlflow.set_tracking_uri(tracking_uri)
+    client = mlflow.MlflowClient(tracking_uri)
     with mlflow.start_run(run_id=run_id):
         # Given as a folder, the checkpoint is copied without being loaded (a 70B model need not fit here).
         info = mlflow.transformers.log_model(
@@ -330,9 +357,48 @@ def log_transformers_model(
             registered_model_name=registered_model_name,
             # Named explicitly: MLflow's default list adds torchvision, which a text model does not need.
             pip_requirements=_serving_requirements(),
+            step=step,
         )
-    mlflow.MlflowClient(tracking_uri).set_tag(run_id, "final_model", info.model_uri)
+    link_model_metrics(client, run_id, info.model_id)
+    client.set_tag(run_id, "final_model", info.model_uri)
     return info.model_uri
+
+
+def complete_headline(client: Any, run_id: str) -> int:
+    """Copy into the headline charts (``run_view.with_headline``) every value of a headline metric that reached the
+    run without its copy: those logged by the flow itself (the held-out accuracy), not through a tracker. The copies
+    keep each value's step and timestamp, so completing twice adds nothing. Returns how many were copied."""
+    from mlflow.entities import Metric
+
+    from grpo_core.tracking.run_view import headline_name
+
+    missing = []
+    for key in HEADLINE_METRICS:
+        copied = {(m.step, m.timestamp) for m in client.get_metric_history(run_id, headline_name(key))}
+        missing += [Metric(headline_name(key), m.value, m.timestamp, m.step)
+                    for m in client.get_metric_history(run_id, key) if (m.step, m.timestamp) not in copied]
+    for i in range(0, len(missing), 500):
+        client.log_batch(run_id, metrics=missing[i : i + 500])
+    return len(missing)
+
+
+def link_model_metrics(client: Any, run_id: str, model_id: str) -> int:
+    """Link the last value of each headline metric of the run (``run_view.HEADLINE_METRICS``: reward, held-out
+    accuracy, loss, ...) to the logged model ``model_id`` where it is not linked yet: the same rows, so the run's
+    history gains none. Returns how many were linked."""
+    from mlflow.entities import Metric
+
+    linked = {(m.key, m.step) for m in client.get_logged_model(model_id).metrics or []}
+    out = []
+    for key in HEADLINE_METRICS:
+        history = client.get_metric_history(run_id, key)
+        if history:
+            last = max(history, key=lambda m: (m.step, m.timestamp))
+            if (key, last.step) not in linked:
+                out.append(Metric(key, last.value, last.timestamp, last.step, model_id=model_id))
+    if out:
+        client.log_batch(run_id, metrics=out)
+    return len(out)
 
 
 # ------------------------------------------------------------------------------------------ run identity
@@ -372,12 +438,21 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-").lower()
 
 
+def _model_and_task(job: dict[str, Any]) -> tuple[str, str]:
+    model, dataset = str(job.get("model", "")), str(job.get("dataset", ""))
+    # "tiny:arithmetic" → "tiny-arithmetic"; "Qwen/Qwen3-4B" → "qwen3-4b"; "pkg.data:load" → "load"
+    return _slug(model if model.startswith("tiny:") else model.rstrip("/").split("/")[-1]), _slug(dataset.split(":")[-1])
+
+
+def recipe_name(job: dict[str, Any]) -> str:
+    """``<model>-<task>`` of ``job`` (a ``JobConfig`` as a dict): the registered model's default name."""
+    return "-".join(_model_and_task(job))
+
+
 def run_identity(job: dict[str, Any]) -> tuple[str, dict[str, str]]:
     """The default run name and the tags of a run of ``job`` (a ``JobConfig`` as a dict)."""
     model, dataset = str(job.get("model", "")), str(job.get("dataset", ""))
-    # "tiny:arithmetic" → "tiny-arithmetic"; "Qwen/Qwen3-4B" → "qwen3-4b"; "pkg.data:load" → "load"
-    model_name = _slug(model if model.startswith("tiny:") else model.rstrip("/").split("/")[-1])
-    task = _slug(dataset.split(":")[-1])
+    model_name, task = _model_and_task(job)
     digest = config_hash(job)
     tags = {"model": model, "task": task, "dataset": dataset, "config_hash": digest}
     commit = git_commit()

@@ -20,6 +20,17 @@ from grpo_core.data.inputs import as_messages, first_rows, refuse_images, reward
 from grpo_core.rollout.generation import VLLMGenerateClient
 
 
+PROBLEM_COLUMN = "problem"
+"""A data set column naming the problem each prompt asks, when several prompts ask one (the tiny task phrases each
+problem 5 ways): the held-out intervals count problems, not prompts, as independent draws (``training.intervals``)."""
+
+
+def problem_keys(dataset: Any) -> list[Any]:
+    """Each row's problem: its ``PROBLEM_COLUMN`` value, or its own index when the data set has no such column."""
+    rows = first_rows(dataset, 1 << 62)
+    return [row.get(PROBLEM_COLUMN, index) for index, row in enumerate(rows)]
+
+
 @dataclass
 class EvalResult:
     accuracy: float  # mean of the first reward function (the flow's held-out accuracy)
@@ -28,6 +39,7 @@ class EvalResult:
     mean_length: float
     per_func: dict[str, float] = field(default_factory=dict)  # mean of each reward function
     reward: float = float("nan")  # mean weighted sum, as the trainer sums rewards
+    prompt_scores: list[float] = field(default_factory=list)  # the first function's mean per prompt (NaN: none judged)
 
 
 async def _evaluate(
@@ -79,10 +91,13 @@ async def _evaluate(
     for j, func in enumerate(reward_funcs):
         scores = func(prompts=flat_prompts, completions=completions, **flat_columns)
         values = np.array([np.nan if v is None else float(v) for v in scores])
+        if j == 0:
+            first_values = values
         per_func[reward_name(func)] = _nan_mean(values)
         weighted += np.nan_to_num(values) * (weights[j] if weights else 1.0)
         scored |= ~np.isnan(values)
     first = next(iter(per_func.values()), float("nan"))
+    prompt_scores = _per_prompt(first_values, [len(outs) for outs in outputs]) if reward_funcs else []
     return EvalResult(
         accuracy=first,
         num_prompts=len(prompts),
@@ -90,7 +105,14 @@ async def _evaluate(
         mean_length=float(np.mean(lengths)) if lengths else 0.0,
         per_func=per_func,
         reward=float(weighted[scored].mean()) if scored.any() else float("nan"),
+        prompt_scores=prompt_scores,
     )
+
+
+def _per_prompt(values: np.ndarray, counts: list[int]) -> list[float]:
+    # Completions are laid out prompt after prompt, ``counts[i]`` of them for prompt i.
+    bounds = np.cumsum([0, *counts])
+    return [_nan_mean(values[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def _nan_mean(values: np.ndarray) -> float:

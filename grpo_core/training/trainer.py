@@ -44,6 +44,7 @@ from grpo_core.packing.collator import pack_row
 from grpo_core.rollout.stages import AsyncRolloutLoop
 from grpo_core.rollout.tool_calls import ToolRegistry
 from grpo_core.rollout.worker import RolloutWorker, WorkerSpec
+from grpo_core.tracking.run_view import constant_metrics, constant_tags, resolved_tags
 from grpo_core.tracking.tracker import Tracker, make_tracker
 from grpo_core.training.collector import (
     COLLECTION_INTERRUPTED,
@@ -170,10 +171,14 @@ class AsyncGRPOTrainer:
         self._owns_tracker = tracker is None  # one this trainer made (report_to) is closed when train() ends
         self.tracker: Tracker = tracker or make_tracker(self.args, is_main=self.dist.is_main)
         if self.dist.is_main:
-            self.tracker.log_params({"perf/attention_backend": self.attention_backend,
-                                     "perf/compile_mode": self.compile_mode,
-                                     **({"perf/experts_implementation": self.experts_implementation}
-                                        if self.experts_implementation else {})})
+            self.tracker.set_tags(resolved_tags(self._resolved_settings()))
+        # Metrics the settings fix go to MLflow as params or tags, not as flat charts (log_history keeps them).
+        self._constant_metrics = constant_metrics(
+            multi_turn=bool(self.tools) or environment_factory is not None or self.loop_cls is not AsyncRolloutLoop,
+            world_size=self.dist.world_size, lr_scheduler_type=self.args.lr_scheduler_type,
+            weight_sync_encoding=self.args.weight_sync_encoding, weight_sync_transport=self.args.weight_sync_transport,
+        )
+        self._constant_tags: dict[str, str] = {}
         self.state = TrainerState()
         self.frontier = TrainingFrontier()
         self.versions = WeightVersions()
@@ -268,6 +273,19 @@ class AsyncGRPOTrainer:
             if eval_dataset is None:
                 raise ValueError("AsyncGRPOConfig.eval_strategy='steps' needs eval_dataset=...; pass one or set eval_strategy='no'")
             check_train_dataset(eval_dataset, self.reward_funcs)
+
+    def _resolved_settings(self) -> dict[str, Any]:
+        """What the settings left to the run (``auto``, None) became here, under the settings' names."""
+        cuda = self.device.type == "cuda"
+        return {
+            "bf16": self.bf16,
+            "compile_mode": self.compile_mode,
+            "attention_backend": self.attention_backend,  # the kernel, and the tree plan where it splits
+            "experts_implementation": self.experts_implementation,
+            "weight_transfer_backend": self.args.resolved_weight_transfer_backend(cuda),
+            "max_concurrent_rollouts": self.args.resolved_max_concurrent_rollouts(self.dist.world_size),
+            "num_generations_eval": self.args.num_eval_generations(),
+        }
 
     def _resolve_precision(self) -> bool:
         cuda = self.device.type == "cuda"
@@ -566,7 +584,7 @@ class AsyncGRPOTrainer:
         else:
             history.append({"step": float(self.global_step), **metrics})
         if self.dist.is_main and self.global_step % self.args.logging_steps == 0:
-            self.tracker.log_metrics(metrics, step=self.global_step)
+            self._track(metrics)
             if same_step:
                 return
             log.info(
@@ -577,6 +595,17 @@ class AsyncGRPOTrainer:
                 metrics.get("rollout/generated_tok_s", 0.0),
                 metrics.get("perf/rollout_wait_s", 0.0),
             )
+
+    def _track(self, metrics: dict[str, float]) -> None:
+        """To the tracker: the metrics the settings do not fix, and the value of each one they fix that no param
+        or tag holds otherwise, as a tag once (again if it changes)."""
+        self.tracker.log_metrics({k: v for k, v in metrics.items() if k not in self._constant_metrics},
+                                 step=self.global_step)
+        tags = constant_tags({k: v for k, v in metrics.items() if k in self._constant_metrics})
+        tags = {k: v for k, v in tags.items() if self._constant_tags.get(k) != v}
+        if tags:
+            self.tracker.set_tags(tags)
+            self._constant_tags.update(tags)
 
     def _log_completions(self, batch: StepBatch) -> None:
         """``log_completions``: a table of the step's prompts, completions and rewards to the tracker, and
@@ -592,6 +621,8 @@ class AsyncGRPOTrainer:
                 table["reward"].append(None if np.isnan(reward) else float(reward))
         if not table["step"]:
             return
+        if self.args.num_completions_to_log is not None:  # the first groups of the step, whole where the count allows
+            table = {k: v[: self.args.num_completions_to_log] for k, v in table.items()}
         self.tracker.log_table("completions", table, step=self.global_step)
         for prompt, completion, reward in list(zip(table["prompt"], table["completion"], table["reward"]))[: self.args.num_completions_to_print]:
             log.info("step %d completion (reward %s)\n  prompt: %s\n  completion: %s", self.global_step, reward, prompt, completion)

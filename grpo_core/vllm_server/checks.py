@@ -27,6 +27,7 @@ from grpo_core.vllm_server.control import VLLMControlClient
 from grpo_core.vllm_server.model_needs import is_mixture_of_experts, server_needs
 from grpo_core.vllm_server.process import ServerOptions, VLLMServerSpec
 from grpo_core.vllm_server.replies import parse_completion_choice, parse_generate_choice
+from grpo_core.waiting import announced_wait
 
 log = logging.getLogger(__name__)
 
@@ -51,26 +52,32 @@ def recommended_command(config: AsyncGRPOConfig, model: str = "<model>", cuda: b
     return VLLMServerSpec.for_run(model, config, ServerOptions(**options), cuda=cuda).shell_command()
 
 
+SERVER_WAIT_NOTICE_S = 1.0
+"""A server that answers within this long is not announced; one that does not is, at once after it."""
+
+
 def wait_for_server(control: VLLMControlClient, config: AsyncGRPOConfig, model: str, cuda: bool) -> None:
-    """Wait up to ``vllm_server_timeout`` for the server to answer (it may still be starting)."""
+    """Wait up to ``vllm_server_timeout`` for the server to answer (it may still be starting), saying so after
+    ``SERVER_WAIT_NOTICE_S`` and every few seconds after that (``grpo_core.waiting``)."""
     deadline = time.monotonic() + config.vllm_server_timeout
-    told = False
-    while True:
-        try:
-            if control.probe("GET", "/v1/models", timeout=5.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() >= deadline:
-            raise ServerConfigError(
-                f"no vLLM server answers at {control.base_url} (waited vllm_server_timeout="
-                f"{config.vllm_server_timeout:g} s). Start one for this model with:\n"
-                f"{recommended_command(config, model, cuda)}"
-            )
-        if not told:
-            log.info("waiting up to %.0f s for the vLLM server at %s", config.vllm_server_timeout, control.base_url)
-            told = True
-        time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
+    hint = (f"if that URL is wrong, stop and fix vllm_server_base_url; if no server is running, start one with: "
+            f"{recommended_command(config, model, cuda)}")
+    with announced_wait(f"a vLLM server to answer at {control.base_url}", config.vllm_server_timeout, hint,
+                        delay_s=SERVER_WAIT_NOTICE_S):
+        while True:
+            try:
+                # A short probe: an address where nothing answers must not hold the loop past its deadline.
+                if control.probe("GET", "/v1/models", timeout=min(5.0, max(0.5, deadline - time.monotonic()))).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() >= deadline:
+                raise ServerConfigError(
+                    f"no vLLM server answers at {control.base_url} (waited vllm_server_timeout="
+                    f"{config.vllm_server_timeout:g} s). Start one for this model with:\n"
+                    f"{recommended_command(config, model, cuda)}"
+                )
+            time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
 
 
 def check_server(

@@ -28,6 +28,7 @@ from pydantic import ConfigDict, Field
 
 from grpo_core.config import LoraRank, check_fields
 from grpo_core.vllm_server.cpu_placement import CpuPlacement, forked_on, format_cpus
+from grpo_core.waiting import announced_wait
 
 
 class VLLMServerError(RuntimeError):
@@ -317,12 +318,16 @@ class VLLMServer:
 
         deadline = time.monotonic() + timeout_s
         client = VLLMControlClient(self.base_url)
+        hint = (f"its log is {self.log_path}; a CPU server takes 1-3 min to start on two cores, so if the log stops "
+                "moving for longer, read it and stop the run")
         try:
-            while time.monotonic() < deadline:
-                self.check_alive()
-                if client.answers("/v1/models", timeout=2.0):
-                    return
-                time.sleep(1.0)
+            with announced_wait(f"the vLLM server to start at {self.base_url}", timeout_s, hint,
+                                detail=lambda: f"its log: {self.last_log_line()}"):
+                while time.monotonic() < deadline:
+                    self.check_alive()
+                    if client.answers("/v1/models", timeout=2.0):
+                        return
+                    time.sleep(1.0)
         finally:
             client.close()
         self.stop()
@@ -338,6 +343,11 @@ class VLLMServer:
                 f"vLLM server exited with code {self.process.returncode}; "
                 f"log {self.log_path}:\n{self.log_tail()}"
             )
+
+    def last_log_line(self, width: int = 120) -> str:
+        """The log's last non-empty line, cut to ``width`` characters (what the server is doing now)."""
+        tail = [line for line in self.log_tail(5).splitlines() if line.strip()]
+        return tail[-1].strip()[:width] if tail else "(empty)"
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # A local MLflow tracking server, the same shape as the cluster one: SQLite store, proxied artifacts.
-#   bash infra/mlflow/serve-local.sh [DIR] [PORT]     then open http://127.0.0.1:PORT
+#   bash infra/mlflow/serve-local.sh [DIR] [PORT]     UI on http://127.0.0.1:PORT; open the links a run prints
+#   (grpo demo/train, the Prefect summary artifact): they carry workflowType=machine_learning, without which
+#   MLflow 3.17 opens an experiment on its GenAI views
 # Point a job at it with  tracking: {tracking_uri: http://127.0.0.1:PORT}
 set -euo pipefail
 cd "$(dirname "$0")/../.."

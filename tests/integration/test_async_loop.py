@@ -175,6 +175,15 @@ def test_mlflow_run_holds_step_metrics_and_config(vllm_server, mlflow_server, ti
     assert float(run.data.params["learning_rate"]) == config.learning_rate
     assert run.data.params["max_staleness"] == str(config.max_staleness)
     assert run.info.status == "FINISHED"
+    # As MLflow's UI shows it: a training experiment; the headline charts first, each step there too; values the
+    # settings fix (a constant learning rate, the sync mode, single-turn reconcile counters) as params and tags.
+    assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    for copy in ("0_headline/reward", "0_headline/loss", "0_headline/tokens_per_s", "0_headline/staleness_mean"):
+        assert [m.step for m in client.get_metric_history(tracker.run_id, copy)] == [1, 2, 3], copy
+    assert not {"learning_rate", "sync/mode", "rollout/fork_turns", "train/attempt"} & set(run.data.metrics)
+    tags = run.data.tags
+    assert tags["sync/mode"] == "full" and tags["attempt"] == "1" and tags["resolved.compile_mode"] == "none"
+    assert "learning_rate" in trainer.state.log_history[-1]  # the trainer's own history keeps every metric
 
 
 # Empirical: the mean over a step's trained tokens of trainer-minus-sampler log-ratios at staleness 0.

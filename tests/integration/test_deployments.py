@@ -2,10 +2,13 @@
 
 A Prefect server (own PREFECT_HOME, loopback port) is started for this module; ``grpo deploy``
 registers every deployment of ``prefect.yaml`` and creates the work pools from ``infra/``; a
-process worker serves the ``grpo-process`` pool. Then: the deployments and pools are as declared;
-bad parameters are refused naming the field; the nightly schedule produces scheduled runs; and a run
-of ``embedded-default`` created through the REST API with edited parameters (as the UI's form does)
-completes, with its metrics, name and tags in the session's MLflow server.
+process worker serves the ``grpo-process`` pool. Then: the deployments and pools are as declared, each
+job registered whole (the form shows every value the run uses); bad parameters are refused naming the
+field; the nightly schedule produces scheduled runs; and a run of ``embedded-default`` created through
+the REST API with edited parameters (as the UI's form does) completes, and the session's MLflow server
+holds it as its users look for it: a training experiment, headline charts, params under TRL's names that
+the README's searches find, the summary, a completions table and the registered model with its metrics;
+Prefect holds one progress artifact and a summary that links to the run.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -26,6 +30,8 @@ import pytest
 import torch
 import yaml
 
+from flows.heldout import prompts_digest
+from grpo_core.launch.job import resolve_dataset
 from tests.conftest import HTTP, Service
 
 pytestmark = pytest.mark.integration
@@ -120,6 +126,13 @@ def test_deployments_and_pools_are_registered(prefect, deployments):
         schema = deployment["parameter_openapi_schema"]
         assert schema["properties"]["job"]["$ref"].endswith("/JobConfig")
         assert "learning_rate" in schema["definitions"]["AsyncGRPOConfig"]["properties"]
+    # Each job whole, as it validates: the custom-run form shows the values the run will use.
+    from grpo_core.launch.job import JobConfig
+
+    for written in project["deployments"]:
+        registered = deployments[written["name"]]["parameters"]["job"]
+        assert registered == JobConfig.model_validate(written["parameters"]["job"]).model_dump(mode="json")
+        assert len(registered["reward_funcs"]) == 2 and registered["trainer"]["report_to"] == "mlflow"
     local_pull = deployments["embedded-default"]["pull_steps"][0]["prefect.deployments.steps.set_working_directory"]
     assert Path(local_pull["directory"]) == ROOT
     assert deployments["gpu-cluster"]["work_pool_name"] == "grpo-kubernetes"
@@ -189,26 +202,31 @@ def test_nightly_schedule_produces_scheduled_runs(prefect, deployments):
 
 
 # ------------------------------------------------------------------------------------------ a real run
-@pytest.mark.slow
-@pytest.mark.timeout(1500, func_only=True)  # shared fixtures (model build, vLLM start) are not this test's time
-def test_embedded_default_run_completes_with_metrics_in_mlflow(
-    prefect, deployments, worker, mlflow_server, vllm_server, tiny_model_path, tmp_path
-):
-    import mlflow
+@dataclass
+class EmbeddedRun:
+    """A run of ``embedded-default`` created as the UI's form creates one, and what it left."""
 
+    flow_run: dict
+    job: dict
+    summary: dict
+    elapsed_s: float
+    output_dir: Path
+
+
+@pytest.fixture(scope="module")
+def embedded_run(prefect, deployments, worker, mlflow_server, vllm_server, tiny_model_path, tmp_path_factory):
     api, _, _ = prefect
     deployment = deployments["embedded-default"]
-    experiment = f"deployment-test-{uuid.uuid4().hex[:6]}"
+    out = tmp_path_factory.mktemp("embedded") / "run"
     # The deployment's job with a few fields edited, as a person would in the form: a short run on the
-    # session's vLLM server (same tiny model), tracked in the session's MLflow server.
+    # session's vLLM server (same tiny model), tracked in the session's MLflow server. Everything else,
+    # the learning rate and the completions table among it, is the deployment's (the demo's) own.
     job = copy.deepcopy(deployment["parameters"]["job"])
     job["model"] = tiny_model_path
     job["server"] = {"managed": False, "base_url": vllm_server.base_url}
-    registered = f"tiny-arithmetic-{uuid.uuid4().hex[:6]}"
-    job["tracking"] = {"tracking_uri": mlflow_server, "experiment": experiment, "registered_model_name": registered}
-    job["trainer"].update(do_eval=True, num_generations_eval=1, max_steps=3, per_device_train_batch_size=16, output_dir=str(tmp_path / "run"),
-                          learning_rate=1.7e-4, log_completions=True)
-
+    job["tracking"] = {"tracking_uri": mlflow_server, "experiment": f"deployment-test-{uuid.uuid4().hex[:6]}"}
+    job["trainer"].update(do_eval=True, num_generations_eval=1, max_steps=3, per_device_train_batch_size=16,
+                          output_dir=str(out))
     started = time.monotonic()
     reply = create_run(api, deployment, job)
     assert reply.status_code == 201, reply.text
@@ -216,62 +234,163 @@ def test_embedded_default_run_completes_with_metrics_in_mlflow(
     elapsed = time.monotonic() - started
     assert run["state_type"] == "COMPLETED", f"{run['state']['message']}\n{run_logs(api, run['id'])}\n{worker.tail()}"
     print(f"embedded-default flow run: {elapsed:.0f} s")
+    return EmbeddedRun(run, job, json.loads((out / "summary.json").read_text()), elapsed, out)
 
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+
+def readme_search_examples() -> list[str]:
+    """The filter strings the README lists as finding the demo's run (the block after its marker)."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("<!-- search examples -->", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    return [line.strip() for line in block.splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_embedded_default_run_completes_with_metrics_in_mlflow(prefect, embedded_run, mlflow_server, tiny_model_path,
+                                                               tmp_path):
+    import mlflow
+
+    from flows.train_flow import registered_model_name
+    from grpo_core.launch.job import JobConfig
+    from grpo_core.tracking.run_view import EXPERIMENT_KIND_TAG, EXPERIMENT_TAGS, HEADLINE_METRICS, HEADLINE_SECTION, run_url
+
+    api, _, _ = prefect
+    job, summary = embedded_run.job, embedded_run.summary
+    experiment = job["tracking"]["experiment"]
     client = mlflow.MlflowClient(mlflow_server)
     assert summary["mlflow_tracking_uri"] == mlflow_server
     mlflow_run = client.get_run(summary["mlflow_run_id"])
-    assert mlflow_run.info.experiment_id == client.get_experiment_by_name(experiment).experiment_id
+    run_id = mlflow_run.info.run_id
+    mlflow_experiment = client.get_experiment_by_name(experiment)
+    assert mlflow_run.info.experiment_id == mlflow_experiment.experiment_id
+    # A model-training experiment, so MLflow's UI shows it as one (not as a GenAI app), with its runs view.
+    assert mlflow_experiment.tags[EXPERIMENT_KIND_TAG] == "custom_model_development"
+    assert mlflow_experiment.tags == EXPERIMENT_TAGS
     assert mlflow_run.info.status == "FINISHED"
-    rewards = client.get_metric_history(mlflow_run.info.run_id, "reward")
+    rewards = client.get_metric_history(run_id, "reward")
     assert sorted({m.step for m in rewards}) == [1, 2, 3]
     metrics = mlflow_run.data.metrics
     for key in ("batch/packing_ratio", "sample/staleness_mean", "rollout/generated_tok_s", "loss"):
         assert key in metrics, sorted(metrics)
     assert any(k.startswith("system/") for k in metrics), sorted(metrics)  # system metrics on
+    # Headline charts first: each headline metric the trainer logs is repeated at every step in the first section.
+    for source in set(HEADLINE_METRICS) - {"eval/accuracy"}:  # the held-out one: test_..._heldout_accuracy
+        copy_steps = [m.step for m in client.get_metric_history(run_id, f"{HEADLINE_SECTION}/{HEADLINE_METRICS[source]}")]
+        assert sorted(copy_steps) == [1, 2, 3], source
+    # Settings-fixed values are params or tags, not charts; counts of the job are tags.
+    for flat in ("learning_rate", "sync/mode", "sync/bytes", "rollout/fork_turns", "train/attempt", "train/rerun_step",
+                 "job/resumes"):
+        assert flat not in metrics, flat
     tags = mlflow_run.data.tags
+    assert tags["sync/mode"] == "full" and int(tags["sync/bytes"]) > 0 and tags["attempt"] == "1"
+    assert (tags["resumes"], tags["prompts_trained_twice"], tags["server_restarts"]) == ("0", "0", "0")
+    assert tags["resolved.attention_backend"] == "reference" and tags["resolved.bf16"] == "False"
     assert tags["task"] == "arithmetic" and tags["model"] == tiny_model_path
     assert len(tags["config_hash"]) == 12 and mlflow_run.info.run_name.endswith(tags["config_hash"][:8])
     assert tags["git_commit"] == subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                                                 text=True).stdout.strip()
 
-    # A search written for a TRL run finds it: the trainer's settings are top-level params.
+    # Params: one per setting under TRL's names, as Python prints the value; none under job.*, none unset.
+    params = mlflow_run.data.params
+    assert params["learning_rate"] == "0.0002" and params["max_staleness"] == str(job["trainer"]["max_staleness"])
+    assert params["model_name_or_path"] == tiny_model_path and json.loads(params["reward_funcs"]) == job["reward_funcs"]
+    assert not [k for k in params if k.startswith(("job.", "perf/"))] and "None" not in params.values()
+    assert "attention_backend" in params and "resolved.attention_backend" not in params
+    # Every search the README shows finds the run.
     mlflow.set_tracking_uri(mlflow_server)
-    found = mlflow.search_runs(experiment_names=[experiment], filter_string="params.learning_rate = '0.00017'",
-                               output_format="list")
-    assert [r.info.run_id for r in found] == [mlflow_run.info.run_id]
-    assert mlflow_run.data.params["max_staleness"] == str(job["trainer"]["max_staleness"])
-    # The completions table (log_completions) is in the run.
+    examples = readme_search_examples()
+    assert len(examples) >= 4, examples
+    for example in examples:
+        found = mlflow.search_runs(experiment_names=[experiment], filter_string=example, output_format="list")
+        assert [r.info.run_id for r in found] == [run_id], example
+
+    # Artifacts: the summary, a table of completions (the job's default: the first 16 of each step).
+    artifacts = {a.path for a in client.list_artifacts(run_id)}
+    assert {"summary.json", "completions.json", "checkpoints"} <= artifacts, artifacts
+    logged_summary = json.loads(Path(mlflow.artifacts.download_artifacts(
+        artifact_uri=f"runs:/{run_id}/summary.json", tracking_uri=mlflow_server, dst_path=str(tmp_path))).read_text())
+    assert logged_summary == summary
     table = client.load_table(experiment_id=mlflow_run.info.experiment_id, artifact_file="completions.json",
-                              run_ids=[mlflow_run.info.run_id])
-    assert {"step", "prompt", "completion", "reward"} <= set(table.columns) and len(table) > 0
-    assert set(table["step"]) <= {1, 2, 3}
+                              run_ids=[run_id])
+    assert {"step", "prompt", "completion", "reward"} <= set(table.columns)
+    assert sorted(set(table["step"])) == [1, 2, 3] and table.groupby("step").size().max() <= 16
+
+    # The held-out accuracy before and after, each with its 95% interval over the 20 held-out problems, and the
+    # paired gain; the same numbers as eval/accuracy at step 0 and at the last step.
+    assert (summary["eval_problems"], summary["eval_prompts"], summary["eval_samples"]) == (20, 100, 100)
+    for label in ("before", "after"):
+        low, high = summary[f"eval_accuracy_{label}_ci95"]
+        assert 0.0 <= summary[f"eval_accuracy_{label}"] <= 1.0 and low <= summary[f"eval_accuracy_{label}"] <= high
+    gain_low, gain_high = summary["eval_gain_ci95"]
+    assert gain_low <= summary["eval_gain"] <= gain_high
+    assert summary["eval_gain"] == pytest.approx(summary["eval_accuracy_after"] - summary["eval_accuracy_before"])
+    seed = job["trainer"].get("seed", 0)
+    held_out = resolve_dataset(job.get("dataset", "tiny:arithmetic"), seed)["eval"]["prompt"]
+    assert summary["seed"] == seed and summary["eval_prompts_digest"] == prompts_digest(held_out)
+    accuracy = {m.step: m.value for m in client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy")}
+    assert accuracy == {0: summary["eval_accuracy_before"], 3: summary["eval_accuracy_after"]}
+    lows = {m.step: m.value for m in client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy_ci95_low")}
+    assert lows[3] == pytest.approx(summary["eval_accuracy_after_ci95"][0])
+    # The run's picture beside summary.json, and in the MLflow run.
+    picture = embedded_run.output_dir / "run.png"
+    assert summary["picture"] == str(picture) and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "run.png" in [a.path for a in client.list_artifacts(mlflow_run.info.run_id)]
 
     # The checkpoint the trainer wrote after its last step is referenced by URI, not copied...
-    run_id = mlflow_run.info.run_id
     refs = mlflow.artifacts.download_artifacts(artifact_uri=f"runs:/{run_id}/checkpoints", tracking_uri=mlflow_server,
                                                dst_path=str(tmp_path / "refs"))
     reference = json.loads((Path(refs) / "checkpoint-step-000003.json").read_text())
-    assert Path(reference["uri"]) == tmp_path / "run" / "checkpoint-3" and reference["step"] == 3
-    # ...and the final model is an MLflow transformers model, registered, that loads back.
-    versions = client.search_model_versions(f"name = '{registered}'")
-    assert len(versions) == 1 and versions[0].run_id == run_id
+    assert Path(reference["uri"]) == embedded_run.output_dir / "checkpoint-3" and reference["step"] == 3
+    # ...and the final model is an MLflow transformers model, registered under the job's default name at
+    # the last step with the run's metrics, that loads back.
+    registered = registered_model_name(JobConfig.model_validate(job))
+    versions = client.search_model_versions(f"name = '{registered}' and run_id = '{run_id}'")
+    assert len(versions) == 1 and versions[0].source == summary["final_model_uri"]
+    model = client.get_logged_model(summary["final_model_uri"].removeprefix("models:/"))
+    assert [o.step for o in mlflow_run.outputs.model_outputs] == [3]
+    linked = {m.key: m.step for m in model.metrics}
+    assert {"reward", "loss", "sample/staleness_mean"} <= set(linked) and linked["reward"] == 3
     components = mlflow.transformers.load_model(f"models:/{registered}/{versions[0].version}", return_type="components")
     weights = dict(components["model"].named_parameters())
-    assert summary["final_model_uri"] and "model" in components and "tokenizer" in components
+    assert "model" in components and "tokenizer" in components
     from safetensors.torch import load_file
 
-    saved = load_file(str(tmp_path / "run" / "checkpoint-3" / "model.safetensors"))
+    saved = load_file(str(embedded_run.output_dir / "checkpoint-3" / "model.safetensors"))
     name = next(iter(saved))
     assert torch.equal(weights[name].detach().to(saved[name].dtype), saved[name])
 
-    # Prefect: the summary and progress artifacts of the flow run, and its logs hold the training steps.
-    artifacts = HTTP.post(f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [run["id"]]}}}).json()
-    by_key = {a["key"]: a for a in artifacts}
-    assert by_key["training-summary"]["type"] == "markdown" and summary["mlflow_run_id"] in by_key["training-summary"]["data"]
-    assert by_key["training-progress"]["type"] == "progress" and float(by_key["training-progress"]["data"]) == 100.0
-    logs = run_logs(api, run["id"])
+    # Prefect: one summary artifact whose links open the run in its experiment, one progress artifact at 100%,
+    # and the flow run's logs hold the training steps.
+    flow_run = embedded_run.flow_run
+    artifacts = HTTP.post(f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}}).json()
+    by_key: dict[str, list[dict]] = {}
+    for artifact in artifacts:
+        by_key.setdefault(artifact["key"], []).append(artifact)
+    [summary_md] = by_key["training-summary"]
+    assert summary_md["type"] == "markdown"
+    assert f"[{run_id}]({run_url(mlflow_server, mlflow_run.info.experiment_id, run_id)})" in summary_md["data"]
+    assert "| summary | value |" in summary_md["data"]
+    [progress] = by_key["training-progress"]
+    assert progress["type"] == "progress" and float(progress["data"]) == 100.0
+    logs = run_logs(api, flow_run["id"])
     assert "[train]" in logs and "step 3" in logs, logs[-3000:]
+
+
+# The held-out accuracy as a metric before training and after the final sync (also in the headline section and on
+# the registered model), and the run's picture as an artifact.
+@pytest.mark.slow
+def test_embedded_default_run_holds_the_heldout_accuracy_and_the_picture(embedded_run, mlflow_server):
+    import mlflow
+
+    from grpo_core.tracking.run_view import HEADLINE_SECTION, HELDOUT_ACCURACY
+
+    client = mlflow.MlflowClient(mlflow_server)
+    run_id = embedded_run.summary["mlflow_run_id"]
+    accuracy = client.get_metric_history(run_id, HELDOUT_ACCURACY)
+    assert sorted(m.step for m in accuracy) == [0, 3]  # before training, and after the final weight sync
+    assert sorted(m.step for m in client.get_metric_history(run_id, f"{HEADLINE_SECTION}/heldout_accuracy")) == [0, 3]
+    assert "run.png" in {a.path for a in client.list_artifacts(run_id)}
+    model = client.get_logged_model(embedded_run.summary["final_model_uri"].removeprefix("models:/"))
+    assert (HELDOUT_ACCURACY, 3) in {(m.key, m.step) for m in model.metrics}
 
 
 PROGRESS_FLOW = '''

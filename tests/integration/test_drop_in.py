@@ -10,6 +10,7 @@ needs: the gloo backend and fp32): no ``--enable-scale-out``, so generation goes
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -262,14 +263,34 @@ def test_a_model_that_is_not_there_is_named(tmp_path):
     assert time.monotonic() - start < 20
 
 
-def test_no_server_at_the_url_is_named_with_the_command_to_start_one(tiny_model_path, tmp_path):
+class _TimedStream(io.StringIO):
+    """stderr that remembers when each line was written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[tuple[float, str]] = []
+
+    def write(self, text: str) -> int:
+        self.lines.extend((time.monotonic(), line) for line in text.splitlines() if line.strip())
+        return super().write(text)
+
+
+def test_no_server_at_the_url_is_named_with_the_command_to_start_one(tiny_model_path, tmp_path, monkeypatch):
     data = arithmetic_dataset(num_train=8, num_eval=2)["train"]
     trainer = AsyncGRPOTrainer(tiny_model_path, accuracy_reward, quick("http://127.0.0.1:9", tmp_path), data)
+    stderr = _TimedStream()
+    monkeypatch.setattr(sys, "stderr", stderr)
     start = time.monotonic()
     with pytest.raises(ServerConfigError, match=r"no vLLM server answers at http://127.0.0.1:9") as info:
         trainer.train()
     assert time.monotonic() - start < 10
     assert "vllm.entrypoints.openai.api_server" in str(info.value) and tiny_model_path in str(info.value)
+    # The wait is no silent one: within 2 s of train() it names the URL, how long it waits at most and what to do.
+    told = [(at, line) for at, line in stderr.lines if "http://127.0.0.1:9" in line]
+    assert told, stderr.getvalue()
+    at, line = told[0]
+    assert at - start < 2.0, (at - start, line)
+    assert "at most 3 s" in line and "vllm_server_base_url" in line and "vllm.entrypoints.openai.api_server" in line
 
 
 def test_a_server_serving_another_model_is_refused_naming_both(vllm_server, tiny_model_path, tmp_path):

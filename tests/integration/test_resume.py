@@ -336,18 +336,43 @@ def check_run(run: FlowRun, summary: dict[str, Any], tracking_uri: str, experime
     assert [r.info.run_id for r in runs] == [summary["mlflow_run_id"]]
     assert runs[0].info.status == "FINISHED"
     run_id = summary["mlflow_run_id"]
-    assert {m.step for m in client.get_metric_history(run_id, "loss")} == set(range(1, MAX_STEPS + 1))
-    attempt_of = {(m.step, m.timestamp): int(m.value) for m in client.get_metric_history(run_id, "train/attempt")}
+    losses = client.get_metric_history(run_id, "loss")
+    assert {m.step for m in losses} == set(range(1, MAX_STEPS + 1))
+    # Every step of a resumed attempt says whether an earlier attempt logged it already: 1 exactly where the
+    # step's loss was logged before (a step's metrics share one timestamp; an attempt logs a step once).
+    first_logged = {}
+    for m in sorted(losses, key=lambda m: m.timestamp):
+        first_logged.setdefault(m.step, m.timestamp)
     rerun = [(m.step, m.timestamp, m.value) for m in client.get_metric_history(run_id, "train/rerun_step")]
-    assert len(rerun) == len(attempt_of)
-    marked = 0
+    loss_rows = {(m.step, m.timestamp) for m in losses}
+    assert {(step, stamp) for step, stamp, _ in rerun} <= loss_rows
     for step, stamp, value in rerun:
-        attempt = attempt_of[(step, stamp)]
-        logged_before = max((s for (s, _), a in attempt_of.items() if a < attempt), default=0)
-        assert value == float(step <= logged_before), (step, attempt, value, logged_before)
-        marked += int(value)
+        assert value == float(stamp > first_logged[step]), (step, stamp, value, first_logged[step])
+    marked = sum(int(value) for _, _, value in rerun)
     assert marked > 0, "no step was re-run, so the kills did not land after a checkpoint"
-    assert client.get_run(run_id).data.metrics["job/prompts_trained_twice"] == twice
+    assert marked == len(loss_rows) - len(first_logged)  # every re-logged step is marked, and only those
+    tags = client.get_run(run_id).data.tags
+    assert tags["prompts_trained_twice"] == str(twice) and tags["resumes"] == "3" and tags["attempt"] == "4"
+    assert not [k for k in client.get_run(run_id).data.metrics if k.startswith(("job/", "train/attempt"))]
+
+
+PREFECT_RECORD = """
+import json
+from prefect.client.orchestration import get_client
+with get_client(sync_client=True) as client:
+    runs = [str(r.id) for r in client.read_flow_runs()]
+    artifacts = [{"flow_run_id": str(a.flow_run_id), "key": a.key, "type": a.type, "data": a.data}
+                 for a in client.read_artifacts()]
+print("PREFECT " + json.dumps({"flow_runs": runs, "artifacts": artifacts}))
+"""
+
+
+def prefect_record(run: FlowRun) -> dict[str, Any]:
+    """The flow runs and artifacts in the Prefect API the run's flow used (its own, in the run's PREFECT_HOME)."""
+    done = subprocess.run([sys.executable, "-c", PREFECT_RECORD], env=run.env, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.split("PREFECT ", 1)[1].splitlines()[0])
 
 
 def job_for(output_dir: str, tracking_uri: str, experiment: str, server_url: str | None) -> JobConfig:
@@ -394,6 +419,17 @@ def test_flow_resumes_after_three_kills_local(local_run, mlflow_server):
     # The flow restarted the server it lost with the third kill.
     starts = re.findall(r"Started server process \[(\d+)\]", (run.local / "vllm_server.log").read_text(errors="replace"))
     assert len(starts) == 2
+    # Prefect: the flow run has one progress artifact that all four attempts moved, at 100% now.
+    record = prefect_record(run)
+    assert len(record["flow_runs"]) == 1, record["flow_runs"]
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    for artifact in record["artifacts"]:
+        assert artifact["flow_run_id"] == record["flow_runs"][0]
+        by_key.setdefault(artifact["key"], []).append(artifact)
+    progress = by_key["training-progress"]
+    assert len(progress) == 1 and float(progress[0]["data"]) == 100.0, progress
+    assert [a["type"] for a in by_key["training-summary"]] == ["markdown"]
+    assert f"[{summary['mlflow_run_id']}](" in by_key["training-summary"][0]["data"]
 
 
 def test_vllm_serves_a_checkpoint_folder_as_it_is(local_run, tmp_path):

@@ -1,0 +1,106 @@
+"""What the trackers write into an MLflow store (a SQLite file here; the integration tests use a real server):
+the experiment's kind, headline copies, param texts, and the final model with its metrics.
+
+    .venv/bin/python -m pytest -q tests/test_mlflow_run.py
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import mlflow
+import pytest
+
+from grpo_core.tracking.run_view import (
+    EXPERIMENT_KIND_TAG,
+    EXPERIMENT_TAGS,
+    HEADLINE_METRICS,
+    HEADLINE_SECTION,
+    RUNS_VIEW,
+    TRAINING_EXPERIMENT_KIND,
+    experiment_url,
+)
+from grpo_core.tracking.tracker import MLflowTracker, complete_headline, log_transformers_model, system_metrics, training_experiment
+from tests.test_checkpoint import model_path  # noqa: F401 - fixture
+
+
+@pytest.fixture
+def store(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def test_experiments_are_of_the_training_kind_and_open_on_the_headline_columns(store):
+    client = mlflow.MlflowClient(store)
+    made = training_experiment(client, "made")
+    assert client.get_experiment(made).tags == EXPERIMENT_TAGS
+    assert EXPERIMENT_TAGS[EXPERIMENT_KIND_TAG] == TRAINING_EXPERIMENT_KIND
+    view = json.loads(EXPERIMENT_TAGS[f"mlflow.sharedViewState.{RUNS_VIEW}"])
+    assert "metrics.`reward`" in view["selectedColumns"] and f"viewStateShareKey={RUNS_VIEW}" in experiment_url(store, made)
+    # One made elsewhere without a kind gets it; a kind someone chose stays; a stale view is replaced.
+    bare = client.create_experiment("bare")
+    chosen = client.create_experiment("chosen", tags={EXPERIMENT_KIND_TAG: "finetuning",
+                                                      f"mlflow.sharedViewState.{RUNS_VIEW}": "{}"})
+    assert training_experiment(client, "bare") == bare
+    assert client.get_experiment(bare).tags == EXPERIMENT_TAGS
+    training_experiment(client, "chosen")
+    assert client.get_experiment(chosen).tags == {**EXPERIMENT_TAGS, EXPERIMENT_KIND_TAG: "finetuning"}
+
+
+def test_the_tracker_writes_headline_copies_and_param_texts(store):
+    tracker = MLflowTracker(store, "grpo", "run")
+    tracker.log_params({"learning_rate": 2e-4, "bf16": None, "max_staleness": 2, "tools": []})
+    tracker.log_metrics({"reward": 1.25, "perf/step_s": 3.0}, step=1)
+    tracker.log_metrics({"reward": 1.5, "perf/step_s": 2.0}, step=2)
+    tracker.close()
+    client = mlflow.MlflowClient(store)
+    run = client.get_run(tracker.run_id)
+    assert run.info.experiment_id == tracker.experiment_id
+    assert run.data.params == {"learning_rate": "0.0002", "max_staleness": "2"}
+    copy = [(m.step, m.value) for m in client.get_metric_history(tracker.run_id, f"{HEADLINE_SECTION}/reward")]
+    assert sorted(copy) == [(1, 1.25), (2, 1.5)]
+    assert not [k for k in run.data.metrics if k.startswith(HEADLINE_SECTION) and k != f"{HEADLINE_SECTION}/reward"]
+    mlflow.set_tracking_uri(store)
+    found = mlflow.search_runs(experiment_ids=[tracker.experiment_id], filter_string="params.learning_rate = '0.0002'",
+                               output_format="list")
+    assert [r.info.run_id for r in found] == [tracker.run_id]
+
+
+def test_metrics_the_flow_logs_itself_reach_the_headline_once(store):
+    client = mlflow.MlflowClient(store)
+    run_id = client.create_run(training_experiment(client, "grpo")).info.run_id
+    client.log_metric(run_id, "eval/accuracy", 0.25, step=0)
+    client.log_metric(run_id, "eval/accuracy", 0.5, step=3)
+    assert complete_headline(client, run_id) == 2
+    assert complete_headline(client, run_id) == 0
+    copies = client.get_metric_history(run_id, f"{HEADLINE_SECTION}/{HEADLINE_METRICS['eval/accuracy']}")
+    assert sorted((m.step, m.value) for m in copies) == [(0, 0.25), (3, 0.5)]
+
+
+def test_the_final_model_is_registered_at_its_step_with_the_runs_metrics(store, model_path):  # noqa: F811
+    from grpo_core.tracking.tracker import link_model_metrics
+
+    client = mlflow.MlflowClient(store)
+    run_id = client.create_run(training_experiment(client, "grpo")).info.run_id
+    for step in (1, 2, 3):
+        client.log_metric(run_id, "reward", 0.5 * step, step=step)
+        client.log_metric(run_id, "loss", 1.0 / step, step=step)
+    client.log_metric(run_id, "perf/step_s", 2.0, step=3)
+    # The flow samples system metrics (numbered 0, 1, ...) while it logs the model: none may land on it.
+    with system_metrics(run_id, store, interval_s=0.5):
+        uri = log_transformers_model(store, run_id, model_path, "tiny-test", step=3)
+        time.sleep(1.5)
+    model_id = uri.removeprefix("models:/")
+    final_step = {("reward", 3, 1.5), ("loss", 3, 1.0 / 3), ("perf/step_s", 3, 2.0)}
+    assert {(m.key, m.step, m.value) for m in mlflow.get_logged_model(model_id).metrics} == final_step
+    assert [o.step for o in client.get_run(run_id).outputs.model_outputs] == [3]
+    versions = client.search_model_versions("name = 'tiny-test'")
+    assert [(v.run_id, v.source) for v in versions] == [(run_id, uri)]  # the version is this logged model
+    assert client.get_run(run_id).data.tags["final_model"] == uri
+    # The held-out accuracy after the final sync comes later, from the flow: linked to the model once.
+    client.log_metric(run_id, "eval/accuracy", 0.4, step=3)
+    assert link_model_metrics(client, run_id, model_id) == 1
+    assert link_model_metrics(client, run_id, model_id) == 0
+    metrics = {(m.key, m.step, m.value) for m in mlflow.get_logged_model(model_id).metrics}
+    assert metrics == final_step | {("eval/accuracy", 3, 0.4)}
+    assert len(client.get_metric_history(run_id, "eval/accuracy")) == 1  # the run's history gained nothing
