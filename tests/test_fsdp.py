@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.models.attention import tree as ta
@@ -36,6 +35,7 @@ from grpo_core.training.collector import StepCollector, TrainingFrontier, Weight
 from grpo_core.training.loss import LossConfig, LossInputs, grpo_loss
 from grpo_core.training.perf import ModelFlops, causal_pairs, peak_bf16_flops, perf_metrics
 from grpo_core.vllm_server.process import free_port
+from tests.child_processes import run_ranks
 from tests.tolerances import (
     GradientMagnitudes,
     adam_direction,
@@ -277,7 +277,7 @@ def _two_rank_checks(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("two-ranks")
-    mp.spawn(_two_rank_checks, args=(free_port(), str(out)), nprocs=2, join=True)
+    run_ranks(_two_rank_checks, (free_port(), str(out)), nprocs=2)
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for r, result in enumerate(results):
         result["tensors"] = torch.load(out / f"rank{r}-step.pt", weights_only=True)

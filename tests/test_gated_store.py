@@ -13,7 +13,6 @@ integration tests, e.g. ``tests/integration/test_async_loop.py``.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import socket
 import threading
 import traceback
@@ -25,6 +24,7 @@ import torch
 
 from grpo_core.sync import gated_store
 from grpo_core.sync.gated_store import StoreDialer, StoreGate, gloo_group, member_store, new_secret, trainer_store
+from tests import child_processes
 
 TIMEOUT = timedelta(seconds=60)
 
@@ -34,7 +34,7 @@ def _plain_client(port: int, out: str) -> None:
     from torch.distributed import TCPStore
 
     try:
-        store = TCPStore("127.0.0.1", port, world_size=2, is_master=False, timeout=timedelta(seconds=5))
+        store = TCPStore("127.0.0.1", port, world_size=2, is_master=False, timeout=timedelta(seconds=2))
         store.set("rank_1", "rogue")
         result = {"joined": True}
     except Exception as exc:  # noqa: BLE001 - what happened is the result
@@ -46,7 +46,7 @@ def _member(port: int, secret: str, out: str) -> None:
     """Dial through ``StoreDialer`` with ``secret``; with the right one, join as rank 1 and receive."""
     try:
         dialer = StoreDialer("127.0.0.1", port, secret)
-        store = member_store(dialer, 2, timedelta(seconds=5) if secret.startswith("00") else TIMEOUT)
+        store = member_store(dialer, 2, timedelta(seconds=2) if secret.startswith("00") else TIMEOUT)
         group = gloo_group(store, 1, 2, TIMEOUT, bind_address="127.0.0.1")
         buffer = torch.zeros(4)
         group.broadcast(buffer, 0).wait()
@@ -58,8 +58,7 @@ def _member(port: int, secret: str, out: str) -> None:
 
 
 def _run(target, *args) -> dict:
-    ctx = mp.get_context("spawn")
-    proc = ctx.Process(target=target, args=args)
+    proc = child_processes.context().Process(target=target, args=args)
     proc.start()
     proc.join(120)
     assert proc.exitcode == 0, f"{target.__name__} exited with {proc.exitcode}"

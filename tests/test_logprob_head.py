@@ -366,11 +366,11 @@ def test_two_fsdp_ranks_with_the_chunked_head_equal_one_process_with_the_dense_h
     the dense 1-process step's, within the bounds of tests/test_fsdp.py (``step_error_scale``: the two differ
     only in the order of the step's sums). Both heads: the reference functions and ``models.head.fused``, whose
     backward uses the weight it saved in forward."""
-    import torch.multiprocessing as mp
+    from tests.child_processes import run_ranks
 
     from grpo_core.vllm_server.process import free_port
 
-    mp.spawn(_two_rank_chunked_steps, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_two_rank_chunked_steps, (free_port(), str(tmp_path)), nprocs=2)
     k, magnitude = step_error_scale["k"], step_error_scale["grad"]
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)

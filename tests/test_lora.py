@@ -37,6 +37,7 @@ from grpo_core.vllm_server.checks import (
     lora_command,
     smallest_lora_rank,
 )
+from tests import child_processes
 from tests.tolerances import gamma
 
 
@@ -233,7 +234,7 @@ def test_pointer_is_seen_by_a_spawned_process() -> None:
     pointer = AdapterPointer()
     assert pointer.get() is None
     pointer.set("grpo-abc-v7", 7)
-    ctx = mp.get_context("spawn")
+    ctx = child_processes.context()  # pickled across, as to the spawned rollout worker
     out = ctx.Queue()
     child = ctx.Process(target=_read_pointer, args=(pointer, out))
     child.start()

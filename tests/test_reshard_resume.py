@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from grpo_core.vllm_server.process import free_port
+from tests.child_processes import run_ranks
 from tests.test_checkpoint import model_path, train_rows  # noqa: F401 - fixtures
 
 
@@ -81,7 +81,7 @@ def _role(rank: int, world_size: int, port: int, role: str, model: str, rows, ou
 
 
 def run(role: str, world_size: int, model: str, rows, out: Path) -> None:
-    mp.spawn(_role, args=(world_size, free_port(), role, model, rows, str(out)), nprocs=world_size, join=True)
+    run_ranks(_role, (world_size, free_port(), role, model, rows, str(out)), nprocs=world_size)
 
 
 def assert_same(a: dict, b: dict, where: str) -> None:

@@ -21,11 +21,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from grpo_core.sync.bucket_stream import local_tensors, send_buckets
 from grpo_core.sync.buckets import plan_buckets, tensor_nbytes, update_info
 from grpo_core.vllm_server.process import free_port
+from tests.child_processes import run_ranks
 
 
 def _meta(shapes, dtype=torch.bfloat16):
@@ -202,7 +202,7 @@ def _two_rank_checks(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def two_rank_report(tmp_path_factory) -> dict:
     out_dir = str(tmp_path_factory.mktemp("buckets"))
-    mp.spawn(_two_rank_checks, args=(free_port(), out_dir), nprocs=2, join=True)
+    run_ranks(_two_rank_checks, (free_port(), out_dir), nprocs=2)
     with open(os.path.join(out_dir, "report.json")) as f:
         return json.load(f)
 

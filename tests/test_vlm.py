@@ -24,7 +24,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from grpo_core.data.inputs import ImageInputError, refuse_images
 from grpo_core.models.attention import tree as ta
@@ -33,6 +32,7 @@ from grpo_core.models.vision import frozen_tower_prefixes, vision_towers
 from grpo_core.packing.collator import pack_row
 from grpo_core.packing.planner import plan_step
 from grpo_core.vllm_server.process import free_port
+from tests.child_processes import run_ranks
 from tests.test_packing_trie import make_sample
 
 VOCAB = 64
@@ -291,7 +291,7 @@ def _two_ranks(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_two_fsdp_ranks_keep_the_tower_sharded_and_frozen(tmp_path):
-    mp.spawn(_two_ranks, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_two_ranks, (free_port(), str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:
         assert r["tower_unit"] and not r["tower_in_optimizer"]
