@@ -40,6 +40,7 @@ from grpo_core.checkpoint import ledger_summary, read_ledger
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.launch.job import JobConfig
 from grpo_core.rewards import accuracy_reward, format_reward
+from grpo_core.rollout.concurrency import parse_vllm_metrics
 from grpo_core.rollout.fleet import server_name
 from grpo_core.sync.verify import probe_token_ids
 from grpo_core.tiny import arithmetic_dataset
@@ -98,6 +99,21 @@ def trainer_core(fleet, monkeypatch):
     torch.set_num_threads(threads)
 
 
+def wait_until_generating(url: str, timeout_s: float) -> int:
+    """Requests the server at ``url`` is running, once there are any (its ``/metrics``, read every 20 ms)."""
+    control = VLLMControlClient(url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            running = parse_vllm_metrics(control.metrics_text() or "").num_requests_running or 0
+            if running > 0:
+                return running
+            assert time.monotonic() < deadline, f"{url} ran no request for {timeout_s:.0f} s"
+            time.sleep(0.02)
+    finally:
+        control.close()
+
+
 def groups_per_server(history: list[dict[str, float]], names: list[str], steps: set[int]) -> dict[str, float]:
     rows = [h for h in history if int(h["step"]) in steps]
     return {n: sum(h.get(f"rollout/server/{n}/groups", 0.0) for h in rows) for n in names}
@@ -139,6 +155,8 @@ def test_two_servers_serve_hold_the_weights_and_survive_a_kill(fleet, tiny_model
         try:
             while len(trainer.state.log_history) < STEPS_BEFORE_KILL:
                 time.sleep(0.05)
+            # Killed while it generates, so that requests are lost in flight and must be sent to the other one.
+            events["running_at_kill"] = wait_until_generating(victim.base_url, timeout_s=60.0)
             events["kill_after_step"] = len(trainer.state.log_history)
             os.killpg(victim.process.pid, signal.SIGKILL)  # API server and engine: its own process group
             events["killed_at"] = time.time()
@@ -218,8 +236,9 @@ def test_two_servers_serve_hold_the_weights_and_survive_a_kill(fleet, tiny_model
     # It left, the other carried the run, it came back caught up and served again.
     left = min(s for s, v in serving.items() if v == 0.0)
     returned = min(s for s, v in serving.items() if v == 1.0 and s > left)
-    print(f"requests sent again after the kill: {resent:.0f}; frontier {frontier}; "
-          f"victim left at step {left}, serving again at step {returned}")
+    print(f"requests sent again after the kill: {resent:.0f} (the victim ran {events['running_at_kill']:.0f} as it was "
+          f"killed); frontier {frontier}; victim left at step {left}, serving again at step {returned}")
+    assert resent >= 1, "requests lost in flight with the killed server were not sent to the other one"
     assert serving[killed - 1] == 1.0 and serving[steps] == 1.0
     assert groups_per_server(history, [names[0]], set(range(left, returned)))[names[0]] > 0
     after = set(range(returned + 1, steps + 1))
