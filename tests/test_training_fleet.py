@@ -15,6 +15,7 @@ from grpo_core.training.distributed import DistInfo
 from grpo_core.training.fleet import ServerFleet, VersionProbe
 from grpo_core.training.weight_push import PushOutcome
 from grpo_core.vllm_server.checks import ServerCapabilities, ServerConfigError
+from grpo_core.vllm_server.watch import ServerWatch
 
 CAPS = ServerCapabilities(max_model_len=512, served_model="m", tokens_endpoint=True, candidate_sets=False)
 
@@ -50,13 +51,20 @@ class FakeControl:
     def server_config(self) -> dict[str, Any]:
         return self.config
 
+    def models(self) -> list[dict[str, Any]]:
+        return [{"id": "m", "root": "/models/m"}]
+
+    def metrics_text(self) -> str | None:
+        return "process_start_time_seconds 1000.0\n"
+
     def close(self) -> None:
         pass
 
 
 class FakePusher:
-    def __init__(self, control: FakeControl):
+    def __init__(self, control: FakeControl, adapter_base: int | None = None):
         self.control = control
+        self.adapter_base = adapter_base  # adapter-only LoRA sync: the server keeps serving these base weights
         self.fail = False
         self.pushed: list[tuple[int, int | None]] = []
         self.reopened = 0
@@ -66,8 +74,11 @@ class FakePusher:
         self.pushed.append((version, attempts))
         if self.fail or not self.control.up:
             raise WeightSyncError("transfer broke", server=self.control.base_url, version=version, phase="transfer")
-        self.control.version = str(version)
+        self.control.version = str(self.served_version(version))
         return PushOutcome(stats=SyncStats(mode="full", bytes=100, seconds=0.5), report=None, attempts=1, check_s=0.1)
+
+    def served_version(self, pushed: int) -> int:
+        return pushed if self.adapter_base is None else self.adapter_base
 
     def reopen(self) -> None:
         self.reopened += 1
@@ -102,7 +113,8 @@ class Clock:
         return self.now
 
 
-def make_fleet(n: int = 2) -> tuple[ServerFleet, dict[str, FakeControl], list]:
+def make_fleet(n: int = 2, make_pusher: Any = None, make_watch: Any = FakeWatch
+               ) -> tuple[ServerFleet, dict[str, FakeControl], list]:
     controls: dict[str, FakeControl] = {}
     views: list = []
 
@@ -111,8 +123,8 @@ def make_fleet(n: int = 2) -> tuple[ServerFleet, dict[str, FakeControl], list]:
         return controls[url]
 
     fleet = ServerFleet([f"http://s{i}:8000" for i in range(n)], DistInfo(),
-                        make_pusher=lambda url, c, w: FakePusher(c), make_control=control, make_watch=FakeWatch,
-                        clock=Clock())
+                        make_pusher=make_pusher or (lambda url, c, w: FakePusher(c)), make_control=control,
+                        make_watch=make_watch, clock=Clock())
     fleet.connect(lambda c: None)
     fleet.check(lambda c: CAPS)
     fleet.publish = views.append
@@ -128,6 +140,21 @@ def test_a_push_reaches_every_server_and_reports_each():
     assert views[-1] == {"s0-8000": ("http://s0:8000", 1), "s1-8000": ("http://s1:8000", 1)}
     # While the other holds the version, a server gets one attempt (a failure drains it rather than waiting).
     assert [p.pusher.pushed[-1][1] for p in fleet.members.values()] == [1, 1]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_adapter_only_lora_pushes_leave_the_base_version_served_and_are_no_restart(n):
+    """Adapter-only LoRA sync registers each version as an adapter; the server keeps reporting the version of the
+    session's first push. The watch reads that back after each push, and no server is taken for restarted."""
+    fleet, controls, _ = make_fleet(n, make_pusher=lambda url, c, w: FakePusher(c, adapter_base=0),
+                                    make_watch=lambda c: ServerWatch(c, unavailable_timeout_s=5.0))
+    for version in range(4):
+        fleet.push(version)
+        assert fleet.tend() == [], version
+    assert {c.version for c in controls.values()} == {"0"}
+    assert [m.state for m in fleet.members.values()] == ["serving"] * n
+    controls["http://s0:8000"].version = "default"  # a restart: the base weights of the model folder again
+    assert fleet.tend() == ["s0-8000"]
 
 
 def test_a_failed_push_drains_that_server_and_the_push_is_done_on_the_others(caplog):

@@ -205,7 +205,8 @@ class ServerFleet:
             if member.state == "joining":
                 self._admit(member)
             if member.watch is not None:
-                member.watch.after_push([version])
+                # What the server reads back: this version, or under adapter-only LoRA sync its base weights' version.
+                member.watch.after_push([member.pusher.served_version(version)])
         self._publish()
         return fleet_push_metrics(outcomes, version, sum(m.pusher.recoveries for m in self.members.values()))
 

@@ -21,13 +21,11 @@ The public surface follows TRL's trainer: ``args``, ``model``, ``processing_clas
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from grpo_core.checkpoint import CheckpointParts, Checkpointer
@@ -44,7 +42,7 @@ from grpo_core.packing.collator import pack_row
 from grpo_core.rollout.stages import AsyncRolloutLoop
 from grpo_core.rollout.tool_calls import ToolRegistry
 from grpo_core.rollout.worker import RolloutWorker, WorkerSpec
-from grpo_core.tracking.run_view import constant_metrics, constant_tags, resolved_tags
+from grpo_core.tracking.run_view import constant_metrics, resolved_tags
 from grpo_core.tracking.tracker import Tracker, make_tracker
 from grpo_core.training.collector import (
     COLLECTION_INTERRUPTED,
@@ -68,6 +66,7 @@ from grpo_core.training.host_memory import release_free_heap
 from grpo_core.training.loss import LossConfig, finalize_metrics, reduce_metric_parts
 from grpo_core.training.micro_batch import MicroBatch
 from grpo_core.training.perf import PerfMeter, synchronize
+from grpo_core.training.step_log import StepLog
 from grpo_core.training.step_metrics import sample_and_queue_metrics
 from grpo_core.training.weight_push import WeightPusher
 from grpo_core.vllm_server.watch import ServerWatch
@@ -172,14 +171,13 @@ class AsyncGRPOTrainer:
         self.tracker: Tracker = tracker or make_tracker(self.args, is_main=self.dist.is_main)
         if self.dist.is_main:
             self.tracker.set_tags(resolved_tags(self._resolved_settings()))
+        self.state = TrainerState()
         # Metrics the settings fix go to MLflow as params or tags, not as flat charts (log_history keeps them).
-        self._constant_metrics = constant_metrics(
+        self.step_log = StepLog(self.args, self.tracker, self.dist.is_main, self.state.log_history, constant_metrics(
             multi_turn=bool(self.tools) or environment_factory is not None or self.loop_cls is not AsyncRolloutLoop,
             world_size=self.dist.world_size, lr_scheduler_type=self.args.lr_scheduler_type,
             weight_sync_encoding=self.args.weight_sync_encoding, weight_sync_transport=self.args.weight_sync_transport,
-        )
-        self._constant_tags: dict[str, str] = {}
-        self.state = TrainerState()
+        ))
         self.frontier = TrainingFrontier()
         self.versions = WeightVersions()
         self.checkpointer = Checkpointer(self.args, self.dist, self._checkpoint_parts(), self.tracker)
@@ -234,12 +232,12 @@ class AsyncGRPOTrainer:
                 ))
                 metrics.update(self.perf.metrics(batch.plan.rows, metrics["perf/fwd_bwd_s"], metrics["perf/step_s"]))
                 metrics.update(self._fleet_metrics())
-                self._log(metrics)
-                self._log_completions(batch)
+                self.step_log.record(self.global_step, metrics)
+                self.step_log.completions(self.global_step, batch)
                 # After the step is logged: a step that a checkpoint holds is always in the run's
                 # history, so resuming from it leaves no gap in the logged steps.
                 if self.checkpointer.should_save(self.global_step) or self._is_last_step():
-                    self._log(self.checkpointer.save(), same_step=True)
+                    self.step_log.record(self.global_step, self.checkpointer.save(), same_step=True)
                 release_free_heap()  # the step's host tensors are gone; keep resident memory flat
             finished = True
         finally:
@@ -539,8 +537,10 @@ class AsyncGRPOTrainer:
         if not self.dist.is_main:
             return {}
         start = time.perf_counter()
+        # During train(): a server that serves; before or after it (no fleet is held then): the first one configured.
+        serving = self.fleet.serving_urls() if self.fleet is not None else []
         result = evaluate_rewards(
-            self.fleet.serving_urls()[0],
+            serving[0] if serving else self.args.server_urls()[0],
             self.processing_class,
             self.eval_dataset,
             self.reward_funcs,
@@ -573,59 +573,6 @@ class AsyncGRPOTrainer:
 
                 write_adapter(self.model, str(folder), self.model_path, state=adapter_files_state(model_state))
         return str(folder)
-
-    # ------------------------------------------------------------------------------------------ metrics
-    def _log(self, metrics: dict[str, float], same_step: bool = False) -> None:
-        """Record ``metrics`` for the current step; ``same_step`` adds them to the step logged last."""
-        metrics = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
-        history = self.state.log_history
-        if same_step:
-            history[-1].update(metrics)
-        else:
-            history.append({"step": float(self.global_step), **metrics})
-        if self.dist.is_main and self.global_step % self.args.logging_steps == 0:
-            self._track(metrics)
-            if same_step:
-                return
-            log.info(
-                "step %d  reward %.3f  loss %.4f  gen %.0f tok/s  wait %.2fs",
-                self.global_step,
-                metrics.get("reward", float("nan")),
-                metrics.get("loss", float("nan")),
-                metrics.get("rollout/generated_tok_s", 0.0),
-                metrics.get("perf/rollout_wait_s", 0.0),
-            )
-
-    def _track(self, metrics: dict[str, float]) -> None:
-        """To the tracker: the metrics the settings do not fix, and the value of each one they fix that no param
-        or tag holds otherwise, as a tag once (again if it changes)."""
-        self.tracker.log_metrics({k: v for k, v in metrics.items() if k not in self._constant_metrics},
-                                 step=self.global_step)
-        tags = constant_tags({k: v for k, v in metrics.items() if k in self._constant_metrics})
-        tags = {k: v for k, v in tags.items() if self._constant_tags.get(k) != v}
-        if tags:
-            self.tracker.set_tags(tags)
-            self._constant_tags.update(tags)
-
-    def _log_completions(self, batch: StepBatch) -> None:
-        """``log_completions``: a table of the step's prompts, completions and rewards to the tracker, and
-        the first ``num_completions_to_print`` to the console."""
-        if not (self.args.log_completions and self.dist.is_main and self.global_step % self.args.logging_steps == 0):
-            return
-        table: dict[str, list[Any]] = {"step": [], "prompt": [], "completion": [], "reward": []}
-        for report in batch.reports:
-            for text, reward in zip(report.completions, report.rewards, strict=False):
-                table["step"].append(self.global_step)
-                table["prompt"].append(report.prompt_text)
-                table["completion"].append(text)
-                table["reward"].append(None if np.isnan(reward) else float(reward))
-        if not table["step"]:
-            return
-        if self.args.num_completions_to_log is not None:  # the first groups of the step, whole where the count allows
-            table = {k: v[: self.args.num_completions_to_log] for k, v in table.items()}
-        self.tracker.log_table("completions", table, step=self.global_step)
-        for prompt, completion, reward in list(zip(table["prompt"], table["completion"], table["reward"]))[: self.args.num_completions_to_print]:
-            log.info("step %d completion (reward %s)\n  prompt: %s\n  completion: %s", self.global_step, reward, prompt, completion)
 
     # ------------------------------------------------------------------------------------------ teardown
     def _teardown(self, finished: bool) -> None:

@@ -215,7 +215,7 @@ def test_mlflow_outage_loses_and_doubles_nothing(flaky_run, mlflow_server):
     client = mlflow.MlflowClient(mlflow_server)
     run_id = trainer.tracker.run_id
     # Metrics the run's settings fix go to the run as params or tags, not as step metrics (tracking/run_view.py).
-    keys = sorted({k for record in history for k in record if k != "step"} - trainer._constant_metrics)
+    keys = sorted({k for record in history for k in record if k != "step"} - trainer.step_log.constant_metrics)
     missing, doubled, wrong = [], [], []
     for key in keys:
         logged = Counter((m.step, m.value) for m in client.get_metric_history(run_id, key))
