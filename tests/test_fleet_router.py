@@ -105,6 +105,19 @@ def test_with_no_server_left_groups_wait_and_move_to_the_first_admitted_again():
     assert router.slots["b"].controller.in_flight == 0 and router.can_admit(route)
 
 
+def test_a_server_admitted_again_while_serving_keeps_its_rollouts_in_flight():
+    """The trainer can catch a restarted server up between two looks of the worker: the worker sees a newer epoch
+    without having seen the server leave. Its groups stay, and the new cap counts their rollouts."""
+    router = fleet({"a": 4})
+    route = fill(router, 3)
+    router.admit_server(router.slots["a"], 2, ConcurrencyController(100, initial_cap=4))
+    assert router.slots["a"].controller.in_flight == 3 and route.server == "a" and route.moves == 0
+    for _ in range(3):
+        router.release(route)  # each one ends under the new cap
+    router.close(route)
+    assert router.slots["a"].controller.in_flight == 0 and router.in_flight == 0
+
+
 def test_admitting_a_rollout_without_room_is_refused():
     router = fleet({"a": 1})
     route = router.open_route(router.pick(), 2)

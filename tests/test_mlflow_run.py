@@ -104,3 +104,14 @@ def test_the_final_model_is_registered_at_its_step_with_the_runs_metrics(store, 
     metrics = {(m.key, m.step, m.value) for m in mlflow.get_logged_model(model_id).metrics}
     assert metrics == final_step | {("eval/accuracy", 3, 0.4)}
     assert len(client.get_metric_history(run_id, "eval/accuracy")) == 1  # the run's history gained nothing
+
+
+def test_a_block_shorter_than_the_sampling_interval_still_logs_system_metrics(store):
+    from grpo_core.tracking.tracker import system_metrics
+
+    client = mlflow.MlflowClient(store)
+    run_id = client.create_run(training_experiment(client, "grpo")).info.run_id
+    with system_metrics(run_id, store, interval_s=60.0):
+        pass  # over long before the first interval ends, as a short run is
+    metrics = client.get_run(run_id).data.metrics
+    assert any(k.startswith("system/cpu") for k in metrics), sorted(metrics)

@@ -165,7 +165,11 @@ class Router:
             self.slots[slot.name] = slot
         # Stranded groups, this server's own included (its new cap must count their rollouts in flight too).
         stranded = [r for s in self.slots.values() if not s.serving for r in s.routes]
+        # Re-admitted while still serving here (the trainer caught a restart up before this worker saw it leave):
+        # its groups stay, and the fresh cap counts their rollouts in flight as its own.
+        kept = sum(r.in_flight for r in slot.routes) if slot.serving else 0
         slot.serving, slot.epoch, slot.controller = True, epoch, controller
+        controller.adopt(kept)
         return self._rehome(stranded)
 
     def _rehome(self, routes: list[GroupRoute]) -> list[GroupRoute]:

@@ -484,5 +484,11 @@ def system_metrics(run_id: str, tracking_uri: str, interval_s: float = 10.0) -> 
         if monitor is not None:
             try:
                 monitor.finish()
+                # MLflow's monitor drops the samples taken since its last publish when it stops, so a block shorter
+                # than the interval would leave no system metrics at all: publish them as one more point.
+                leftover = monitor.aggregate_metrics()
+                if leftover:
+                    monitor.publish_metrics(leftover)
+                    monitor.mlflow_logger.flush()
             except Exception:  # noqa: BLE001 - monitoring must never fail a run
                 log.debug("system metrics monitor did not stop cleanly", exc_info=True)
