@@ -20,7 +20,11 @@ PICTURE_METRICS = ("reward", "perf/rollout_wait_s", "sample/staleness_mean", "sa
 
 
 def metric_history(tracking_uri: str, run_id: str, keys: Sequence[str] = PICTURE_METRICS) -> dict[str, list[tuple[int, float]]]:
-    """Each metric's (step, value) pairs, in step order; a step logged twice (a resumed run) keeps its latest value."""
+    """Each metric's (step, value) pairs, in step order; a step logged twice (a resumed run) keeps its latest value.
+
+    Read from the MLflow run rather than the trainer's own history, which holds only the last attempt's steps: after
+    a resume the earlier attempts' steps exist only in the tracking store.
+    """
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri)

@@ -330,8 +330,10 @@ class AsyncGRPOConfig:
     """After every N-th push, compare the server's log-probs of a fixed probe sequence with the trainer's
     (0: never). The served version is read back after every push regardless."""
     weight_sync_verify_atol: Annotated[float, Field(gt=0)] | None = None
-    """Largest |server - trainer| probe log-prob accepted; None: 1e-4 when the server computes in fp32 (what the
-    dense push meets on a CPU server), else 5e-2 (16-bit servers: not measured by this package)."""
+    """Largest |server - trainer| probe log-prob accepted. None: 1e-4 on the largest when the server computes in fp32
+    (what the dense push meets on a CPU server); for a 16-bit server, a bound on the probe's mean gap: 5e-2, or eight
+    times the trainer's own mean bf16 rounding of the probe where it computes in fp32 and that is more (measured at
+    each checked version; ``grpo_core/sync/verify.py``)."""
     lora_sync_mode: Literal["auto", "merged", "adapter"] = "auto"
     """With ``peft_config`` only. ``merged``: every sync merges the adapter into the base weights and pushes
     them all over ``weight_transfer_backend``. ``adapter``: only the adapter is written under

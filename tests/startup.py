@@ -105,7 +105,9 @@ def begin(items: list[pytest.Item], start_server: Callable[[], Any]) -> None:
         return
     BACKGROUND.submit("build:arithmetic", lambda: build_in_child(
         "from grpo_core.tiny import build_tiny_model; build_tiny_model()"))
-    BACKGROUND.submit("server", start_server, after=("build:arithmetic",))
+    # The session server only where a selected test uses it (a run of the learning tests alone has servers of its own).
+    if any("vllm_server" in getattr(item, "fixturenames", ()) for item in items):
+        BACKGROUND.submit("server", start_server, after=("build:arithmetic",))
     if selected & set(NEEDS["tools"]):
         BACKGROUND.submit("build:tools", lambda: build_in_child(
             "from grpo_core.tiny import build_tiny_model; build_tiny_model(variant='tools')"), after=("build:arithmetic",))

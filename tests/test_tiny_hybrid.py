@@ -119,3 +119,17 @@ def test_flow_server_spec_derives_the_options(built: dict[str, Path]) -> None:
     assert flags[flags.index("--dtype") + 1] == "bfloat16" and "--language-model-only" in flags
     job = JobConfig.model_validate({"model": "tiny:arithmetic-hybrid", "trainer": {"output_dir": "unused"}})
     assert "--language-model-only" not in server_spec(job, str(built["hybrid"]), LocalProvisioner()).flags()
+
+
+def test_a_printed_server_command_carries_what_the_model_needs(built: dict[str, Path]) -> None:
+    """The command a check prints for the user to copy starts a server the model can run on: a Gated DeltaNet model
+    on the CPU gets bf16 whatever the trainer computes in, and an option the check asks for stays."""
+    from grpo_core.config import AsyncGRPOConfig
+    from grpo_core.vllm_server.checks import recommended_command
+
+    fp32_trainer = AsyncGRPOConfig(output_dir="unused", bf16=False)
+    assert "--dtype bfloat16" in recommended_command(fp32_trainer, str(built["hybrid"]))
+    assert "--language-model-only" in recommended_command(fp32_trainer, str(built["vlm"]))
+    asked = recommended_command(fp32_trainer, str(built["hybrid"]), return_routed_experts=True)
+    assert "--dtype bfloat16" in asked and "--enable-return-routed-experts" in asked
+    assert "--dtype float32" in recommended_command(fp32_trainer, "<model>")  # no folder: the trainer's dtype

@@ -110,7 +110,8 @@ def test_a_server_that_keeps_old_weights_is_named_after_the_last_attempt():
     p.make_sync = lambda: Sync(server, trainer, [], stale=True)
     p.reopen()
     with pytest.raises(ServedWeightsMismatch, match=rf"the vLLM server at {URL} does not serve the trainer's weights of "
-                                                    r"version 2: its log-probs of the probe differ by up to 0.5"):
+                                                    r"version 2: its log-probs of the probe differ by 0.5 on average "
+                                                    r"and up to 0.5 \(tolerance 0.0001 on the largest"):
         p.push(2)
     assert server.events.count("wait") == 1  # one recovery, then the named error
 
@@ -173,3 +174,76 @@ def test_adapter_sync_confirms_the_base_version_of_its_session() -> None:
     assert pusher.served_version(7) == 7  # a new session pushes the base again
     pusher.sync.mode = "full"
     assert pusher.served_version(8) == 8
+
+
+def test_a_16_bit_servers_tolerance_follows_the_trainers_own_rounding() -> None:
+    """An fp32 trainer's probe against a bf16 server: the fixed floor alone refused a server holding the right weights
+    (0.42 apart on the tiny Qwen3.5-MoE as loaded, benchmarks/probe_rounding.py); the measured rounding admits it, a
+    single token's flip passes a check on the mean, and weights a push got wrong (nats apart) are still refused."""
+    from grpo_core.sync.verify import LOW_PRECISION_ATOL, ROUNDING_MARGIN, PushVerifier, VerifyConfig, default_atol
+
+    assert default_atol("float32", 0.3) == 1e-4  # an fp32 server: the exact bound, whatever the rounding
+    assert default_atol("bfloat16") == default_atol("bfloat16", 0.001) == LOW_PRECISION_ATOL  # the floor
+    assert default_atol("bfloat16", 0.3) == pytest.approx(ROUNDING_MARGIN * 0.3)
+    assert default_atol(None, 0.3) == pytest.approx(ROUNDING_MARGIN * 0.3)  # a server that does not say: 16 bits
+
+    class Bf16Server(Server):
+        def server_config(self) -> dict:
+            return {"model_config": {"dtype": "torch.bfloat16"}, "device_config": {"device": "cpu"}}
+
+    server = Bf16Server()
+    server.logprob = -1.42  # the trainer's probe is -1.0 everywhere: 0.42 apart
+    with pytest.raises(ServedWeightsMismatch, match="differ by 0.42 on average and up to 0.42 .tolerance 0.05 on the mean"):
+        PushVerifier(VerifyConfig(), vocab_size=50).check_logprobs(server, 0, torch.full((31,), -1.0))
+    measured = PushVerifier(VerifyConfig(), vocab_size=50)
+    report = measured.check_logprobs(server, 0, torch.full((31,), -1.0), rounding_gap=0.29)
+    assert report.max_diff == pytest.approx(0.42) and report.tolerance == pytest.approx(ROUNDING_MARGIN * 0.29)
+    server.logprob = -3.0  # later weights that the trainer itself rounds more: the tolerance follows them
+    assert measured.check_logprobs(server, 1, torch.full((31,), -1.0), rounding_gap=0.5).tolerance == pytest.approx(ROUNDING_MARGIN * 0.5)
+    server.logprob = -9.96  # a push that landed wrong (unpacked experts moved the probe by 8.96)
+    with pytest.raises(ServedWeightsMismatch, match="differ by 8.96 on average"):
+        measured.check_logprobs(server, 2, torch.full((31,), -1.0), rounding_gap=0.29)
+    class OneFlippedToken(Bf16Server):  # one token routed to other experts by the 16-bit router: 1.8 nats on one
+        def prompt_logprobs(self, token_ids, model=None, timeout=None):  # noqa: ANN001, ANN202
+            return [-1.0 - 1.8] + [-1.0] * (len(token_ids) - 2)
+
+    report = PushVerifier(VerifyConfig(), vocab_size=50).check_logprobs(OneFlippedToken(), 3, torch.full((31,), -1.0),
+                                                                        rounding_gap=0.02)
+    assert report.max_diff == pytest.approx(1.8) and report.mean_diff == pytest.approx(1.8 / 31)
+    fixed = PushVerifier(VerifyConfig(logprob_atol=0.01), vocab_size=50)  # a set tolerance is not raised
+    with pytest.raises(ServedWeightsMismatch, match="tolerance 0.01 on the largest"):
+        fixed.check_logprobs(server, 0, torch.full((31,), -9.96 + 0.02), rounding_gap=0.29)
+
+
+def test_the_pusher_hands_the_probes_rounding_to_the_check_on_every_rank() -> None:
+    """The rounding is a forward, so every rank computes it at each checked push (not only rank 0, which asks the
+    server), once per version however many servers check it."""
+    from grpo_core.training.fleet import VersionProbe
+
+    forwards = []
+    probe = VersionProbe(lambda ids: forwards.append("fp32") or torch.full((len(ids) - 1,), -1.0),
+                         lambda ids: forwards.append("bf16") or torch.full((len(ids) - 1,), -1.2))
+    probe.version = 0
+    assert probe.rounding_gap([1, 2, 3]) == pytest.approx(0.2)
+    assert probe.rounding_gap([1, 2, 3]) == pytest.approx(0.2) and forwards == ["fp32", "bf16"]  # once a version
+    probe.version = 1
+    assert probe.rounding_gap([1, 2, 3]) == pytest.approx(0.2) and forwards == ["fp32", "bf16"] * 2
+    assert VersionProbe(lambda ids: torch.zeros(2)).rounding_gap([1, 2, 3]) is None  # a bf16 trainer: no second probe
+
+    seen = {}
+
+    class Verifier:
+        token_ids = [1, 2, 3]
+
+        def due(self, index: int) -> bool:
+            return True
+
+        def check_logprobs(self, control, version, expected, model=None, rounding_gap=None):  # noqa: ANN001, ANN202
+            seen["rounding_gap"] = rounding_gap
+
+    worker = WeightPusher(lambda: None, DistInfo(rank=1, world_size=1, local_rank=1), None, None, attempts=1,
+                          verify=VerifyConfig(every=0), probe=probe, vocab_size=50)
+    worker.verifier, worker.sync = Verifier(), None
+    probe.version = 2
+    worker._confirm(2)  # a rank without a control client computes the forwards and asks nothing
+    assert seen == {} and forwards == ["fp32", "bf16"] * 3

@@ -346,13 +346,15 @@ def fleet_push_metrics(outcomes: dict[str, PushOutcome], version: int, recoverie
     metrics: dict[str, float] = {"weight_version": float(version), "sync/servers": float(len(outcomes))}
     for name, outcome in outcomes.items():
         own = outcome.metrics(version, recoveries)
-        for key in ("sync/seconds", "sync/verify_logprob_diff", "sync/check_s"):
+        for key in ("sync/seconds", "sync/verify_logprob_diff", "sync/verify_logprob_diff_mean", "sync/verify_tolerance",
+                    "sync/check_s"):
             if key in own:
                 metrics[f"sync/server/{name}/{key.removeprefix('sync/')}"] = own[key]
         for key, value in own.items():
             if key in ("sync/bytes", "sync/seconds", "sync/check_s", "sync/dense_bytes"):
                 metrics[key] = metrics.get(key, 0.0) + value
-            elif key in ("sync/verify_logprob_diff", "sync/verify_logprob_moved", "sync/changed_share"):
+            elif key in ("sync/verify_logprob_diff", "sync/verify_logprob_diff_mean", "sync/verify_logprob_moved",
+                         "sync/verify_tolerance", "sync/changed_share"):
                 metrics[key] = max(metrics.get(key, value), value)
             else:
                 metrics.setdefault(key, value)
@@ -362,12 +364,32 @@ def fleet_push_metrics(outcomes: dict[str, PushOutcome], version: int, recoverie
 class VersionProbe:
     """The trainer's probe log-probs, computed once per pushed version however many servers check them (every rank
     pushes to the same servers in the same order, so the forward stays collective). The fleet sets ``version``
-    before each push; None computes every time."""
+    before each push; None computes every time.
 
-    def __init__(self, probe: Callable[[list[int]], torch.Tensor]):
+    ``low_precision`` is the same probe computed in 16 bits (``training.forward.probe_logprobs`` under autocast);
+    ``rounding_gap`` compares the two for the version being checked: how far the trainer's own rounding moves these
+    weights' probe on average, which a 16-bit server's check allows a multiple of (``sync.verify.PushVerifier``).
+    It is measured at every checked version, since training changes it."""
+
+    def __init__(self, probe: Callable[[list[int]], torch.Tensor],
+                 low_precision: Callable[[list[int]], torch.Tensor] | None = None):
         self.probe = probe
+        self.low_precision = low_precision
         self.version: int | None = None
         self._cached: tuple[int, list[int], torch.Tensor] | None = None
+        self._rounding: tuple[int | None, list[int], float] | None = None
+
+    def rounding_gap(self, token_ids: list[int]) -> float | None:
+        """Mean |full - 16-bit| probe log-prob of the trainer's current weights, once per version (every rank calls
+        it: the forward is collective); None without a 16-bit probe."""
+        if self.low_precision is None:
+            return None
+        cached = self._rounding
+        if self.version is not None and cached is not None and cached[0] == self.version and cached[1] == token_ids:
+            return cached[2]
+        gap = float((self(token_ids) - self.low_precision(token_ids)).abs().mean())
+        self._rounding = (self.version, list(token_ids), gap)
+        return gap
 
     def __call__(self, token_ids: list[int]) -> torch.Tensor:
         cached = self._cached

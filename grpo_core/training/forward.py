@@ -18,6 +18,7 @@ both). Which ``chunk_size`` a row gets is ``AsyncGRPOConfig.resolved_logprob_chu
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -83,10 +84,13 @@ def row_logprobs(
 
 
 @torch.no_grad()
-def probe_logprobs(model: torch.nn.Module, token_ids: list[int], device: torch.device) -> Tensor:
+def probe_logprobs(model: torch.nn.Module, token_ids: list[int], device: torch.device,
+                   autocast_dtype: torch.dtype | None = None) -> Tensor:
     """The policy's log-prob of each token of ``token_ids`` after the first, at temperature 1, through the
     same packed forward as training (a weight push's check compares it with the server's; every rank
-    calls it, since a sharded forward is collective). float64 on the host, ``len(token_ids) - 1`` values."""
+    calls it, since a sharded forward is collective). float64 on the host, ``len(token_ids) - 1`` values.
+    ``autocast_dtype`` runs the forward under autocast to that dtype: the trainer's own rounding in 16 bits,
+    which sets the check's tolerance for a 16-bit server (``training.fleet.VersionProbe.rounding_gap``)."""
     import numpy as np
 
     from grpo_core.packing.collator import pack_row
@@ -104,7 +108,9 @@ def probe_logprobs(model: torch.nn.Module, token_ids: list[int], device: torch.d
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
+                    else contextlib.nullcontext())
+        with torch.no_grad(), autocast:
             out = row_logprobs(model, pack_row(row).to(device), temperature=1.0, fused=False)
     finally:
         model.train(was_training)

@@ -398,7 +398,11 @@ class AsyncGRPOTrainer:
         setup = SyncSetup(config=args, model=self.model, rank=self.dist.rank,
                           backend=args.resolved_weight_transfer_backend(self.device.type == "cuda"),
                           wire_dtype=wire_dtype(self.bf16), model_path=self.model_path, peft_config=self.peft_config)
-        self.probe = VersionProbe(lambda ids: probe_logprobs(self.model, ids, self.device))
+        # A trainer that computes in fp32 also measures its own 16-bit rounding of the probe, once: a 16-bit server's
+        # check tolerates a multiple of it (sync/verify.py, ROUNDING_MARGIN). In bf16 it already computes in 16 bits.
+        self.probe = VersionProbe(
+            lambda ids: probe_logprobs(self.model, ids, self.device),
+            None if self.bf16 else (lambda ids: probe_logprobs(self.model, ids, self.device, torch.bfloat16)))
         listing = (lambda: read_fleet_file(args.vllm_server_fleet_file)) if args.vllm_server_fleet_file else None
         urls = args.server_urls()
         urls += [u for u in (listing() if listing else []) if u not in urls]

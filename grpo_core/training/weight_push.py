@@ -70,6 +70,8 @@ class PushOutcome:
             "sync/adapters_registered": stats.adapters_registered,
             "sync/verify_logprob_diff": report.max_diff if report else None,
             "sync/verify_logprob_moved": report.moved if report else None,
+            "sync/verify_logprob_diff_mean": report.mean_diff if report else None,
+            "sync/verify_tolerance": report.tolerance if report else None,
             "weight_version": float(version),
         }
         return {k: float(v) for k, v in metrics.items() if v is not None}
@@ -167,6 +169,8 @@ class WeightPusher:
     def _confirm(self, version: int) -> tuple[VerifyReport | None, BaseException | None]:
         due = self.verifier is not None and self.verifier.due(self.confirmed + 1)
         expected = self.probe(self.verifier.token_ids) if due else None  # every rank: a sharded forward
+        rounding = getattr(self.probe, "rounding_gap", None)  # every rank, once a version (VersionProbe)
+        rounding_gap = rounding(self.verifier.token_ids) if due and callable(rounding) else None
         failure: BaseException | None = None
         report = None
         if self.dist.is_main and self.control is not None:  # without a control client there is nothing to ask
@@ -174,7 +178,8 @@ class WeightPusher:
                 check_version(self.control, self.served_version(version))
                 if due:
                     report = self.verifier.check_logprobs(self.control, version, expected,
-                                                          model=self.sync.served_model_name(version))
+                                                          model=self.sync.served_model_name(version),
+                                                          rounding_gap=rounding_gap)
                 check_applied = getattr(self.sync, "check_applied", None)
                 if callable(check_applied):
                     check_applied(version)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import httpx
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.vllm_server import process as flags
 from grpo_core.vllm_server.control import VLLMControlClient
-from grpo_core.vllm_server.model_needs import is_mixture_of_experts, server_needs
+from grpo_core.vllm_server.model_needs import is_mixture_of_experts, read_model_config, server_needs
 from grpo_core.vllm_server.process import ServerOptions, VLLMServerSpec
 from grpo_core.vllm_server.replies import parse_completion_choice, parse_generate_choice
 from grpo_core.waiting import announced_wait
@@ -48,8 +49,16 @@ class ServerCapabilities:
 
 
 def recommended_command(config: AsyncGRPOConfig, model: str = "<model>", cuda: bool = False, **options: Any) -> str:
-    """The command that starts a server this run can use (``options``: ``ServerOptions`` fields)."""
-    return VLLMServerSpec.for_run(model, config, ServerOptions(**options), cuda=cuda).shell_command()
+    """The command that starts a server this run can use (``options``: ``ServerOptions`` fields, over what a model
+    in a local folder needs of its server, e.g. bf16 for Gated DeltaNet layers on the CPU: a command a user copies
+    must start)."""
+    needs: dict[str, Any] = {}
+    if os.path.isdir(model):
+        try:
+            needs = {name: value for name, (value, _) in server_needs(read_model_config(model), cuda).items()}
+        except (OSError, ValueError):  # an unreadable config: the command as the options give it
+            needs = {}
+    return VLLMServerSpec.for_run(model, config, ServerOptions(**{**needs, **options}), cuda=cuda).shell_command()
 
 
 SERVER_WAIT_NOTICE_S = 1.0

@@ -24,11 +24,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from typing import Any
 
 from grpo_core.vllm_server.process import ServerOptions
 
 log = logging.getLogger(__name__)
+
+_IMPORT_LOCK = threading.Lock()
+
+
+def read_model_config(model: str) -> Any:
+    """``AutoConfig.from_pretrained(model)``. The first import of a name from transformers' lazy module is not safe
+    from two threads at once (seen: "cannot import name 'AutoConfig'" when two servers were set up side by side)."""
+    with _IMPORT_LOCK:
+        from transformers import AutoConfig
+    return AutoConfig.from_pretrained(model)
 
 
 def _text_config(config: Any) -> Any:
@@ -69,10 +80,8 @@ def model_server_options(model: str, options: ServerOptions, cuda: bool) -> Serv
 
     A model whose config cannot be read (a hub id offline) keeps ``options`` as they are.
     """
-    from transformers import AutoConfig
-
     try:
-        config = AutoConfig.from_pretrained(model)
+        config = read_model_config(model)
     except (OSError, ValueError) as exc:
         log.warning("could not read the config of %s (%s): server options are used as given", model, exc)
         return options
