@@ -398,11 +398,17 @@ class AsyncGRPOTrainer:
         setup = SyncSetup(config=args, model=self.model, rank=self.dist.rank,
                           backend=args.resolved_weight_transfer_backend(self.device.type == "cuda"),
                           wire_dtype=wire_dtype(self.bf16), model_path=self.model_path, peft_config=self.peft_config)
-        # A trainer that computes in fp32 also measures its own 16-bit rounding of the probe, once: a 16-bit server's
-        # check tolerates a multiple of it (sync/verify.py, ROUNDING_MARGIN). In bf16 it already computes in 16 bits.
+        # An fp32 trainer whose server must compute in 16 bits (a model's need, checked at start-up on every server)
+        # also measures its own 16-bit rounding of the probe at each check: that server's check tolerates a multiple
+        # of it (sync/verify.py, ROUNDING_MARGIN). Every rank knows this from the model and the config.
+        from grpo_core.vllm_server.checks import expected_server_dtype
+
+        train_dtype = str(self.compute_dtype).removeprefix("torch.")
+        sixteen_bit_server = expected_server_dtype(train_dtype, self.model.config, self.device.type == "cuda") != "float32"
         self.probe = VersionProbe(
             lambda ids: probe_logprobs(self.model, ids, self.device),
-            None if self.bf16 else (lambda ids: probe_logprobs(self.model, ids, self.device, torch.bfloat16)))
+            (lambda ids: probe_logprobs(self.model, ids, self.device, torch.bfloat16))
+            if train_dtype == "float32" and sixteen_bit_server else None)
         listing = (lambda: read_fleet_file(args.vllm_server_fleet_file)) if args.vllm_server_fleet_file else None
         urls = args.server_urls()
         urls += [u for u in (listing() if listing else []) if u not in urls]
