@@ -376,28 +376,30 @@ class VersionProbe:
         self.probe = probe
         self.low_precision = low_precision
         self.version: int | None = None
-        self._cached: tuple[int, list[int], torch.Tensor] | None = None
-        self._rounding: tuple[int | None, list[int], float] | None = None
+        self._cached: dict[str, tuple[int, list[int], Any]] = {}  # per quantity: (version, token ids, value)
+
+    def _once_per_version(self, name: str, token_ids: list[int], compute: Callable[[], Any]) -> Any:
+        cached = self._cached.get(name)
+        if self.version is not None and cached is not None and cached[0] == self.version and cached[1] == token_ids:
+            return cached[2]
+        value = compute()
+        if self.version is None:
+            self._cached.pop(name, None)
+        else:
+            self._cached[name] = (self.version, list(token_ids), value)
+        return value
 
     def rounding_gap(self, token_ids: list[int]) -> float | None:
         """Mean |full - 16-bit| probe log-prob of the trainer's current weights, once per version (every rank calls
         it: the forward is collective); None without a 16-bit probe."""
-        if self.low_precision is None:
+        low_precision = self.low_precision
+        if low_precision is None:
             return None
-        cached = self._rounding
-        if self.version is not None and cached is not None and cached[0] == self.version and cached[1] == token_ids:
-            return cached[2]
-        gap = float((self(token_ids) - self.low_precision(token_ids)).abs().mean())
-        self._rounding = (self.version, list(token_ids), gap)
-        return gap
+        return self._once_per_version(
+            "rounding", token_ids, lambda: float((self(token_ids) - low_precision(token_ids)).abs().mean()))
 
     def __call__(self, token_ids: list[int]) -> torch.Tensor:
-        cached = self._cached
-        if self.version is not None and cached is not None and cached[0] == self.version and cached[1] == token_ids:
-            return cached[2]
-        value = self.probe(token_ids)
-        self._cached = None if self.version is None else (self.version, list(token_ids), value)
-        return value
+        return self._once_per_version("probe", token_ids, lambda: self.probe(token_ids))
 
 
 def _error_of(call: Callable[[Any], None], arg: Any) -> BaseException | None:
