@@ -247,3 +247,26 @@ def test_the_pusher_hands_the_probes_rounding_to_the_check_on_every_rank() -> No
     probe.version = 2
     worker._confirm(2)  # a rank without a control client computes the forwards and asks nothing
     assert seen == {} and forwards == ["fp32", "bf16"] * 3
+
+
+@pytest.mark.parametrize(("dtype", "rounding_gap", "rule"), [
+    ("torch.float32", 0.3, "within 0.0001 on every probe token"),
+    ("torch.bfloat16", None, "within 0.05 on average"),
+    ("torch.bfloat16", 0.02, "within 8x the trainer's own bf16 rounding of the probe on average, measured at each "
+                             "checked version (0.02 now), at least 0.05"),
+])
+def test_the_start_of_run_log_states_the_rule_the_check_applies(caplog: pytest.LogCaptureFixture, dtype: str,
+                                                                 rounding_gap: float | None, rule: str) -> None:
+    from grpo_core.sync.verify import PushVerifier, VerifyConfig
+
+    class TypedServer(Server):
+        def server_config(self) -> dict:
+            return {"model_config": {"dtype": dtype}, "device_config": {"device": "cpu"}}
+
+    server = TypedServer()
+    server.logprob = -1.0
+    with caplog.at_level("INFO", logger="grpo_core.sync.verify"):
+        PushVerifier(VerifyConfig(), vocab_size=50).check_logprobs(server, 0, torch.full((31,), -1.0),
+                                                                   rounding_gap=rounding_gap)
+    assert f"computes in {dtype.removeprefix('torch.')}; probe log-probs must agree {rule} (weight_sync_verify_atol)" \
+        in caplog.text

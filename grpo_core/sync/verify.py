@@ -142,6 +142,15 @@ class PushVerifier:
         """Whether the ``push_index``-th push (1-based) gets a log-prob check."""
         return self.config.every > 0 and push_index % self.config.every == 0
 
+    def _tolerance_rule(self, rounding_gap: float | None) -> str:
+        """The default tolerance for this server's dtype, in words, for the start-of-run log."""
+        if self.served_dtype == "float32":
+            return f"{default_atol(self.served_dtype):g} on every probe token"
+        if rounding_gap is None:
+            return f"{default_atol(self.served_dtype):g} on average"
+        return (f"{ROUNDING_MARGIN:g}x the trainer's own bf16 rounding of the probe on average, measured at each checked "
+                f"version ({rounding_gap:.3g} now), at least {LOW_PRECISION_ATOL:g}")
+
     def check_logprobs(self, control: Any, version: int, expected: torch.Tensor,
                        model: str | None = None, rounding_gap: float | None = None) -> VerifyReport | None:
         """Compare the server's probe log-probs with ``expected`` (the trainer's, one per token after the first).
@@ -159,12 +168,9 @@ class PushVerifier:
             dtype = (server_config.get("model_config") or {}).get("dtype")
             self.served_dtype = str(dtype).removeprefix("torch.") if dtype else None
             if self.config.logprob_atol is None:
-                rounding = self.served_dtype != "float32" and rounding_gap is not None
                 log.info("weight push check: the server at %s computes in %s; probe log-probs must agree within %s "
                          "(weight_sync_verify_atol)", control.base_url, self.served_dtype or "an unreported dtype",
-                         f"{ROUNDING_MARGIN:g}x the trainer's own bf16 rounding of the probe on average, measured at each "
-                         f"checked version ({rounding_gap:.3g} now), at least {LOW_PRECISION_ATOL:g}" if rounding
-                         else f"{default_atol(self.served_dtype):g}" + ("" if self.served_dtype == "float32" else " on average"))
+                         self._tolerance_rule(rounding_gap))
         if self.config.logprob_atol is None:
             self.atol = default_atol(self.served_dtype, rounding_gap)
         if self.skip_reason is not None:

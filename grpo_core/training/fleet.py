@@ -35,8 +35,10 @@ import torch
 
 from grpo_core.rollout.fleet import FleetView, server_name
 from grpo_core.training.distributed import DistInfo, broadcast_object
+from grpo_core.training.forward import probe_logprobs
 from grpo_core.training.weight_push import PUSH_FAILURES, PushOutcome, WeightPusher
-from grpo_core.vllm_server.checks import ServerCapabilities, ServerConfigError, check_fleet_alike, server_fingerprint
+from grpo_core.vllm_server.checks import (
+    ServerCapabilities, ServerConfigError, check_fleet_alike, expected_server_dtype, server_fingerprint)
 from grpo_core.vllm_server.watch import ANSWER_FAILURES, ServerUnavailableError, close_open_weight_update, left_paused
 
 log = logging.getLogger(__name__)
@@ -377,6 +379,17 @@ class VersionProbe:
         self.low_precision = low_precision
         self.version: int | None = None
         self._cached: dict[str, tuple[int, list[int], Any]] = {}  # per quantity: (version, token ids, value)
+
+    @classmethod
+    def for_policy(cls, model: torch.nn.Module, device: torch.device, train_dtype: str) -> "VersionProbe":
+        """The probe of a trainer's policy. An fp32 trainer whose servers must compute in 16 bits (a model's need,
+        checked at start-up on every server) also measures its own 16-bit rounding of the probe at each check: those
+        servers' checks tolerate a multiple of it (``sync.verify.ROUNDING_MARGIN``). Every rank decides this alike,
+        from the model's config and the dtype."""
+        sixteen_bit_server = expected_server_dtype(train_dtype, model.config, device.type == "cuda") != "float32"
+        return cls(lambda ids: probe_logprobs(model, ids, device),
+                   (lambda ids: probe_logprobs(model, ids, device, torch.bfloat16))
+                   if train_dtype == "float32" and sixteen_bit_server else None)
 
     def _once_per_version(self, name: str, token_ids: list[int], compute: Callable[[], Any]) -> Any:
         cached = self._cached.get(name)

@@ -61,7 +61,6 @@ from grpo_core.training.distributed import (
     init_distributed,
     shutdown_distributed,
 )
-from grpo_core.training.forward import probe_logprobs
 from grpo_core.training.host_memory import release_free_heap
 from grpo_core.training.loss import LossConfig, finalize_metrics, reduce_metric_parts
 from grpo_core.training.micro_batch import MicroBatch
@@ -192,6 +191,11 @@ class AsyncGRPOTrainer:
     @property
     def global_step(self) -> int:
         return self.state.global_step
+
+    @property
+    def train_dtype_name(self) -> str:
+        """The dtype the trainer computes in, as the server checks name it ("float32", "bfloat16", "float16")."""
+        return str(self.compute_dtype).removeprefix("torch.")
 
     @property
     def tokenizer(self) -> Any:
@@ -341,7 +345,7 @@ class AsyncGRPOTrainer:
             self._sync_weights()
         if self.dist.is_main:
             self.server = self.fleet.check(lambda control: check_server(
-                control, args, model_name, self.model.config, cuda, train_dtype=str(self.compute_dtype).removeprefix("torch.")))
+                control, args, model_name, self.model.config, cuda, train_dtype=self.train_dtype_name))
         self.server = broadcast_object(self.server)  # every rank must compute the same loss
         self.micro_batch.candidate_sets = self.server.candidate_sets
         if self.moe is not None:
@@ -398,17 +402,7 @@ class AsyncGRPOTrainer:
         setup = SyncSetup(config=args, model=self.model, rank=self.dist.rank,
                           backend=args.resolved_weight_transfer_backend(self.device.type == "cuda"),
                           wire_dtype=wire_dtype(self.bf16), model_path=self.model_path, peft_config=self.peft_config)
-        # An fp32 trainer whose server must compute in 16 bits (a model's need, checked at start-up on every server)
-        # also measures its own 16-bit rounding of the probe at each check: that server's check tolerates a multiple
-        # of it (sync/verify.py, ROUNDING_MARGIN). Every rank knows this from the model and the config.
-        from grpo_core.vllm_server.checks import expected_server_dtype
-
-        train_dtype = str(self.compute_dtype).removeprefix("torch.")
-        sixteen_bit_server = expected_server_dtype(train_dtype, self.model.config, self.device.type == "cuda") != "float32"
-        self.probe = VersionProbe(
-            lambda ids: probe_logprobs(self.model, ids, self.device),
-            (lambda ids: probe_logprobs(self.model, ids, self.device, torch.bfloat16))
-            if train_dtype == "float32" and sixteen_bit_server else None)
+        self.probe = VersionProbe.for_policy(self.model, self.device, self.train_dtype_name)
         listing = (lambda: read_fleet_file(args.vllm_server_fleet_file)) if args.vllm_server_fleet_file else None
         urls = args.server_urls()
         urls += [u for u in (listing() if listing else []) if u not in urls]

@@ -97,7 +97,7 @@ def test_sync_follows_the_trainer(check_servers: dict[str, Served], variant: str
     model = load(served.path)
     seqs = sampled_sequences(served.path, served.url)
     as_loaded = server_logprobs(served.url, seqs)
-    report: dict[str, float] = {"tokens": len(seqs)}
+    report: dict[str, float] = {"sequences": len(seqs)}
     control = push_and_follow(served, model, seqs, as_loaded, [("experts", "mlp.experts.", 3.0), ("all", None, 0.05)],
                               report)
     print(json.dumps({served.variant: report}))
