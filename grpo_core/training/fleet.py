@@ -39,7 +39,9 @@ from grpo_core.training.forward import probe_logprobs
 from grpo_core.training.weight_push import PUSH_FAILURES, PushOutcome, WeightPusher
 from grpo_core.vllm_server.checks import (
     ServerCapabilities, ServerConfigError, check_fleet_alike, expected_server_dtype, server_fingerprint)
-from grpo_core.vllm_server.watch import ANSWER_FAILURES, ServerUnavailableError, close_open_weight_update, left_paused
+from grpo_core.vllm_server.control import VLLMControlClient
+from grpo_core.vllm_server.watch import (
+    ANSWER_FAILURES, ServerUnavailableError, ServerWatch, close_open_weight_update, left_paused)
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,30 @@ class ServerFleet:
         self.rejoins = 0
         self.publish: Callable[[FleetView], None] = lambda view: None  # to the rollout worker, once it runs
         self.drained_by_worker: Callable[[], list[tuple[str, int, str]]] = lambda: []
+
+    @classmethod
+    def for_run(cls, args: Any, dist: DistInfo, setup: Any, probe: VersionProbe, vocab_size: int) -> ServerFleet:
+        """A run's servers (``args.vllm_server_base_url``, then those ``args.vllm_server_fleet_file`` lists), one
+        pusher each over ``setup`` (``sync.factory.SyncSetup``), every push checked against ``probe``."""
+        listing = (lambda: read_fleet_file(args.vllm_server_fleet_file)) if args.vllm_server_fleet_file else None
+        urls = args.server_urls()
+        urls += [u for u in (listing() if listing else []) if u not in urls]
+        fleet = cls(
+            urls, dist, unavailable_timeout_s=args.server_unavailable_timeout_s, listing=listing,
+            make_pusher=lambda url, control, watch: WeightPusher.for_run(setup, dist, control, watch, vocab_size,
+                                                                         probe=probe),
+            make_control=lambda url: VLLMControlClient(url, timeout=args.request_timeout),
+            make_watch=lambda control: ServerWatch(control, args.server_unavailable_timeout_s),
+        )
+        fleet.probe = probe
+        return fleet
+
+    def serving_metrics(self) -> dict[str, float]:
+        """Which servers serve now (``rollout/server/<name>/serving``, as the trainer sees it: a server is back once
+        it holds the current weights) and how many do."""
+        metrics = {f"rollout/server/{m.name}/serving": float(m.state == "serving") for m in self.members.values()}
+        metrics["rollout/servers_serving"] = float(len(self.serving()))
+        return metrics
 
     def _add(self, url: str) -> Member:
         control = self.make_control(url) if self.dist.is_main and self.make_control is not None else None

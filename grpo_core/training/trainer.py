@@ -52,7 +52,7 @@ from grpo_core.training.collector import (
     WatchedSource,
     WeightVersions,
 )
-from grpo_core.training.fleet import ServerFleet, VersionProbe, read_fleet_file
+from grpo_core.training.fleet import ServerFleet, VersionProbe
 from grpo_core.training.distributed import (
     DistInfo,
     StepFeed,
@@ -68,7 +68,6 @@ from grpo_core.training.perf import PerfMeter, synchronize
 from grpo_core.training.step_log import StepLog
 from grpo_core.training.step_metrics import sample_and_queue_metrics
 from grpo_core.training.weight_push import WeightPusher
-from grpo_core.vllm_server.watch import ServerWatch
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +234,8 @@ class AsyncGRPOTrainer:
                     queue_size=self.worker.queue_size() if self.worker is not None else 0,
                 ))
                 metrics.update(self.perf.metrics(batch.plan.rows, metrics["perf/fwd_bwd_s"], metrics["perf/step_s"]))
-                metrics.update(self._fleet_metrics())
+                if self.dist.is_main:
+                    metrics.update(self.fleet.serving_metrics())
                 self.step_log.record(self.global_step, metrics)
                 self.step_log.completions(self.global_step, batch)
                 # After the step is logged: a step that a checkpoint holds is always in the run's
@@ -394,27 +394,14 @@ class AsyncGRPOTrainer:
         return self.pusher
 
     def _make_fleet(self) -> ServerFleet:
-        """The run's servers (``args.vllm_server_base_url``), one pusher each, the probe computed once per version."""
+        """The run's servers, one pusher each, the probe computed once per version."""
         from grpo_core.sync.factory import SyncSetup, wire_dtype
-        from grpo_core.vllm_server.control import VLLMControlClient
 
-        args = self.args
-        setup = SyncSetup(config=args, model=self.model, rank=self.dist.rank,
-                          backend=args.resolved_weight_transfer_backend(self.device.type == "cuda"),
+        setup = SyncSetup(config=self.args, model=self.model, rank=self.dist.rank,
+                          backend=self.args.resolved_weight_transfer_backend(self.device.type == "cuda"),
                           wire_dtype=wire_dtype(self.bf16), model_path=self.model_path, peft_config=self.peft_config)
         self.probe = VersionProbe.for_policy(self.model, self.device, self.train_dtype_name)
-        listing = (lambda: read_fleet_file(args.vllm_server_fleet_file)) if args.vllm_server_fleet_file else None
-        urls = args.server_urls()
-        urls += [u for u in (listing() if listing else []) if u not in urls]
-        fleet = ServerFleet(
-            urls, self.dist, unavailable_timeout_s=args.server_unavailable_timeout_s, listing=listing,
-            make_pusher=lambda url, control, watch: WeightPusher.for_run(setup, self.dist, control, watch,
-                                                                         self.vocab_size, probe=self.probe),
-            make_control=lambda url: VLLMControlClient(url, timeout=args.request_timeout),
-            make_watch=lambda control: ServerWatch(control, args.server_unavailable_timeout_s),
-        )
-        fleet.probe = self.probe
-        return fleet
+        return ServerFleet.for_run(self.args, self.dist, setup, self.probe, self.vocab_size)
 
     def _start_worker(self) -> RolloutWorker:
         loop_kwargs = dict(
@@ -520,15 +507,6 @@ class AsyncGRPOTrainer:
         where = "the restarted server" if self.fleet.single else ", ".join(ready) + ", back in service,"
         log.warning("re-pushed weight version %d to %s in %.1f s (server restart %d of this attempt)",
                     self.global_step, where, time.perf_counter() - start, self.server_restarts)
-
-    def _fleet_metrics(self) -> dict[str, float]:
-        """Which servers serve now (``rollout/server/<name>/serving``, as the trainer sees it: a server is back once
-        it holds the current weights) and the pushes' rejoins."""
-        if not self.dist.is_main or self.fleet is None:
-            return {}
-        metrics = {f"rollout/server/{m.name}/serving": float(m.state == "serving") for m in self.fleet.members.values()}
-        metrics["rollout/servers_serving"] = float(len(self.fleet.serving()))
-        return metrics
 
     # ------------------------------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:

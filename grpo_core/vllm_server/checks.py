@@ -25,7 +25,7 @@ import httpx
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.vllm_server import process as flags
 from grpo_core.vllm_server.control import VLLMControlClient
-from grpo_core.vllm_server.model_needs import is_mixture_of_experts, read_model_config, server_needs
+from grpo_core.vllm_server.model_needs import is_mixture_of_experts, model_server_options, server_needs
 from grpo_core.vllm_server.process import ServerOptions, VLLMServerSpec
 from grpo_core.vllm_server.replies import parse_completion_choice, parse_generate_choice
 from grpo_core.waiting import announced_wait
@@ -52,13 +52,10 @@ def recommended_command(config: AsyncGRPOConfig, model: str = "<model>", cuda: b
     """The command that starts a server this run can use (``options``: ``ServerOptions`` fields, over what a model
     in a local folder needs of its server, e.g. bf16 for Gated DeltaNet layers on the CPU: a command a user copies
     must start)."""
-    needs: dict[str, Any] = {}
+    server_options = ServerOptions(**options)
     if os.path.isdir(model):
-        try:
-            needs = {name: value for name, (value, _) in server_needs(read_model_config(model), cuda).items()}
-        except (OSError, ValueError):  # an unreadable config: the command as the options give it
-            needs = {}
-    return VLLMServerSpec.for_run(model, config, ServerOptions(**{**needs, **options}), cuda=cuda).shell_command()
+        server_options = model_server_options(model, server_options, cuda)
+    return VLLMServerSpec.for_run(model, config, server_options, cuda=cuda).shell_command()
 
 
 SERVER_WAIT_NOTICE_S = 1.0
