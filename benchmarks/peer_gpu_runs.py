@@ -2,9 +2,9 @@
 
 Both are driven through their own public classes and their own loops (``train()``). What is replaced:
 
-* ours: the rollout worker by the stream (``ReplaySource`` of ``trainer_loop.py``), the vLLM server's
-  checked capabilities by constants (no candidate sets), and the weight sync by ``NoSync`` (a push that
-  sends nothing), through a subclass's ``_setup``, as ``trainer_loop.py`` does;
+* ours: through the trainer's own arguments, the rollout worker by the stream (``rollout_worker=``
+  ``ReplayRollouts``, with the sampler's capabilities: no candidate sets) and the weight sync by ``NoSync``
+  (``weight_transfer=``, a push that sends nothing); the step clock is its metric sink (``tracker=``);
 * TRL: its rollout worker by ``StreamWorker`` (its ``rollout_worker=`` argument: a queue preloaded with the
   stream's samples) and its weight transfer by ``NoWeightTransfer`` (its ``weight_transfer=`` argument;
   ``send_weights`` does not read the parameter iterator, so nothing is gathered or sent). Its tree
@@ -39,10 +39,9 @@ from grpo_core.models.attention.backends import load_flash_attn_cute, load_torch
 from grpo_core.models.attention.gather import _emulated_kernel  # noqa: E402
 from grpo_core.vllm_server.checks import ServerCapabilities  # noqa: E402
 from grpo_core.sync.base import SyncStats  # noqa: E402
-from grpo_core.sync.verify import VerifyConfig  # noqa: E402
-from grpo_core.training.weight_push import WeightPusher  # noqa: E402
+from grpo_core.tracking.tracker import NullTracker  # noqa: E402
+from grpo_core.training.sources import ReplayRollouts  # noqa: E402
 from peer_gpu_stream import EPSILON, EPSILON_HIGH, Stream, trl_fields  # noqa: E402
-from trainer_loop import QuietWatch, ReplaySource  # noqa: E402
 
 LEARNING_RATE = 1e-12
 """The step benchmark's learning rate: AdamW does all its arithmetic, but a weight moves by at most about 1e-12
@@ -55,13 +54,21 @@ def constant_reward(completions: list[Any], **kwargs: Any) -> list[float]:
     return [0.0] * len(completions)
 
 
-class StepClock:
-    """Wall time and peak allocated device memory between consecutive step ends."""
+class StepClock(NullTracker):
+    """Wall time and peak allocated device memory between consecutive step ends: the trainer's metric sink, which
+    it hands each step's metrics once the step is done (``log_metrics``; a later call for the same step, the
+    checkpoint's, is not a step end)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.last: float | None = None
+        self.last_step: int | None = None
         self.steps: list[dict[str, Any]] = []
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if step != self.last_step:
+            self.last_step = step
+            self.mark()
 
     def mark(self) -> None:
         cuda = self.device.type == "cuda"
@@ -93,32 +100,6 @@ class NoSync:
         return None
 
 
-class StreamTrainer(AsyncGRPOTrainer):
-    """Our trainer's loop on the stream; ``on_optimizer_step`` (optional) wraps each optimizer step."""
-
-    def __init__(self, *a: Any, samples: list[Any], max_model_len: int, **kw: Any):
-        self.stream_samples, self.max_model_len = samples, max_model_len
-        super().__init__(*a, **kw)
-        self.clock = StepClock(self.device)
-
-    def _setup(self, resume_from_checkpoint: Any) -> None:
-        self.checkpointer.find_resume_point(resume_from_checkpoint)  # a fresh folder: nothing to resume
-        self.checkpointer.begin_attempt()
-        self.server = ServerCapabilities(max_model_len=self.max_model_len, served_model="stream",
-                                         tokens_endpoint=True, candidate_sets=False)
-        self.watch = QuietWatch()
-        # The product's pusher around a sync that sends nothing: no control client, no server-side checks.
-        self.pusher = WeightPusher(NoSync, self.dist, None, self.watch, attempts=1, verify=VerifyConfig(every=0),
-                                   probe=None, vocab_size=self.vocab_size)
-        self._sync_weights()  # version 0, which the stream's oldest samples were "sampled" from
-        self.feed = self._make_feed(ReplaySource(self.stream_samples) if self.dist.is_main else None)
-
-    def _log(self, metrics: dict[str, float], same_step: bool = False) -> None:
-        if not same_step:
-            self.clock.mark()
-        super()._log(metrics, same_step)
-
-
 def ours_config(output_dir: str, stream: Stream, steps: int, learning_rate: float, **overrides: Any) -> AsyncGRPOConfig:
     """Our defaults, with the step's shape and the objective set to TRL's: the same clip, no score
     centering (TRL has no sampler top-N), and the importance-sampling mask opened to [0, 1e9] (TRL has none)."""
@@ -133,12 +114,17 @@ def ours_config(output_dir: str, stream: Stream, steps: int, learning_rate: floa
 def run_ours(model_dir: str, stream: Stream, smoke: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as out:
         config = ours_config(out, stream, len(stream.rows), LEARNING_RATE, bf16=False if smoke else None)
-        trainer = StreamTrainer(model=model_dir, reward_funcs=[constant_reward], train_dataset=[{"prompt": "p"}],
-                                args=config, samples=stream.samples, max_model_len=stream.token_budget)
+        sampler = ServerCapabilities(max_model_len=stream.token_budget, served_model="stream", tokens_endpoint=True,
+                                     candidate_sets=False)
+        clock = StepClock(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+        trainer = AsyncGRPOTrainer(model=model_dir, reward_funcs=[constant_reward], train_dataset=[{"prompt": "p"}],
+                                   args=config, rollout_worker=ReplayRollouts(stream.samples, sampler),
+                                   weight_transfer=NoSync(), tracker=clock)
+        clock.device = trainer.device
         history = trainer.train()
     steps = []
-    for h, clock in zip(history, trainer.clock.steps):
-        steps.append({**clock, "loss": h.get("loss"), "trained_tokens": h.get("batch/trained_tokens_per_step"),
+    for h, step_clock in zip(history, clock.steps):
+        steps.append({**step_clock, "loss": h.get("loss"), "trained_tokens": h.get("batch/trained_tokens_per_step"),
                       "packing_ratio": h.get("batch/packing_ratio"), "fwd_bwd_s": h.get("perf/fwd_bwd_s")})
     return {"trainer": "ours", "attention": trainer.attention_backend, "compile_mode": trainer.compile_mode,
             "bf16": trainer.bf16, "config": {k: v for k, v in dataclasses.asdict(config).items() if k != "output_dir"},

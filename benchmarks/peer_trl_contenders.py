@@ -83,13 +83,18 @@ def run_ours(spec: dict[str, Any], out: Path, sync: bool) -> dict[str, Any]:
     from grpo_core import AsyncGRPOConfig, AsyncGRPOTrainer
     from grpo_core.rewards import accuracy_reward, format_reward
 
+    from grpo_core.tracking.tracker import NullTracker
+
     rec = Recorder(spec)
 
-    class Recording(AsyncGRPOTrainer):
-        def _log(self, metrics: dict[str, float], same_step: bool = False) -> None:
-            super()._log(metrics, same_step)
-            if not same_step:
-                rec.step_end(self.global_step, self.model, self.state.log_history[-1])
+    class StepEnds(NullTracker):
+        """The trainer's metric sink: each step's end, with the model and the step's whole log entry."""
+
+        trainer: Any = None
+
+        def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+            if not rec.steps or rec.steps[-1]["step"] != step:  # a second call for a step is its checkpoint's
+                rec.step_end(step, self.trainer.model, self.trainer.state.log_history[-1])
 
     s = SHARED
     knobs: dict[str, Any] = {"max_staleness": s["max_staleness"]}
@@ -112,11 +117,15 @@ def run_ours(spec: dict[str, Any], out: Path, sync: bool) -> dict[str, Any]:
         num_sampler_logprobs=8,
         token_budget=4096,
         seed=s["seed"],
+        logging_steps=1,  # the sink hears of every step
         vllm_server_base_url=spec["server_url"],
         **knobs,
     )
     train, _ = _datasets(spec)
-    trainer = Recording(spec["model_path"], reward_funcs=[accuracy_reward, format_reward], args=config, train_dataset=train)
+    sink = StepEnds()
+    trainer = AsyncGRPOTrainer(spec["model_path"], reward_funcs=[accuracy_reward, format_reward], args=config,
+                               train_dataset=train, tracker=sink)
+    sink.trainer = trainer
     rec.start()
     trainer.train()
     rec.write(out, {"config": {k: getattr(config, k) for k in ("max_staleness", "max_concurrent_rollouts", "queue_maxsize")},

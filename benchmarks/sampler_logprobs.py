@@ -13,7 +13,7 @@ adds the centering term). One run, side by side, on the real CPU vLLM server and
    tiny model's own answers end after about 20 tokens, too few to time.
 2. **Trainer step.** ``--step-samples`` samples from the real rollout path (``RolloutScheduler`` over
    ``AsyncRolloutLoop``, as in the worker process) with N = 20 are cut to each N (N = 0 drops the arrays),
-   planned into one step, and trained by ``AsyncGRPOTrainer._optimizer_step`` of a trainer built
+   planned into one step, and trained by ``AsyncGRPOTrainer.training_step`` of a trainer built
    with that N (score centering on whenever N > 0). The same step is timed ``--repeats`` times per N,
    interleaved. Reported: median step seconds as a ratio to N = 0, and pickled bytes per sample
    (what crosses the process boundary).
@@ -191,12 +191,12 @@ def main() -> None:
         assert not plan.leftover, "every sample fits one row"
         batches[n] = StepBatch(plan=plan, samples=cut, reports=[], stale_dropped=0, staleness=[], wait_s=0.0)
     for n in NUM_TOP:
-        trainers[n]._optimizer_step(batches[n])  # warm-up
+        trainers[n].training_step(batches[n])  # warm-up
     step_s: dict[int, list[float]] = {n: [] for n in NUM_TOP}
     for r in range(args.repeats):
         for n in NUM_TOP[r % 3:] + NUM_TOP[: r % 3]:
             start = time.perf_counter()
-            trainers[n]._optimizer_step(batches[n])
+            trainers[n].training_step(batches[n])
             step_s[n].append(time.perf_counter() - start)
     base_step = statistics.median(step_s[0])
     trained = sum(s.num_trained for s in top_samples)

@@ -1,9 +1,9 @@
 """The trainer's own loop on GPUs, fed a rollout stream recorded from the CPU server, 1 rank against 2.
 
 ``AsyncGRPOTrainer``'s loop runs unchanged (``train()``: collect a step from the stream, plan tree
-rows, FSDP2 forward/backward with the loss, optimizer step, ledger, weight sync, metrics), with two
-parts swapped for this harness: the live rollout worker for the recording (``ReplaySource``), and the
-vLLM server for the stand-in receiver of ``nccl_sync_receiver.py`` on the last GPU (``ReceiverSync``:
+rows, FSDP2 forward/backward with the loss, optimizer step, ledger, weight sync, metrics), with its two
+replaceable parts given through its arguments: ``rollout_worker=`` the recording (``ReplayRollouts``), and
+``weight_transfer=`` a push to the stand-in receiver of ``nccl_sync_receiver.py`` on the last GPU (``ReceiverSync``:
 the packed bucket protocol over a ``torch.distributed`` NCCL group, ``--transport torch`` there, since
 vLLM cannot be installed on the GPU machine). After every push, off the clock, the receiver sends each
 tensor back and rank 0 checks it equals the trainer's full weight in bf16.
@@ -50,12 +50,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from grpo_core.config import AsyncGRPOConfig  # noqa: E402
-from grpo_core.rollout.scheduler import END_OF_DATA  # noqa: E402
+from grpo_core import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
 from grpo_core.sync.base import SyncStats  # noqa: E402
-from grpo_core.sync.verify import VerifyConfig  # noqa: E402
-from grpo_core.training.trainer import AsyncGRPOTrainer  # noqa: E402
-from grpo_core.training.weight_push import WeightPusher  # noqa: E402
+from grpo_core.training.sources import RecordingSource, ReplayRollouts  # noqa: E402
 from bench_io import write_report  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -75,27 +72,6 @@ def config_for(output_dir: str, world_size: int, server_url: str, bf16: bool | N
 
 
 # ------------------------------------------------------------------------------------------ record
-class RecordingTrainer(AsyncGRPOTrainer):
-    """The trainer with the live worker, noting every item its collector takes."""
-
-    def _setup(self, resume_from_checkpoint):
-        super()._setup(resume_from_checkpoint)
-        self.recorded: list[Any] = []
-        source = self.feed.collector.source
-        recorded = self.recorded
-
-        class Recorder:
-            def get(self, timeout_s: float) -> Any:
-                item = source.get(timeout_s)
-                recorded.append(item)
-                return item
-
-            def __getattr__(self, name: str) -> Any:
-                return getattr(source, name)
-
-        self.feed.collector.source = Recorder()
-
-
 def record(args) -> None:
     from grpo_core.rewards import accuracy_reward, format_reward
     from grpo_core.tiny import arithmetic_dataset, build_tiny_model
@@ -110,13 +86,20 @@ def record(args) -> None:
         try:
             config = config_for(out, 1, args.server_url or server.base_url, bf16=None)
             config.max_steps = args.steps
-            trainer = RecordingTrainer(model=str(model_path), reward_funcs=[accuracy_reward, format_reward],
-                                       train_dataset=arithmetic_dataset()["train"], args=config)
+            recorded: list[RecordingSource] = []  # the run's worker, wrapped once it has started
+
+            def record_worker(worker: Any) -> RecordingSource:
+                recorded.append(RecordingSource(worker))
+                return recorded[-1]
+
+            trainer = AsyncGRPOTrainer(model=str(model_path), reward_funcs=[accuracy_reward, format_reward],
+                                       train_dataset=arithmetic_dataset()["train"], args=config,
+                                       rollout_worker=record_worker)
             history = trainer.train()
         finally:
             if server is not None:
                 server.stop()
-    items = [i for i in trainer.recorded if not (isinstance(i, str) and i == END_OF_DATA)]
+    items = recorded[0].items
     Path(args.recording).parent.mkdir(parents=True, exist_ok=True)
     with open(args.recording, "wb") as f:
         rows = [dict(r) for r in arithmetic_dataset()["train"].select(range(64))]  # the replay's dataset stand-in
@@ -126,45 +109,26 @@ def record(args) -> None:
 
 
 # ------------------------------------------------------------------------------------------ replay
-class ReplaySource:
-    """The recorded stream, in order, then the end of the data."""
-
-    def __init__(self, items: list[Any]):
-        self.items = list(items)
-
-    def get(self, timeout_s: float) -> Any:
-        return self.items.pop(0) if self.items else END_OF_DATA
-
-    def queue_size(self) -> int:
-        return len(self.items)
-
-
-class QuietWatch:
-    """The server watch of a receiver that never restarts."""
-
-    def restarted(self) -> None:
-        return None
-
-    def after_push(self, versions: Any) -> None:
-        return None
-
-
 class ReceiverSync:
-    """Full-weight push to the stand-in receiver, then (off the clock) every tensor checked."""
+    """The trainer's ``weight_transfer``: a full-weight push to the stand-in receiver, then (off the clock) every
+    tensor checked. The trainer hands it the policy to send (``attach``) when training starts."""
 
     mode = "full"
 
-    def __init__(self, model: torch.nn.Module, url: str, rank: int, device: torch.device, bucket_mb: float):
+    def __init__(self, url: str, rank: int, device: torch.device, bucket_mb: float):
+        self.url, self.rank, self.device, self.bucket_bytes = url, rank, device, int(bucket_mb * 2**20)
+        self.control = self.source = self.sender = None
+        self.checks: list[dict[str, Any]] = []
+
+    def attach(self, model: torch.nn.Module) -> None:
         from grpo_core.sync.address import parse_port_range
         from grpo_core.vllm_server.control import VLLMControlClient
         from nccl_sync import HarnessSource, TorchSender
 
-        self.url = url if rank == 0 else None
-        self.control = VLLMControlClient(url) if rank == 0 else None
+        self.control = VLLMControlClient(self.url) if self.rank == 0 else None
         self.source = HarnessSource(model)
-        self.sender = TorchSender(self.control, self.source, rank, parse_port_range("40000-40100"),
-                                  int(bucket_mb * 2**20), device)
-        self.checks: list[dict[str, Any]] = []
+        self.sender = TorchSender(self.control, self.source, self.rank, parse_port_range("40000-40100"),
+                                  self.bucket_bytes, self.device)
 
     def push(self, version: int) -> SyncStats:
         from nccl_sync import verify
@@ -172,7 +136,7 @@ class ReceiverSync:
         start = time.perf_counter()
         self.sender.send_weights()
         seconds = time.perf_counter() - start
-        equal, count = verify(self.source, self.sender.comm, self.url)
+        equal, count = verify(self.source, self.sender.comm, self.url if self.rank == 0 else None)
         self.checks.append({"version": version, "equal": bool(equal), "tensors": count, "seconds": seconds})
         stats = self.sender.last_stats
         return SyncStats(mode="full", bytes=int(stats.bytes) if stats is not None else 0, seconds=seconds)
@@ -185,30 +149,6 @@ class ReceiverSync:
             self.control.close()
 
 
-class ReplayTrainer(AsyncGRPOTrainer):
-    """The trainer's loop on a recorded stream, pushing to the stand-in receiver."""
-
-    def __init__(self, *a: Any, recording: dict[str, Any], receiver_url: str, **kw: Any):
-        self.recording, self.receiver_url = recording, receiver_url
-        super().__init__(*a, **kw)
-
-    def _setup(self, resume_from_checkpoint):
-        self.checkpointer.find_resume_point(resume_from_checkpoint)  # a fresh folder: nothing to resume
-        self.checkpointer.begin_attempt()
-        self.server = self.recording["server"]
-        self.watch = QuietWatch()
-        # The product's pusher around the stand-in sync: no control client, so no server-side checks.
-        self.pusher = WeightPusher(
-            lambda: ReceiverSync(self.model, self.receiver_url, self.dist.rank, self.device, bucket_mb=256), self.dist,
-            None, self.watch, attempts=1, verify=VerifyConfig(every=0), probe=None, vocab_size=self.vocab_size)
-        self._sync_weights()  # version 0, as the recording run started with
-        self.feed = self._make_feed(ReplaySource(self.recording["items"]) if self.dist.is_main else None)
-
-    def _teardown(self, finished: bool) -> None:
-        self.sync_checks = self.weight_sync.checks if self.weight_sync is not None else []
-        super()._teardown(finished)
-
-
 def replay(args) -> None:
     from grpo_core.rewards import accuracy_reward, format_reward
 
@@ -218,18 +158,23 @@ def replay(args) -> None:
     # `datasets` package), so the recorded run's first rows stand in for it.
     world = int(os.environ.get("WORLD_SIZE", "1"))
     bf16 = None if args.precision == "bf16" else False
+    rank = int(os.environ.get("RANK", "0"))
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}") if torch.cuda.is_available() else torch.device("cpu")
+    transfer = ReceiverSync(args.receiver_url, rank, device, bucket_mb=256)
     with tempfile.TemporaryDirectory() as out:
         config = config_for(out, world, args.receiver_url, bf16=bf16)
-        trainer = ReplayTrainer(model=args.model_path, reward_funcs=[accuracy_reward, format_reward],
-                                train_dataset=recording["dataset_rows"], args=config,
-                                recording=recording, receiver_url=args.receiver_url)
+        # The trainer's own loop, with its two replaceable parts given: the recorded stream and the stand-in push.
+        trainer = AsyncGRPOTrainer(model=args.model_path, reward_funcs=[accuracy_reward, format_reward],
+                                   train_dataset=recording["dataset_rows"], args=config,
+                                   rollout_worker=ReplayRollouts(recording["items"], recording["server"]),
+                                   weight_transfer=transfer)
         history = trainer.train()
     if int(os.environ.get("RANK", "0")) == 0:
         keys = ("loss", "reward", "grad_norm", "perf/fwd_bwd_s", "perf/step_s", "sync/seconds", "sync/bytes",
                 "perf/mfu", "batch/packing_ratio", "sample/stale_dropped", "perf/trained_tokens_per_s")
         report = {"world_size": world, "precision": args.precision, "bf16": trainer.bf16,
                   "compile_mode": trainer.compile_mode, "attention_backend": trainer.attention_backend,
-                  "steps": [{k: h[k] for k in keys if k in h} for h in history], "sync_checks": trainer.sync_checks,
+                  "steps": [{k: h[k] for k in keys if k in h} for h in history], "sync_checks": transfer.checks,
                   "metric_names": sorted(history[0]) if history else []}
         write_report(args.out, report, announce=False)
 

@@ -117,3 +117,20 @@ def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> No
         raise CheckpointError(
             f"checkpoint weights do not fit the model: missing {missing[:5]}, unexpected {list(result.unexpected_keys)[:5]}"
         )
+
+
+def save_policy(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokenizer: Any,
+                compute_dtype: torch.dtype, is_main: bool, lora: bool, model_path: str | None) -> None:
+    """The trainer's ``save_model``: the policy as a servable Hugging Face folder (weights in the compute dtype, fp32
+    kept as it is; config, tokenizer; ``lora``: the adapter too, over ``model_path``). Every rank calls it (the
+    gather of a sharded model is collective); rank 0 writes."""
+    model_state, _ = full_state(model, optimizer)
+    if not is_main:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    dtype = next(iter(model_state.values())).dtype if compute_dtype == torch.float32 else compute_dtype
+    write_servable(folder, model, model_state, tokenizer, dtype)
+    if lora:
+        from grpo_core.models.lora import adapter_files_state, write_adapter
+
+        write_adapter(model, str(folder), model_path, state=adapter_files_state(model_state))

@@ -237,3 +237,22 @@ def refuse_images(messages: Iterable[Mapping[str, Any]], row: Mapping[str, Any] 
                 f"dataset row has a non-empty {column!r} column: prompts with images are not supported yet; "
                 "vision-language models are trained on text only. Remove the column or the row."
             )
+
+
+def check_trainer_inputs(args: Any, model: Any, reward_funcs: list[Callable[..., Any]], train_dataset: Any,
+                         eval_dataset: Any, scored_elsewhere: bool) -> None:
+    """The trainer's inputs, named in the main process before anything is loaded or spawned (``scored_elsewhere``:
+    an environment or a rollout loop of the caller's scores the rollouts, so no reward function is needed)."""
+    check_model_reference(model)
+    if args.reward_weights is not None and len(args.reward_weights) != len(reward_funcs):
+        raise ValueError(
+            f"AsyncGRPOConfig.reward_weights has {len(args.reward_weights)} entries for "
+            f"{len(reward_funcs)} reward functions; give one weight per function"
+        )
+    if not reward_funcs and not scored_elsewhere:
+        raise ValueError("reward_funcs is empty and there is no environment_factory: nothing would score the rollouts")
+    check_train_dataset(train_dataset, reward_funcs)
+    if args.eval_strategy == "steps":
+        if eval_dataset is None:
+            raise ValueError("AsyncGRPOConfig.eval_strategy='steps' needs eval_dataset=...; pass one or set eval_strategy='no'")
+        check_train_dataset(eval_dataset, reward_funcs)

@@ -10,6 +10,7 @@ serves, not a copy in the trainer.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,3 +151,22 @@ def evaluate_rewards(
         _evaluate(base_url, tokenizer, prompts, columns, reward_funcs, weights, samples_per_prompt, temperature, max_tokens,
                   seed, concurrency, tokens_endpoint)
     )
+
+
+def evaluate_on_server(base_url: str, args: Any, tokenizer: Any, dataset: Any, reward_funcs: list[Callable[..., Any]],
+                       tokens_endpoint: bool = True) -> dict[str, float]:
+    """The trainer's ``evaluate()``: ``dataset`` sampled from the server at ``base_url`` with the run's settings
+    (``args``: reward weights, samples per prompt, temperature, completion length) and scored; ``eval/*`` metrics."""
+    start = time.perf_counter()
+    result = evaluate_rewards(
+        base_url, tokenizer, dataset, reward_funcs,
+        weights=args.reward_weights,
+        samples_per_prompt=args.num_eval_generations(),
+        temperature=args.temperature,
+        max_tokens=args.max_completion_length,
+        tokens_endpoint=tokens_endpoint,
+    )
+    metrics = {"eval/reward": result.reward, "eval/completion_length": result.mean_length,
+               "eval/seconds": time.perf_counter() - start}
+    metrics.update({f"eval/rewards/{name}": value for name, value in result.per_func.items()})
+    return metrics

@@ -36,6 +36,7 @@ import torch
 from grpo_core.rollout.fleet import FleetView, server_name
 from grpo_core.training.distributed import DistInfo, broadcast_object
 from grpo_core.training.forward import probe_logprobs
+from grpo_core.sync.verify import VerifyConfig
 from grpo_core.training.weight_push import PUSH_FAILURES, PushOutcome, WeightPusher
 from grpo_core.vllm_server.checks import (
     ServerCapabilities, ServerConfigError, check_fleet_alike, expected_server_dtype, server_fingerprint)
@@ -108,6 +109,25 @@ class ServerFleet:
             make_watch=lambda control: ServerWatch(control, args.server_unavailable_timeout_s),
         )
         fleet.probe = probe
+        return fleet
+
+    @classmethod
+    def around(cls, transfer: Any, dist: DistInfo, vocab_size: int, args: Any = None) -> ServerFleet:
+        """A fleet of one whose pushes go through ``transfer`` (the trainer's ``weight_transfer=``), unconfirmed:
+        the transport is the caller's, and so is knowing that the sampler got the weights. ``args``: the run's
+        config, whose one server the rollouts come from (watched for restarts); None: the trainer talks to no
+        server."""
+        def make_pusher(_url: str, _control: Any, watch: Any) -> WeightPusher:
+            return WeightPusher(lambda: transfer, dist, None, watch, attempts=1, verify=VerifyConfig(every=0),
+                                probe=None, vocab_size=vocab_size)
+
+        if args is not None:
+            return cls(args.server_urls()[:1], dist, make_pusher,
+                       make_control=lambda url: VLLMControlClient(url, timeout=args.request_timeout),
+                       make_watch=lambda control: ServerWatch(control, args.server_unavailable_timeout_s))
+        fleet = cls([], dist, make_pusher)
+        member = Member(name="weight_transfer", url="", pusher=make_pusher("", None, None), state="joining")
+        fleet.members[member.name] = member  # nothing to wait for: it serves after its first push
         return fleet
 
     def serving_metrics(self) -> dict[str, float]:
@@ -267,6 +287,8 @@ class ServerFleet:
         self._read_listing()
         if self.single:
             member = next(iter(self.members.values()))
+            if member.watch is None:
+                return False  # a transport of the caller's, no server to watch
             reason = member.watch.restarted()  # waits while the server does not answer, as a single server always has
             if reason is not None:
                 member.watch.note_restart(reason)
@@ -307,6 +329,8 @@ class ServerFleet:
                 self._lose(member, f"the rollout worker drained it: {reason}")
 
     def _look_at_serving(self, member: Member) -> None:
+        if member.watch is None:
+            return  # a transport of the caller's, no server to watch
         if self.single or len(self.serving()) == 1:
             reason = member.watch.restarted()  # waits for a server that does not answer, up to its timeout
         else:

@@ -11,11 +11,10 @@
 
 Rank 0 owns the rollout worker and talks to vLLM; every rank trains its own row of each micro-batch.
 Each weight push reaches every serving server, is confirmed there, and a failed one is recovered from, drained
-(a fleet) or named: ``fleet.ServerFleet`` over one ``weight_push.WeightPusher`` per server. Before each step's
-collection the fleet is tended: a server that restarted, or was lost and answers again, gets the current weights.
-The public surface follows TRL's trainer: ``args``, ``model``, ``processing_class``, ``state``
-(``global_step``, ``log_history``), ``train(resume_from_checkpoint=...)``, ``evaluate()`` and
-``save_model(dir)``.
+(a fleet) or named (``fleet.ServerFleet``); before each step's collection the fleet is tended. The rollout
+worker and the weight transfer can be replaced through the constructor (``training.sources``). The public
+surface follows TRL's trainer: ``args``, ``model``, ``processing_class``, ``state`` (``global_step``,
+``log_history``), ``train(resume_from_checkpoint=...)``, ``training_step``, ``evaluate()``, ``save_model(dir)``.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ import torch
 
 from grpo_core.checkpoint import CheckpointParts, Checkpointer
 from grpo_core.config import AsyncGRPOConfig
-from grpo_core.data.inputs import check_crossing, check_model_reference, check_train_dataset, model_load_error
+from grpo_core.data.inputs import check_crossing, check_trainer_inputs, model_load_error
 from grpo_core.data.prompts import is_streaming
 from grpo_core.models.attention.tree import enable_tree_attention
 from grpo_core.models.fsdp import FSDPSettings, full_value, needs_fsdp, shard_policy
@@ -66,6 +65,8 @@ from grpo_core.training.loss import LossConfig, finalize_metrics, reduce_metric_
 from grpo_core.training.micro_batch import MicroBatch
 from grpo_core.training.perf import PerfMeter, synchronize
 from grpo_core.training.step_log import StepLog
+from grpo_core.training.sources import (
+    RolloutSource, SourceWrapper, WeightTransfer, assumed_capabilities, call_if_present, check_replacements, is_source)
 from grpo_core.training.step_metrics import sample_and_queue_metrics
 from grpo_core.training.weight_push import WeightPusher
 
@@ -107,16 +108,28 @@ class AsyncGRPOTrainer:
         peft_config: Any = None,
         tools: list[Any] | None = None,
         environment_factory: Any = None,
+        rollout_worker: RolloutSource | SourceWrapper | None = None,
+        weight_transfer: WeightTransfer | None = None,
         tracker: Tracker | None = None,
     ):
+        """TRL's arguments, and the parts a caller may replace (``training.sources`` says how):
+        ``rollout_worker`` (where samples come from; None: a rollout process sampling the run's vLLM servers),
+        ``weight_transfer`` (how pushes reach the sampler; None: vLLM's weight-transfer protocol to every server)
+        and ``tracker`` (where metrics go; None: ``report_to`` decides). With a ``RolloutSource`` and a
+        ``WeightTransfer`` both given, the trainer talks to no vLLM server at all."""
         self.args = args if args is not None else AsyncGRPOConfig(output_dir=f"{_model_name(model)}-AsyncGRPO")
         self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [f for f in [reward_funcs] if f]
-        self._check_inputs(model, train_dataset, eval_dataset, environment_factory)
+        # Bad input named here, in the main process, before anything is loaded or spawned.
+        check_trainer_inputs(self.args, model, self.reward_funcs, train_dataset, eval_dataset,
+                             scored_elsewhere=environment_factory is not None or self.loop_cls is not AsyncRolloutLoop)
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.tools = list(tools or [])
         self.environment_factory = environment_factory
         self.peft_config = peft_config
+        self.rollout_worker = rollout_worker
+        self.weight_transfer = weight_transfer
+        check_replacements(rollout_worker, weight_transfer, self.args.server_urls())
         self.dist = DistInfo.from_env()
         self.device = self.dist.device()
         self.bf16 = self._resolve_precision()
@@ -220,7 +233,7 @@ class AsyncGRPOTrainer:
                     break
                 if batch == COLLECTION_INTERRUPTED:
                     continue  # a server restarted or came back while this step's samples were collected
-                metrics = self._optimizer_step(batch)
+                metrics = self.training_step(batch)
                 self.state.global_step += 1
                 self.feed.mark_trained(batch)
                 metrics.update(self.checkpointer.record_step(batch, self.server_restarts))  # the prompts it consumed
@@ -234,7 +247,7 @@ class AsyncGRPOTrainer:
                     queue_size=self.worker.queue_size() if self.worker is not None else 0,
                 ))
                 metrics.update(self.perf.metrics(batch.plan.rows, metrics["perf/fwd_bwd_s"], metrics["perf/step_s"]))
-                if self.dist.is_main:
+                if self.dist.is_main and self.talks_to_servers:
                     metrics.update(self.fleet.serving_metrics())
                 self.step_log.record(self.global_step, metrics)
                 self.step_log.completions(self.global_step, batch)
@@ -260,22 +273,6 @@ class AsyncGRPOTrainer:
         )
 
     # ------------------------------------------------------------------------------------------ setup
-    def _check_inputs(self, model: Any, train_dataset: Any, eval_dataset: Any, environment_factory: Any) -> None:
-        """Bad input named here, in the main process, before anything is loaded or spawned."""
-        check_model_reference(model)
-        if self.args.reward_weights is not None and len(self.args.reward_weights) != len(self.reward_funcs):
-            raise ValueError(
-                f"AsyncGRPOConfig.reward_weights has {len(self.args.reward_weights)} entries for "
-                f"{len(self.reward_funcs)} reward functions; give one weight per function"
-            )
-        if not self.reward_funcs and environment_factory is None and self.loop_cls is AsyncRolloutLoop:
-            raise ValueError("reward_funcs is empty and there is no environment_factory: nothing would score the rollouts")
-        check_train_dataset(train_dataset, self.reward_funcs)
-        if self.args.eval_strategy == "steps":
-            if eval_dataset is None:
-                raise ValueError("AsyncGRPOConfig.eval_strategy='steps' needs eval_dataset=...; pass one or set eval_strategy='no'")
-            check_train_dataset(eval_dataset, self.reward_funcs)
-
     def _resolved_settings(self) -> dict[str, Any]:
         """What the settings left to the run (``auto``, None) became here, under the settings' names."""
         cuda = self.device.type == "cuda"
@@ -334,6 +331,11 @@ class AsyncGRPOTrainer:
         if checkpoint is not None:
             self.checkpointer.restore(checkpoint)
         self.checkpointer.begin_attempt()
+        if self.weight_transfer is not None:
+            call_if_present(self.weight_transfer, "attach", self.model)
+        if not self.talks_to_servers:
+            self._setup_without_servers()
+            return
         cuda = self.device.type == "cuda"
         model_name = self.model_path or "<model>"
         self.fleet = self._make_fleet()
@@ -351,12 +353,30 @@ class AsyncGRPOTrainer:
         if self.moe is not None:
             self.moe.replay = args.routing_replay and self.server.routed_experts
         if self.dist.is_main:
-            self.tracker.set_tags({"sync/mode": self.weight_pusher().mode,
+            self.tracker.set_tags({"sync/mode": self._open_sync().mode,
                                    **{f"fleet/{m.name}": m.url for m in self.fleet.members.values()}})
         # The server may hold other weights than ours (another revision, a resumed run): push first.
         self._sync_weights()
         self.worker = self._start_worker() if self.dist.is_main else None  # rank 0 owns the rollout worker
         self.feed = self._make_feed(WatchedSource(self.worker, self.fleet) if self.worker is not None else None)
+
+    @property
+    def talks_to_servers(self) -> bool:
+        """Whether the trainer itself talks to vLLM servers: not when both the samples' source and the weight
+        transfer are the caller's (``rollout_worker=`` a source, ``weight_transfer=`` given)."""
+        return not (is_source(self.rollout_worker) and self.weight_transfer is not None)
+
+    def _setup_without_servers(self) -> None:
+        """Both replaceable parts are the caller's: push the starting weights through theirs, collect from theirs."""
+        source = self.rollout_worker
+        self.server = getattr(source, "server_capabilities", None) or assumed_capabilities(self.args.token_budget)
+        self.micro_batch.candidate_sets = self.server.candidate_sets
+        if self.moe is not None:
+            self.moe.replay = self.args.routing_replay and self.server.routed_experts
+        self.fleet = ServerFleet.around(self.weight_transfer, self.dist, self.vocab_size)
+        self._sync_weights()  # version 0: what the source's oldest samples count their staleness from
+        self.worker = self._start_worker() if self.dist.is_main else None
+        self.feed = self._make_feed(source if self.dist.is_main else None)
 
     def _make_feed(self, source: Any) -> StepFeed:
         """Each step's batch from ``source`` (rank 0's; None on the other ranks, which receive rank 0's
@@ -383,15 +403,9 @@ class AsyncGRPOTrainer:
         members = list(self.fleet.members.values())
         return next((m.pusher for m in members if m.state != "lost"), members[0].pusher)
 
-    @property
-    def weight_sync(self) -> Any:
-        """The first server's open weight sync (None before setup and after teardown)."""
-        return self.pusher.sync if self.pusher is not None else None
-
-    def weight_pusher(self) -> WeightPusher:
-        """The first server's pusher, its session opened (``training.weight_push``)."""
-        self.pusher.open()
-        return self.pusher
+    def _open_sync(self) -> Any:
+        """The first answering server's weight sync, its session opened (``training.weight_push``)."""
+        return self.pusher.open()
 
     def _make_fleet(self) -> ServerFleet:
         """The run's servers, one pusher each, the probe computed once per version."""
@@ -401,9 +415,15 @@ class AsyncGRPOTrainer:
                           backend=self.args.resolved_weight_transfer_backend(self.device.type == "cuda"),
                           wire_dtype=wire_dtype(self.bf16), model_path=self.model_path, peft_config=self.peft_config)
         self.probe = VersionProbe.for_policy(self.model, self.device, self.train_dtype_name)
+        if self.weight_transfer is not None:  # the caller's transport to the one server the rollouts come from
+            return ServerFleet.around(self.weight_transfer, self.dist, self.vocab_size, args=self.args)
         return ServerFleet.for_run(self.args, self.dist, setup, self.probe, self.vocab_size)
 
-    def _start_worker(self) -> RolloutWorker:
+    def _start_worker(self) -> Any:
+        if is_source(self.rollout_worker):  # the caller's source (``rollout_worker=``): no rollout process
+            call_if_present(self.rollout_worker, "start")
+            call_if_present(self.rollout_worker, "publish_version", self.versions.current, consumed=0)
+            return self.rollout_worker
         loop_kwargs = dict(
             config=self.args,
             tokenizer=self.processing_class,
@@ -416,7 +436,7 @@ class AsyncGRPOTrainer:
             environment_factory=self.environment_factory,
             tokens_endpoint=self.server.tokens_endpoint,
         )
-        pointer = self.weight_sync.adapter_pointer()
+        pointer = getattr(self._open_sync(), "adapter_pointer", lambda: None)()
         # Adapter sync: requests name the newest registered adapter version, read from shared memory.
         shared = {"adapter": pointer} if pointer is not None else {}
         worker = RolloutWorker(
@@ -430,10 +450,14 @@ class AsyncGRPOTrainer:
         self.fleet.publish = worker.publish_fleet
         self.fleet.drained_by_worker = worker.drained_servers
         worker.start()
-        return worker
+        # A wrapper of the caller's (``rollout_worker=`` a function) around the started worker: collect from it.
+        return self.rollout_worker(worker) if callable(self.rollout_worker) else worker
 
     # ------------------------------------------------------------------------------------------ one step
-    def _optimizer_step(self, batch: StepBatch) -> dict[str, float]:
+    def training_step(self, batch: StepBatch) -> dict[str, float]:
+        """One optimizer step on a collected batch (its rows for this rank): forward, loss and backward per row,
+        clip, step; returns the step's loss and metrics over all ranks. A subclass may wrap it, e.g. to keep what
+        reached the optimizer."""
         self.model.train()
         rows = [pack_row(row) for row in batch.plan.rows_for_rank(self.dist.rank)]
         num_tokens = max(1, sum(row.num_trained_tokens for row in batch.plan.rows))
@@ -484,7 +508,8 @@ class AsyncGRPOTrainer:
         self.versions.record(self.global_step)
         if self.worker is not None:
             # With what the trainer consumed so far: the worker keeps its lead within max_staleness.
-            self.worker.publish_version(self.global_step, consumed=self.feed.collector.consumed_total if self.feed else 0)
+            call_if_present(self.worker, "publish_version", self.global_step,
+                            consumed=self.feed.collector.consumed_total if self.feed else 0)
         return metrics
 
     def _tend_fleet(self) -> None:
@@ -494,7 +519,7 @@ class AsyncGRPOTrainer:
         ready = self.fleet.tend()
         if not ready:
             return
-        if self.weight_pusher().mode == "adapter":
+        if self._open_sync().mode == "adapter":
             raise ServerRestartError(
                 f"the vLLM server restarted ({', '.join(ready)}); adapter-only LoRA sync cannot register its adapters "
                 "on the new server from here: resume the run (the flow does) or use lora_sync_mode='merged'"
@@ -512,29 +537,17 @@ class AsyncGRPOTrainer:
     def evaluate(self) -> dict[str, float]:
         """Sample ``eval_dataset`` from the server (which serves the last pushed weights) and score it with
         the reward functions; returns ``eval/*`` metrics (empty off rank 0)."""
-        from grpo_core.training.evaluation import evaluate_rewards
+        from grpo_core.training.evaluation import evaluate_on_server
 
         if self.eval_dataset is None:
             raise ValueError("evaluate() needs eval_dataset=... passed to the trainer")
         if not self.dist.is_main:
             return {}
-        start = time.perf_counter()
         # During train(): a server that serves; before or after it (no fleet is held then): the first one configured.
-        serving = self.fleet.serving_urls() if self.fleet is not None else []
-        result = evaluate_rewards(
-            serving[0] if serving else self.args.server_urls()[0],
-            self.processing_class,
-            self.eval_dataset,
-            self.reward_funcs,
-            weights=self.args.reward_weights,
-            samples_per_prompt=self.args.num_eval_generations(),
-            temperature=self.args.temperature,
-            max_tokens=self.args.max_completion_length,
-            tokens_endpoint=self.server.tokens_endpoint if self.server else True,
-        )
-        metrics = {"eval/reward": result.reward, "eval/completion_length": result.mean_length, "eval/seconds": time.perf_counter() - start}
-        metrics.update({f"eval/rewards/{name}": value for name, value in result.per_func.items()})
-        return metrics
+        serving = [url for url in self.fleet.serving_urls() if url] if self.fleet is not None else []
+        return evaluate_on_server(serving[0] if serving else self.args.server_urls()[0], self.args,
+                                  self.processing_class, self.eval_dataset, self.reward_funcs,
+                                  tokens_endpoint=self.server.tokens_endpoint if self.server else True)
 
     # ------------------------------------------------------------------------------------------ saving
     def save_model(self, output_dir: str | None = None) -> str:
@@ -542,24 +555,17 @@ class AsyncGRPOTrainer:
         too) to ``output_dir`` (default ``args.output_dir``); every rank calls it. Returns the folder."""
         from pathlib import Path
 
-        from grpo_core.checkpoint.state import full_state, write_servable
+        from grpo_core.checkpoint.state import save_policy
 
         folder = Path(output_dir or self.args.output_dir)
-        model_state, _ = full_state(self.model, self.optimizer)
-        if self.dist.is_main:
-            folder.mkdir(parents=True, exist_ok=True)
-            dtype = next(iter(model_state.values())).dtype if self.compute_dtype == torch.float32 else self.compute_dtype
-            write_servable(folder, self.model, model_state, self.processing_class, dtype)
-            if self.peft_config is not None:
-                from grpo_core.models.lora import adapter_files_state, write_adapter
-
-                write_adapter(self.model, str(folder), self.model_path, state=adapter_files_state(model_state))
+        save_policy(folder, self.model, self.optimizer, self.processing_class, self.compute_dtype, self.dist.is_main,
+                    lora=self.peft_config is not None, model_path=self.model_path)
         return str(folder)
 
     # ------------------------------------------------------------------------------------------ teardown
     def _teardown(self, finished: bool) -> None:
         if self.worker is not None:
-            self.worker.stop()
+            call_if_present(self.worker, "stop")
             self.worker = None
         if self.fleet is not None:
             self.fleet.close()

@@ -52,10 +52,10 @@ class PassRateLoop(AsyncRolloutLoop):
 class CurriculumTrainer(AsyncGRPOTrainer):
     loop_cls = PassRateLoop
 
-    def _optimizer_step(self, batch: StepBatch) -> dict[str, float]:
+    def training_step(self, batch: StepBatch) -> dict[str, float]:
         # Keep what reached the trainer, to check the filter decisions against the rewards.
         self.__dict__.setdefault("seen_reports", []).extend(batch.reports)
-        return super()._optimizer_step(batch)
+        return super().training_step(batch)
 
 
 def pass_rate(report: GroupReport) -> float:

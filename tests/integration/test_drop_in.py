@@ -420,12 +420,12 @@ def test_a_streaming_dataset_trains_and_resumes_past_a_failed_attempt(vllm_serve
 class VersionRecordingTrainer(AsyncGRPOTrainer):
     """Keeps, per step, the sample versions the collector saw and the versions pushed by then."""
 
-    def _optimizer_step(self, batch):
+    def training_step(self, batch):
         self.__dict__.setdefault("steps", []).append(
             {"trained": [s.policy_version for s in batch.samples], "dropped": batch.stale_dropped,
              "pushed": list(self.versions.pushed)}
         )
-        return super()._optimizer_step(batch)
+        return super().training_step(batch)
 
 
 def test_weight_sync_steps_2_counts_staleness_in_weight_updates(vllm_server, tiny_model_path, tmp_path):

@@ -2,8 +2,9 @@
 
 (a) **Same samples, same losses.** A 1-process run trains against the server while its rollout
 stream (every sample and group report, in arrival order) is recorded; its per-step losses are the
-reference. The recording is then replayed into a 2-rank torchrun run through the trainer's worker
-seam (``_start_worker``, rank 0 only): each step has the same samples, planned as one row per rank.
+reference (``rollout_worker=`` a ``RecordingSource`` around the run's worker). The recording is then replayed
+into a 2-rank torchrun run (``rollout_worker=`` a ``ReplayRollouts``, read on rank 0 only): each step has the
+same samples, planned as one row per rank.
 Every step's loss and gradient norm must equal the 1-process run's within fp32 rounding; the 2-rank
 run's weight syncs go to the same real server (only rank 0 talks to it), and afterwards the server's
 log-probs equal those of the 2-rank run's final weights.
@@ -34,8 +35,8 @@ import torch
 
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rewards import accuracy_reward, format_reward
-from grpo_core.rollout.scheduler import END_OF_DATA
 from grpo_core.tiny import arithmetic_dataset
+from grpo_core.training.sources import RecordingSource, ReplayRollouts
 from grpo_core.training.trainer import AsyncGRPOTrainer
 from tests.tolerances import gamma
 
@@ -64,60 +65,13 @@ def run_config(server_url: str, out: Path, ranks: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ sources
-class RecordingSource:
-    """Forwards the real rollout worker and keeps every item the trainer pulled, in order."""
+class CountedReplay(ReplayRollouts):
+    """The recorded stream, counting how often the trainer started it (rank 0 only should)."""
 
-    def __init__(self, worker: Any):
-        self.worker = worker
-        self.items: list[Any] = []
+    starts = 0
 
-    def get(self, timeout_s: float) -> Any:
-        item = self.worker.get(timeout_s)
-        self.items.append(item)
-        return item
-
-    def stop(self) -> None:
-        self.worker.stop()
-
-    def publish_version(self, version: int, consumed: int | None = None) -> None:
-        self.worker.publish_version(version, consumed)
-
-    def queue_size(self) -> int:
-        return self.worker.queue_size()
-
-
-class ReplaySource:
-    """Hands out a recorded stream, then the end of the data."""
-
-    def __init__(self, items: list[Any]):
-        self.items = list(items)
-
-    def get(self, timeout_s: float) -> Any:
-        return self.items.pop(0) if self.items else END_OF_DATA
-
-    def stop(self) -> None:
-        pass
-
-    def publish_version(self, version: int, consumed: int | None = None) -> None:
-        pass
-
-    def queue_size(self) -> int:
-        return len(self.items)
-
-
-class RecordingTrainer(AsyncGRPOTrainer):
-    def _start_worker(self):
-        self.recording = RecordingSource(super()._start_worker())
-        return self.recording
-
-
-class ReplayTrainer(AsyncGRPOTrainer):
-    items: list[Any] = []
-    worker_starts = 0
-
-    def _start_worker(self):
-        self.worker_starts += 1
-        return ReplaySource(self.items)
+    def start(self) -> None:
+        self.starts += 1
 
 
 # ------------------------------------------------------------------------------------------ rank program
@@ -136,9 +90,11 @@ def replay_main(argv: list[str] | None = None) -> None:
     info = DistInfo.from_env()
     # The group is ours, not the trainer's, so it outlives train() for the weight gather below.
     init_distributed(info, torch.device("cpu"), timeout_s=600)
-    ReplayTrainer.items = pickle.loads(Path(args.stream).read_bytes())
+    replay = CountedReplay(pickle.loads(Path(args.stream).read_bytes()))
     config = AsyncGRPOConfig(**json.loads(Path(args.config).read_text()))
-    trainer = ReplayTrainer(args.model, [accuracy_reward, format_reward], train_dataset=arithmetic_dataset()["train"], args=config)
+    # The recorded stream in place of the rollout worker; pushes still go to the server (rank 0's last one is checked).
+    trainer = AsyncGRPOTrainer(args.model, [accuracy_reward, format_reward], train_dataset=arithmetic_dataset()["train"],
+                               args=config, rollout_worker=replay)
     history = trainer.train()
     sharded = all(hasattr(p, "full_tensor") for p in trainer.model.parameters())
     state = full_state_dict(trainer.model)
@@ -146,7 +102,7 @@ def replay_main(argv: list[str] | None = None) -> None:
     if state is not None:
         torch.save(state, out / "final_weights.pt")
     (out / f"rank{info.rank}.json").write_text(json.dumps(
-        {"history": history, "worker_starts": trainer.worker_starts, "sharded": sharded, "world_size": info.world_size}
+        {"history": history, "worker_starts": replay.starts, "sharded": sharded, "world_size": info.world_size}
     ))
     shutdown_distributed()
 
@@ -174,15 +130,17 @@ def test_two_ranks_train_like_one_on_the_same_samples(vllm_server, tiny_model_pa
 
     start = time.monotonic()
     data = arithmetic_dataset()
-    reference = RecordingTrainer(
+    recordings: list[RecordingSource] = []
+    reference = AsyncGRPOTrainer(
         tiny_model_path, [accuracy_reward, format_reward], train_dataset=data["train"],
         args=AsyncGRPOConfig(**run_config(vllm_server.base_url, tmp_path / "one", ranks=1)),
+        rollout_worker=lambda worker: recordings.append(RecordingSource(worker)) or recordings[-1],
     )
     one = reference.train()
     assert len(one) == STEPS
     assert all(h["batch/samples_per_step"] == SAMPLES_PER_STEP for h in one), "steps must be full for the comparison"
     stream = tmp_path / "stream.pkl"
-    stream.write_bytes(pickle.dumps(reference.recording.items))
+    stream.write_bytes(pickle.dumps(recordings[0].items))
     config = tmp_path / "config.json"
     config.write_text(json.dumps(run_config(vllm_server.base_url, tmp_path / "two", ranks=2)))
     out = tmp_path / "replay"

@@ -94,9 +94,9 @@ def called_calculator(prompts: list[Any], completions: list[Any], **kwargs: Any)
 class RecordingTrainer(AsyncGRPOTrainer):
     """Keeps every sample that reached an optimizer step."""
 
-    def _optimizer_step(self, batch: StepBatch) -> dict[str, float]:
+    def training_step(self, batch: StepBatch) -> dict[str, float]:
         self.__dict__.setdefault("trained_samples", []).extend(batch.samples)
-        return super()._optimizer_step(batch)
+        return super().training_step(batch)
 
 
 @pytest.fixture(scope="module")
