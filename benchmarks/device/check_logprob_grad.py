@@ -10,7 +10,6 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from grpo_core.models.head.fused import chunk_grad, chunk_stats  # noqa: E402
 from grpo_core.models.head.grad_triton import triton_chunk_grad  # noqa: E402

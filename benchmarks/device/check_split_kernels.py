@@ -9,7 +9,6 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from grpo_core.models.attention import split as tree_split  # noqa: E402
 
