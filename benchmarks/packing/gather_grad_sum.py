@@ -15,13 +15,14 @@ Timed side by side on one GPU, at the shape of the Qwen3-1.7B ratio-6 row of ben
 Each is checked against an fp64 sum. Prints times and ratios to ``index_add``.
 
     python3 -m benchmarks.packing.gather_grad_sum --out $OUT/gather_grad_sum.json
+    python -m benchmarks.packing.gather_grad_sum --smoke --out /tmp/gather_grad_sum.json   # CPU, small shape
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
+from collections.abc import Callable
 
 import torch
 from benchmarks.bench_io import write_report
@@ -52,6 +53,30 @@ def sorted_index_add(grad, index, u, plan):
     return acc.to(grad.dtype)
 
 
+def synchronize(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn: Callable[[], object], repeats: int, dev: torch.device) -> float:
+    """Milliseconds per call after five warm-up calls: CUDA events on a GPU, the wall clock on the CPU."""
+    for _ in range(5):
+        fn()
+    synchronize(dev)
+    if dev.type != "cuda":
+        start_s = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - start_s) * 1e3 / repeats
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--u", type=int, default=16335)
@@ -60,8 +85,11 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--out", default="benchmarks/results/gather_grad_sum.json")
+    ap.add_argument("--smoke", action="store_true", help="CPU, a small shape: checks the script, times nothing real")
     args = ap.parse_args()
-    dev = torch.device("cuda")
+    if args.smoke:
+        args.u, args.k, args.heads, args.dim, args.repeats = 512, 2048, 2, 16, 2
+    dev = torch.device("cpu" if args.smoke else "cuda")
     gen = torch.Generator().manual_seed(0)
     index = make_index(args.u, args.k, gen).to(dev)
     grad = torch.randn(args.k, args.heads, args.dim, generator=gen).to(dev, torch.bfloat16)
@@ -69,25 +97,17 @@ def main() -> None:
     t0 = time.perf_counter()
     perm = torch.argsort(index, stable=True)
     lengths = torch.bincount(index, minlength=args.u)
-    torch.cuda.synchronize()
+    synchronize(dev)
     plan_ms = (time.perf_counter() - t0) * 1e3
     exact = torch.zeros(args.u, args.heads, args.dim, dtype=torch.float64, device=dev).index_add_(0, index, grad.double())
     report = {"u": args.u, "k": args.k, "heads": args.heads, "dim": args.dim, "plan_ms_per_row": plan_ms,
-              "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "methods": {}}
+              "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+              "methods": {}}
     for name, fn in (("index_add", index_add), ("sorted_segments", sorted_segments), ("sorted_index_add", sorted_index_add)):
         out = fn(grad, index, args.u, (perm, lengths))
         err = float(((out.double() - exact).abs().max()))
         ref_err = float(((exact.to(torch.bfloat16).double() - exact).abs().max()))  # one rounding of the exact sum
-        for _ in range(5):
-            fn(grad, index, args.u, (perm, lengths))
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(args.repeats):
-            fn(grad, index, args.u, (perm, lengths))
-        end.record()
-        torch.cuda.synchronize()
-        ms = start.elapsed_time(end) / args.repeats
+        ms = time_ms(lambda: fn(grad, index, args.u, (perm, lengths)), args.repeats, dev)
         report["methods"][name] = {"ms_per_layer": ms, "max_abs_err": err, "one_rounding_err": ref_err}
     base = report["methods"]["index_add"]["ms_per_layer"]
     for name, m in report["methods"].items():

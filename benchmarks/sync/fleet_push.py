@@ -16,6 +16,7 @@ transfer's while per-server pushes grow with the number of servers (README, "A f
 
     .venv/bin/python -m benchmarks.sync.fleet_push
     .venv/bin/python -m benchmarks.sync.fleet_push --mb 64 --rounds 3
+    .venv/bin/python -m benchmarks.sync.fleet_push --smoke --out /tmp/fleet_push.json
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import statistics
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -65,7 +65,10 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=256, help="MiB per push")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fleet_push.json"))
+    parser.add_argument("--smoke", action="store_true", help="1 MiB, one round: checks the script")
     args = parser.parse_args()
+    if args.smoke:
+        args.mb, args.rounds = 1, 1
 
     from grpo_core.vllm_server.process import free_port
 
@@ -103,8 +106,7 @@ def main() -> None:
         print(f"  {m:15s} {median[m]:.3f} s  {2 * args.mb / median[m]:7.0f} MiB/s delivered  "
               f"x{median[m] / median['spanning']:.2f} of spanning")
     write_report(args.out, {"config": vars(args), "median_s": median, "seconds": seconds,
-                            "ratio_to_spanning": {m: median[m] / median["spanning"] for m in MODES},
-                            "command": " ".join(sys.argv)})
+                            "ratio_to_spanning": {m: median[m] / median["spanning"] for m in MODES}})
 
 
 if __name__ == "__main__":

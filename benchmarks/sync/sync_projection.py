@@ -78,6 +78,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shares", default="benchmarks/results/sparse_share.json")
     ap.add_argument("--out", default="benchmarks/results/sync_projection.json")
+    ap.add_argument("--smoke", action="store_true", help="the same arithmetic (it needs no device); for the smoke suite")
     args = ap.parse_args()
     shares = shares_from(Path(args.shares))
     rows = project(shares)

@@ -1,0 +1,223 @@
+"""Every benchmark script runs: its CPU smoke mode, on the tiny models, writes a report with its provenance.
+
+A benchmark reaches the library the way a user does, so a change to the library that breaks a benchmark fails
+here, not on the next GPU run. ``SMOKES`` names each script's smoke command; a script under ``benchmarks/``
+that is in none of ``SMOKES``, ``RUN_BY`` (a helper another smoke starts or imports) and ``LIBRARY`` fails
+``test_every_benchmark_has_a_smoke``. Scripts that read a running vLLM server get the session's server
+(``--server-url``); the others need no server and run in the fast tier.
+
+The smokes run in children of one fork server that imported torch, transformers and the trainer once: on two
+cores a fresh interpreter spends seconds of CPU on those imports, per script.
+
+    .venv/bin/python -m pytest -q -m benchmark tests/test_benchmarks.py
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import multiprocessing
+import os
+import runpy
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS = REPO / "benchmarks"
+
+pytestmark = pytest.mark.benchmark
+
+
+@dataclass(frozen=True)
+class Smoke:
+    """One script's smoke run: ``python -m MODULE *argv`` from the repository root."""
+
+    argv: tuple[str, ...] = ("--smoke",)
+    """Arguments; ``--out`` (a file in the test's folder) is added where ``writes`` is true."""
+    writes: bool = True
+    """Whether the script takes ``--out`` and writes a JSON report there (the device checks only print)."""
+    server: bool = False
+    """Whether it reads a running server: it gets ``--server-url`` of the session's server."""
+    timeout_s: float = 600
+    """Wall-clock bound; a loaded two-core machine runs the slowest smoke in well under it."""
+
+
+SMOKES: dict[str, Smoke] = {
+    "benchmarks.device.check_logprob_grad": Smoke(writes=False),
+    "benchmarks.device.check_split_kernels": Smoke(writes=False),
+    "benchmarks.models.logprob_head": Smoke(),
+    "benchmarks.models.moe_experts": Smoke(),
+    "benchmarks.models.moe_training": Smoke(),
+    "benchmarks.packing.gather_grad_sum": Smoke(),
+    "benchmarks.packing.gdn_tree_packing": Smoke(),
+    "benchmarks.packing.tree_packing": Smoke(),
+    "benchmarks.sync.fleet_push": Smoke(),
+    "benchmarks.sync.nccl_sync": Smoke(),
+    "benchmarks.sync.sparse_push_gpu": Smoke(),
+    "benchmarks.sync.sparse_share": Smoke(),
+    "benchmarks.sync.sync_projection": Smoke(),
+    "benchmarks.sync.lora_sync": Smoke(server=True),
+    "benchmarks.sync.probe_rounding": Smoke(server=True),
+    "benchmarks.sync.weight_sync_trust": Smoke(server=True),
+    "benchmarks.trainer.compile_numerics": Smoke(),
+    "benchmarks.trainer.fsdp_mfu": Smoke(),
+    "benchmarks.trainer.trainer_loop": Smoke(("launch", "--smoke")),
+    "benchmarks.trainer.cpu_share": Smoke(server=True),
+    "benchmarks.rollout.fleet_throughput": Smoke(server=True),
+    "benchmarks.rollout.rollout_throughput": Smoke(server=True),
+    "benchmarks.rollout.sampler_logprobs": Smoke(server=True),
+    "benchmarks.rollout.server_start": Smoke(server=True),
+    "benchmarks.peers.peer_trl": Smoke(server=True),
+    "benchmarks.peers.peer_trl_gpu": Smoke(),
+}
+
+# Helpers that a smoke above runs (as a subprocess) or imports: covered by that smoke.
+RUN_BY: dict[str, str] = {
+    "benchmarks.sync.nccl_sync_receiver": "benchmarks.sync.nccl_sync",
+    "benchmarks.sync.sparse_push_gpu_receiver": "benchmarks.sync.sparse_push_gpu",
+    "benchmarks.peers.peer_trl_contenders": "benchmarks.peers.peer_trl",
+    "benchmarks.peers.peer_gpu_runs": "benchmarks.peers.peer_trl_gpu",
+    "benchmarks.peers.peer_gpu_stream": "benchmarks.peers.peer_trl_gpu",
+    "benchmarks.peers.peer_gpu_probes": "benchmarks.peers.peer_trl_gpu",
+    "benchmarks.peers.peer_gpu_report": "benchmarks.peers.peer_trl_gpu",
+}
+
+# Shared code and tools that measure nothing: their own tests cover them.
+LIBRARY = {"benchmarks.bench_io", "benchmarks.index"}
+
+
+def benchmark_modules() -> list[str]:
+    return sorted(".".join(p.relative_to(REPO).with_suffix("").parts) for p in BENCHMARKS.rglob("*.py")
+                  if p.name != "__init__.py" and "results" not in p.parts)
+
+
+def test_every_benchmark_has_a_smoke() -> None:
+    modules = benchmark_modules()
+    missing = [m for m in modules if m not in SMOKES and m not in RUN_BY and m not in LIBRARY]
+    assert not missing, f"benchmarks without a smoke run: {missing}; add each to SMOKES in {Path(__file__).name}"
+    stale = sorted((set(SMOKES) | set(RUN_BY) | LIBRARY) - set(modules))
+    assert not stale, f"smoke entries for scripts that no longer exist: {stale}"
+
+
+@pytest.mark.parametrize("helper", sorted(RUN_BY))
+def test_helpers_are_reached_by_their_smoke(helper: str) -> None:
+    """A helper counts as covered only where its runner names it (imports it or starts it as a module)."""
+    runner = RUN_BY[helper]
+    reached = {runner}
+    frontier = [runner]
+    while frontier:  # what the runner names, and what those name in turn
+        source = (REPO / Path(*frontier.pop().split("."))).with_suffix(".py").read_text()
+        for name in benchmark_modules():
+            if name not in reached and (name in source or f"import {name.rsplit('.', 1)[1]}" in source):
+                reached.add(name)
+                frontier.append(name)
+    assert helper in reached, f"{helper} is not imported or started by {runner} (nor by what it imports)"
+
+
+def trainer_subclasses_with_private_overrides(paths: list[Path]) -> list[str]:
+    """``file: Class._method`` for each class that derives from ``AsyncGRPOTrainer`` (directly or through another
+    class in ``paths``) and defines a single-underscore method: an override of the trainer's internals."""
+    trees = {path: ast.parse(path.read_text()) for path in paths}
+    classes = [(path, node) for path, tree in trees.items() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+
+    def base_names(node: ast.ClassDef) -> set[str]:
+        return {b.id if isinstance(b, ast.Name) else b.attr for b in node.bases if isinstance(b, (ast.Name, ast.Attribute))}
+
+    trainers = {"AsyncGRPOTrainer"}
+    grew = True
+    while grew:
+        new = {node.name for _, node in classes if base_names(node) & trainers} - trainers
+        trainers |= new
+        grew = bool(new)
+    found = []
+    for path, node in classes:
+        if node.name == "AsyncGRPOTrainer" or not base_names(node) & trainers:
+            continue
+        for item in node.body:
+            if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name.startswith("_") \
+                    and not item.name.startswith("__"):
+                where = path.relative_to(REPO) if path.is_relative_to(REPO) else path.name
+                found.append(f"{where}: {node.name}.{item.name}")
+    return found
+
+
+def test_override_check_finds_a_private_override(tmp_path: Path) -> None:
+    """The check itself: an override through a subclass of a subclass is found, a public method and a dunder
+    are not."""
+    sample = tmp_path / "sample.py"
+    sample.write_text("from grpo_core import AsyncGRPOTrainer\n\nclass A(AsyncGRPOTrainer):\n    def run(self): ...\n"
+                      "    def __init__(self): ...\n\nclass B(A):\n    def _step(self): ...\n")
+    assert trainer_subclasses_with_private_overrides([sample]) == ["sample.py: B._step"]
+
+
+@pytest.mark.xfail(strict=True, reason="the benchmarks and tests still override the trainer's private methods; the "
+                   "rollout_worker= and weight_transfer= arguments replace them (strict: remove this mark then)")
+def test_no_class_outside_the_library_overrides_a_private_trainer_method() -> None:
+    paths = sorted([*BENCHMARKS.rglob("*.py"), *(REPO / "tests").rglob("*.py")])
+    found = trainer_subclasses_with_private_overrides(paths)
+    assert not found, "private trainer methods overridden (use the constructor's public arguments):\n" + "\n".join(found)
+
+
+def _run_smoke(module: str, argv: list[str], log: str) -> None:
+    """In a fork-server child: the script as ``python -m module *argv`` from the repository root, its output
+    to ``log``."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.chdir(REPO)
+    sys.path.insert(0, str(REPO))
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+
+
+@pytest.fixture(scope="module")
+def smoke_context() -> multiprocessing.context.BaseContext:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", "grpo_core.training.trainer", "benchmarks.bench_io"])
+    return ctx
+
+
+def run_smoke(ctx: multiprocessing.context.BaseContext, module: str, smoke: Smoke, tmp_path: Path,
+              server_url: str | None) -> Path | None:
+    out = tmp_path / f"{module.rsplit('.', 1)[1]}.json"
+    argv = [*smoke.argv, *(["--out", str(out)] if smoke.writes else []),
+            *(["--server-url", server_url] if server_url else [])]
+    log = tmp_path / "smoke.log"
+    child = ctx.Process(target=_run_smoke, args=(module, argv, str(log)))
+    child.start()
+    child.join(smoke.timeout_s)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    text = log.read_text(errors="replace") if log.exists() else ""
+    assert child.exitcode == 0, f"python -m {module} {' '.join(argv)} ended with {child.exitcode}:\n{text[-6000:]}"
+    return out if smoke.writes else None
+
+
+def check_report(out: Path | None, module: str) -> None:
+    if out is None:
+        return
+    assert out.exists(), f"{module} wrote no report at {out}"
+    report = json.loads(out.read_text())
+    provenance = report.get("provenance") if isinstance(report, dict) else None
+    assert provenance and provenance["command"].startswith(f"python -m {module}"), f"{module}: {provenance}"
+    assert provenance["commit"], f"{module}: no commit in {provenance}"
+    assert {"python", "torch", "device"} <= set(provenance["environment"]), provenance
+
+
+@pytest.mark.parametrize("module", sorted(m for m, s in SMOKES.items() if not s.server))
+def test_smoke(module: str, smoke_context, tmp_path: Path) -> None:
+    check_report(run_smoke(smoke_context, module, SMOKES[module], tmp_path, None), module)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("module", sorted(m for m, s in SMOKES.items() if s.server))
+def test_smoke_on_the_session_server(module: str, smoke_context, vllm_server, tmp_path: Path) -> None:
+    check_report(run_smoke(smoke_context, module, SMOKES[module], tmp_path, vllm_server.base_url), module)
