@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -148,9 +149,8 @@ def render(document: Path, text: str, figures: str) -> str:
     if not has_markers(text):
         raise ValueError(f"{document.relative_to(ROOT)}: needs one '{BEGIN}' line and one '{END}' line after it, "
                          "where the figures table goes")
-    prefix = Path(*[".."] * len(document.relative_to(ROOT).parent.parts)) if document.parent != ROOT else None
-    if prefix is not None:
-        figures = figures.replace("](benchmarks/", f"]({prefix.as_posix()}/benchmarks/")
+    results = Path(os.path.relpath(RESULTS, document.parent)).as_posix()
+    figures = figures.replace("](benchmarks/results/", f"]({results}/")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     return f"{head}{BEGIN}\n{figures}\n{END}{tail}"

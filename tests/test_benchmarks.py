@@ -221,3 +221,25 @@ def test_smoke(module: str, smoke_context, tmp_path: Path) -> None:
 @pytest.mark.parametrize("module", sorted(m for m, s in SMOKES.items() if s.server))
 def test_smoke_on_the_session_server(module: str, smoke_context, vllm_server, tmp_path: Path) -> None:
     check_report(run_smoke(smoke_context, module, SMOKES[module], tmp_path, vllm_server.base_url), module)
+
+
+def test_documented_figures_are_the_ones_their_json_holds() -> None:
+    """The tables between the figures markers are what ``python -m benchmarks.index`` writes from the JSON now;
+    ``benchmarks/README.md`` has the markers (README.md once it carries them)."""
+    from benchmarks import index
+
+    figures = index.table()
+    marked = [d for d in index.DOCUMENTS if index.has_markers(d.read_text())]
+    assert BENCHMARKS / "README.md" in marked, "benchmarks/README.md lost its figures markers"
+    stale = [str(d.relative_to(REPO)) for d in marked if index.render(d, d.read_text(), figures) != d.read_text()]
+    assert not stale, f"figures in {stale} differ from their JSON: run python -m benchmarks.index"
+
+
+def test_index_names_a_document_without_markers(tmp_path: Path) -> None:
+    from benchmarks import index
+
+    with pytest.raises(ValueError, match="needs one '<!-- figures -->' line"):
+        index.render(REPO / "README.md", "# no markers\n", "| table |")
+    doc = REPO / "benchmarks" / "README.md"
+    assert index.render(doc, "a\n<!-- figures -->\nold\n<!-- /figures -->\nb\n", "| [f](benchmarks/results/f.json) |") \
+        == "a\n<!-- figures -->\n| [f](results/f.json) |\n<!-- /figures -->\nb\n"
