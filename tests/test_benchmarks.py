@@ -20,8 +20,10 @@ import multiprocessing
 import os
 import runpy
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,7 +45,27 @@ class Smoke:
     """Whether it reads a running server: it gets ``--server-url`` of the session's server."""
     timeout_s: float = 600
     """Wall-clock bound; a loaded two-core machine runs the slowest smoke in well under it."""
+    failures: Callable[[Any], list[str]] | None = None
+    """What went wrong inside a run that the script records instead of raising (a subprocess that failed, say)."""
+    broken: str | None = None
+    """Why the script fails today, where it does: the smoke is a strict xfail (it fails the run once it passes, so
+    the mark goes when the script is mended)."""
 
+
+def run_errors(*names: str) -> Callable[[Any], list[str]]:
+    """The ``error`` of each run under ``report["runs"]`` (of those ``names``, where given)."""
+
+    def errors(report: Any) -> list[str]:
+        runs = report.get("runs", {})
+        items = runs.items() if isinstance(runs, dict) else enumerate(runs)
+        return [f"{k}: {r['error'][:300]}" for k, r in items
+                if (not names or k in names) and isinstance(r, dict) and r.get("error")]
+
+    return errors
+
+
+PRIVATE_SEAMS = ("the script's AsyncGRPOTrainer subclass sets the read-only pusher in _setup; the public "
+                 "rollout_worker= and weight_transfer= arguments replace it")
 
 SMOKES: dict[str, Smoke] = {
     "benchmarks.device.check_logprob_grad": Smoke(writes=False),
@@ -55,23 +77,29 @@ SMOKES: dict[str, Smoke] = {
     "benchmarks.packing.gdn_tree_packing": Smoke(),
     "benchmarks.packing.tree_packing": Smoke(),
     "benchmarks.sync.fleet_push": Smoke(),
-    "benchmarks.sync.nccl_sync": Smoke(),
+    # Two trainer ranks (gloo) and a receiver process: the distributed gather and the bucketed send.
+    "benchmarks.sync.nccl_sync": Smoke(("--smoke", "--trainer-ranks", "2", "--repeats", "2", "--warmup", "0"),
+                                       failures=run_errors()),
     "benchmarks.sync.sparse_push_gpu": Smoke(),
-    "benchmarks.sync.sparse_share": Smoke(),
+    "benchmarks.sync.sparse_share": Smoke(broken=PRIVATE_SEAMS),
     "benchmarks.sync.sync_projection": Smoke(),
     "benchmarks.sync.lora_sync": Smoke(server=True),
     "benchmarks.sync.probe_rounding": Smoke(server=True),
     "benchmarks.sync.weight_sync_trust": Smoke(server=True),
-    "benchmarks.trainer.compile_numerics": Smoke(),
-    "benchmarks.trainer.fsdp_mfu": Smoke(),
-    "benchmarks.trainer.trainer_loop": Smoke(("launch", "--smoke")),
-    "benchmarks.trainer.cpu_share": Smoke(server=True),
+    # One compiled mode (layers, the CUDA default): each compiles for about a minute of CPU.
+    "benchmarks.trainer.compile_numerics": Smoke(("--smoke", "--modes", "eager,layers")),
+    "benchmarks.trainer.fsdp_mfu": Smoke(("--smoke", "--configs", "16384:ac")),
+    "benchmarks.trainer.trainer_loop": Smoke(("launch", "--smoke"), failures=run_errors(), broken=PRIVATE_SEAMS),
+    "benchmarks.trainer.cpu_share": Smoke(server=True, failures=run_errors()),
     "benchmarks.rollout.fleet_throughput": Smoke(server=True),
     "benchmarks.rollout.rollout_throughput": Smoke(server=True),
     "benchmarks.rollout.sampler_logprobs": Smoke(server=True),
     "benchmarks.rollout.server_start": Smoke(server=True),
-    "benchmarks.peers.peer_trl": Smoke(server=True),
-    "benchmarks.peers.peer_trl_gpu": Smoke(),
+    # TRL's contenders need benchmarks/.venv-trl (TRL is not in the project's lock): ours only in the suite.
+    "benchmarks.peers.peer_trl": Smoke(("--smoke", "--contenders", "ours_async,ours_sync"), server=True,
+                                       failures=run_errors()),
+    # TRL's runs need TRL (benchmarks/.venv-trl; not in the project's lock): ours is checked here.
+    "benchmarks.peers.peer_trl_gpu": Smoke(failures=run_errors("ours"), broken=PRIVATE_SEAMS),
 }
 
 # Helpers that a smoke above runs (as a subprocess) or imports: covered by that smoke.
@@ -206,19 +234,27 @@ def check_report(out: Path | None, module: str) -> None:
         return
     assert out.exists(), f"{module} wrote no report at {out}"
     report = json.loads(out.read_text())
+    failures = SMOKES[module].failures
+    problems = failures(report) if failures else []
+    assert not problems, f"{module} recorded failed runs:\n" + "\n".join(problems)
     provenance = report.get("provenance") if isinstance(report, dict) else None
     assert provenance and provenance["command"].startswith(f"python -m {module}"), f"{module}: {provenance}"
     assert provenance["commit"], f"{module}: no commit in {provenance}"
     assert {"python", "torch", "device"} <= set(provenance["environment"]), provenance
 
 
-@pytest.mark.parametrize("module", sorted(m for m, s in SMOKES.items() if not s.server))
+def smoke_params(server: bool) -> list:
+    return [pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=s.broken) if s.broken else ())
+            for m, s in sorted(SMOKES.items()) if s.server == server]
+
+
+@pytest.mark.parametrize("module", smoke_params(server=False))
 def test_smoke(module: str, smoke_context, tmp_path: Path) -> None:
     check_report(run_smoke(smoke_context, module, SMOKES[module], tmp_path, None), module)
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("module", sorted(m for m, s in SMOKES.items() if s.server))
+@pytest.mark.parametrize("module", smoke_params(server=True))
 def test_smoke_on_the_session_server(module: str, smoke_context, vllm_server, tmp_path: Path) -> None:
     check_report(run_smoke(smoke_context, module, SMOKES[module], tmp_path, vllm_server.base_url), module)
 

@@ -330,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.eval_every, args.num_eval, args.rounds = 2, 1, 16, 1
         if args.out == str(RESULTS / "peer_trl.json"):
             args.out, args.plot = "/tmp/peer_trl_smoke.json", "/tmp/peer_trl_smoke.png"
+        elif args.plot == str(RESULTS / "peer_trl.png"):
+            args.plot = str(Path(args.out).with_suffix(".png"))
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
     if any(n in ON_TRL_ENV for n in names):
         subprocess.run(["bash", str(ROOT / "benchmarks" / "peers" / "peer_trl_env.sh")], check=True)

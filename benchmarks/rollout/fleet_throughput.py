@@ -19,6 +19,7 @@ share the machine's load); the report goes to
 
     .venv/bin/python -m benchmarks.rollout.fleet_throughput
     .venv/bin/python -m benchmarks.rollout.fleet_throughput --rounds 3 --groups 24    # quicker
+    .venv/bin/python -m benchmarks.rollout.fleet_throughput --smoke --server-url URL --out /tmp/fleet_throughput.json   # one server only
 """
 
 from __future__ import annotations
@@ -94,9 +95,22 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=4, help="top sampler log-probs per token (num_sampler_logprobs)")
     parser.add_argument("--in-flight", type=int, default=4, help="groups in flight per server")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fleet_throughput.json"))
+    parser.add_argument("--smoke", action="store_true", help="start nothing: one short round of the fleet client over "
+                        "the server at --server-url alone (two servers take minutes to start on two cores)")
+    parser.add_argument("--server-url", default=None, help="--smoke: a running server of the tiny model")
     args = parser.parse_args()
 
     from grpo_core.tiny import build_tiny_model
+
+    if args.smoke:
+        if not args.server_url:
+            parser.error("--smoke needs --server-url (a running server of the tiny model)")
+        args.rounds, args.groups, args.group, args.tokens, args.in_flight = 1, 4, 4, 8, 2
+        result = asyncio.run(generate_round([args.server_url], prompt_ids(str(build_tiny_model()), args.groups + 2)[2:], args))
+        print(f"one server: {result['tok_s']:.0f} tok/s ({result['tokens']} tokens)", flush=True)
+        write_report(args.out, {"config": vars(args), "smoke": True, "rounds": {"one": [result]}, "ratio": None})
+        return
+
     from grpo_core.vllm_server.cpu_placement import CpuPlacement
     from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec
 
@@ -141,7 +155,7 @@ def main() -> None:
           f"(ratio of the medians {median['two'] / median['one']:.2f})")
     write_report(args.out, {"config": vars(args), "cores": cores, "median_tok_s": median, "ratio": ratio,
                             "ratio_per_round": paired, "ratio_of_medians": median["two"] / median["one"],
-                            "rounds": results, "command": " ".join(sys.argv)})
+                            "rounds": results})
 
 
 if __name__ == "__main__":

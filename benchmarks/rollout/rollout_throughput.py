@@ -27,6 +27,7 @@ API-server / engine-core processes (the engine's worker binds its OpenMP thread 
 
     .venv/bin/python -m benchmarks.rollout.rollout_throughput            # both parts, JSON to benchmarks/results/
     .venv/bin/python -m benchmarks.rollout.rollout_throughput --quick    # fewer completions and rounds
+    .venv/bin/python -m benchmarks.rollout.rollout_throughput --smoke --server-url URL --out /tmp/rollout_throughput.json
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 from typing import Any
 
 from benchmarks.bench_io import write_report  # noqa: E402
@@ -86,6 +88,17 @@ def server_cpu(pid: int) -> dict[str, float]:
                                                   "engine_core" if "EngineCore" in name else name or cmd[:20])
         out[role] = out.get(role, 0.0) + t.user + t.system
     return out
+
+
+def listening_pid(url: str) -> int:
+    """The process that listens on ``url``'s port: a running server's API process, the root of its group."""
+    import psutil
+
+    port = urlsplit(url).port
+    pids = {c.pid for c in psutil.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    if len(pids) != 1 or None in pids:
+        raise SystemExit(f"--server-url: found {len(pids)} processes listening on port {port}, not one")
+    return pids.pop()
 
 
 def roles(pid: int) -> dict[str, list[int]]:
@@ -333,9 +346,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-part2", action="store_true")
     parser.add_argument("--server-env", default="", help="extra server environment, K=V,K=V (e.g. VLLM_CPU_OMP_THREADS_BIND=nobind)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "rollout_throughput.json"))
+    parser.add_argument("--server-url", default=None, help="measure this running server of the tiny model (started "
+                        "with max_logprobs >= 20) instead of starting one; part 2 then moves its threads' cores and "
+                        "restores them")
+    parser.add_argument("--smoke", action="store_true", help="16 completions per shape, one round, part 2 unpinned "
+                        "with one step: checks the script")
     args = parser.parse_args(argv)
     if args.quick:
         args.completions, args.rounds, args.reps = 256, 1, 4
+    if args.smoke:
+        args.completions, args.rounds, args.reps, args.placements = 16, 1, 1, "unpinned"
 
     from grpo_core.tiny import build_tiny_model
     from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec
@@ -344,24 +364,28 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prompt_ids(model_path, 512)
     env = dict(kv.split("=", 1) for kv in args.server_env.split(",") if kv)
     work = Path(tempfile.mkdtemp(prefix="rollout_tp-"))
-    spec = VLLMServerSpec(model=model_path, max_model_len=512, max_logprobs=20, env=env)
-    server = VLLMServer(spec, work).start(timeout_s=900)
-    report: dict[str, Any] = {"command": " ".join(["benchmarks/rollout/rollout_throughput.py", *(argv if argv is not None else sys.argv[1:])]),
-                              "server_env": env, "cpus": os.cpu_count(), "load_avg_before": os.getloadavg(),
+    server = None
+    if args.server_url is None:
+        spec = VLLMServerSpec(model=model_path, max_model_len=512, max_logprobs=20, env=env)
+        server = VLLMServer(spec, work).start(timeout_s=900)
+        assert server.process is not None
+    url = args.server_url or server.base_url
+    pid = listening_pid(url) if server is None else server.process.pid
+    report: dict[str, Any] = {"server_env": env, "cpus": os.cpu_count(), "load_avg_before": os.getloadavg(),
                               "prompt_tokens_mean": statistics.fmean(len(p) for p in prompts), "max_tokens": MAX_TOKENS}
     try:
-        assert server.process is not None
-        report["server_affinity"] = {role: [sorted(os.sched_getaffinity(p)) for p in pids] for role, pids in roles(server.process.pid).items()}
+        report["server_affinity"] = {role: [sorted(os.sched_getaffinity(p)) for p in pids] for role, pids in roles(pid).items()}
         print(f"server processes and their cores: {report['server_affinity']}", flush=True)
         shapes = [s for s in args.shapes.split(",") if s]
         print("part 1: request shapes", flush=True)
-        report["shapes"] = part1(server.base_url, server.process.pid, prompts, shapes, args.completions, args.rounds)
+        report["shapes"] = part1(url, pid, prompts, shapes, args.completions, args.rounds)
         if not args.skip_part2:
             print("part 2: core sharing", flush=True)
-            report["core_sharing"] = part2(server.base_url, server.process.pid, model_path, prompts, args.reps,
+            report["core_sharing"] = part2(url, pid, model_path, prompts, args.reps,
                                            [p for p in args.placements.split(",") if p])
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
     report["load_avg_after"] = os.getloadavg()
     print("\nshape           in flight  n  top-N  compl/req   tok/s   x ours   client ms/1k tok   server ms/1k tok (api / core / worker)")
     for name, s in report["shapes"].items():

@@ -19,6 +19,7 @@ adds the centering term). One run, side by side, on the real CPU vLLM server and
    (what crosses the process boundary).
 
     .venv/bin/python -m benchmarks.rollout.sampler_logprobs --out benchmarks/results/sampler_logprobs.json
+    .venv/bin/python -m benchmarks.rollout.sampler_logprobs --smoke --server-url URL --out /tmp/sampler_logprobs.json
 
 Absolute numbers depend on the machine's load; the ratios are what this measures.
 """
@@ -52,6 +53,7 @@ from grpo_core.training.collector import StepBatch  # noqa: E402
 from benchmarks.bench_io import write_report  # noqa: E402
 
 NUM_TOP = (0, 8, 20)
+SMOKE_TOP = (0, 4, 19)  # the test session's server returns up to 20 log-probs: N + 1
 
 
 def rollout_config(num_top: int, args: argparse.Namespace, url: str) -> AsyncGRPOConfig:
@@ -124,7 +126,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64, help="requests in flight")
     parser.add_argument("--repeats", type=int, default=3, help="timed trainer steps per N")
     parser.add_argument("--step-samples", type=int, default=512, help="samples in the timed trainer step")
+    parser.add_argument("--smoke", action="store_true", help="one short round, a 32-sample step, N up to 19 (a server "
+                        "with 20 log-probs): checks the script")
     args = parser.parse_args()
+    tops = SMOKE_TOP if args.smoke else NUM_TOP
+    if args.smoke:
+        args.rounds, args.prompts, args.max_tokens, args.concurrency, args.repeats, args.step_samples = 1, 8, 8, 8, 1, 32
     # A terminated run still stops the server it started (its process group outlives us otherwise).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
@@ -148,18 +155,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         server = None
         if args.server_url is None:
-            server = VLLMServer(VLLMServerSpec(model=model_path, max_model_len=512, max_logprobs=max(NUM_TOP) + 1), tmp)
+            server = VLLMServer(VLLMServerSpec(model=model_path, max_model_len=512, max_logprobs=max(tops) + 1), tmp)
             server.start()
         url = args.server_url or server.base_url
         try:
-            fixed_length_rate(url, prompt_ids[:8], max(NUM_TOP), 8, 8)  # warm-up
-            gen: dict[int, list[float]] = {n: [] for n in NUM_TOP}
+            fixed_length_rate(url, prompt_ids[:8], max(tops), 8, 8)  # warm-up
+            gen: dict[int, list[float]] = {n: [] for n in tops}
             for r in range(args.rounds):
-                for n in NUM_TOP[r % 3:] + NUM_TOP[: r % 3]:
+                for n in tops[r % 3:] + tops[: r % 3]:
                     rate = fixed_length_rate(url, prompt_ids, n, args.max_tokens, args.concurrency)
                     gen[n].append(rate)
                     print(f"round {r} N={n:2d}: {rate:.0f} tok/s", flush=True)
-            _, _, samples = generate(step_rows, max(NUM_TOP), tokenizer, url, args)
+            _, _, samples = generate(step_rows, max(tops), tokenizer, url, args)
             top_samples = samples[: args.step_samples]
         finally:
             if server is not None:
@@ -170,12 +177,12 @@ def main() -> None:
         str(n): {"tokens_per_s_median": statistics.median(gen[n]), "tokens_per_s": gen[n],
                  "ratio_to_0": statistics.median(gen[n]) / base,
                  "pickled_bytes_per_sample": statistics.mean(len(pickle.dumps(cut_top(s, n))) for s in top_samples)}
-        for n in NUM_TOP
+        for n in tops
     }
 
     # ---- trainer step time on the same samples, cut to each N
     trainers = {}
-    for n in NUM_TOP:
+    for n in tops:
         trainers[n] = AsyncGRPOTrainer(
             model=model_path, reward_funcs=[accuracy_reward], train_dataset=data,
             args=AsyncGRPOConfig(output_dir=os.path.join(tempfile.gettempdir(), "sampler-logprobs-bench"),
@@ -184,16 +191,16 @@ def main() -> None:
         )
         assert trainers[n].loss_config.score_centering == (n > 0)
     batches = {}
-    for n in NUM_TOP:
+    for n in tops:
         cut = [cut_top(s, n) for s in top_samples]
         plan = plan_step(cut, world_size=1, gradient_accumulation_steps=1, token_budget=1 << 16)
         assert not plan.leftover, "every sample fits one row"
         batches[n] = StepBatch(plan=plan, samples=cut, reports=[], stale_dropped=0, staleness=[], wait_s=0.0)
-    for n in NUM_TOP:
+    for n in tops:
         trainers[n]._optimizer_step(batches[n])  # warm-up
-    step_s: dict[int, list[float]] = {n: [] for n in NUM_TOP}
+    step_s: dict[int, list[float]] = {n: [] for n in tops}
     for r in range(args.repeats):
-        for n in NUM_TOP[r % 3:] + NUM_TOP[: r % 3]:
+        for n in tops[r % 3:] + tops[: r % 3]:
             start = time.perf_counter()
             trainers[n]._optimizer_step(batches[n])
             step_s[n].append(time.perf_counter() - start)
@@ -202,11 +209,11 @@ def main() -> None:
     results["trainer_step"] = {
         "samples": len(top_samples), "trained_tokens": trained,
         **{str(n): {"seconds_median": statistics.median(step_s[n]), "seconds": step_s[n],
-                    "ratio_to_0": statistics.median(step_s[n]) / base_step} for n in NUM_TOP},
+                    "ratio_to_0": statistics.median(step_s[n]) / base_step} for n in tops},
     }
 
     print("\nN   gen tok/s   gen ratio   bytes/sample   step s   step ratio")
-    for n in NUM_TOP:
+    for n in tops:
         g, t = results["generation"][str(n)], results["trainer_step"][str(n)]
         print(f"{n:<3} {g['tokens_per_s_median']:>9.0f}   {g['ratio_to_0']:>9.3f}   {g['pickled_bytes_per_sample']:>12.0f}"
               f"   {t['seconds_median']:>6.3f}   {t['ratio_to_0']:>10.3f}")

@@ -9,6 +9,7 @@ rollout worker's request shape (``rollout_throughput.py``'s ``ours``: one reques
     .venv/bin/python -m benchmarks.rollout.server_start --rounds 2                 # JSON to benchmarks/results/
     .venv/bin/python -m benchmarks.rollout.server_start --model MODEL_DIR --modes in_engine,in_engine_eager \
         --rounds 2 --completions 256 --out benchmarks/results/server_start_hybrid.json
+    .venv/bin/python -m benchmarks.rollout.server_start --smoke --server-url URL --out /tmp/server_start.json   # starts nothing
 
 Measured on two cores shared with other work (so absolute times are high; ratios are what to quote):
 ``results/server_start.json`` (tiny Qwen3): in-engine / worker process: start 0.53x, tok/s 1.26x, server CPU per
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_io import write_report  # noqa: E402
-from benchmarks.rollout.rollout_throughput import SHAPES, prompt_ids, roles, run_shape, server_cpu  # noqa: E402
+from benchmarks.rollout.rollout_throughput import SHAPES, listening_pid, prompt_ids, roles, run_shape, server_cpu  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = {
@@ -58,17 +59,24 @@ def measure(mode: str, model_path: str, prompts: list[list[int]], completions: i
     start_s = time.monotonic() - began
     try:
         assert server.process is not None
-        processes = {role: len(pids) for role, pids in roles(server.process.pid).items()}
-        asyncio.run(run_shape(server.base_url, prompts, SHAPES["ours"], 64))  # warm-up
-        before = server_cpu(server.process.pid)
-        run = asyncio.run(run_shape(server.base_url, prompts, SHAPES["ours"], completions))
-        after = server_cpu(server.process.pid)
+        result = generate_on(server.base_url, server.process.pid, prompts, completions, warm_up=64)
     finally:
         server.stop()
-    result = {"mode": mode, "start_s": start_s, "processes": processes, "tok_s": run["tok_s"], "tokens": run["tokens"],
-              "server_cpu_s": sum(after.values()) - sum(before.values())}
-    print(f"  {mode:15s} start {start_s:6.1f} s   {run['tok_s']:7.0f} tok/s   processes {processes}", flush=True)
+    result = {"mode": mode, "start_s": start_s, **result}
+    print(f"  {mode:15s} start {start_s:6.1f} s   {result['tok_s']:7.0f} tok/s   processes {result['processes']}", flush=True)
     return result
+
+
+def generate_on(url: str, pid: int, prompts: list[list[int]], completions: int, warm_up: int) -> dict[str, Any]:
+    """What a started server does: its processes by role, tokens/s of the rollout worker's request shape, and the
+    CPU its process group spent on them."""
+    processes = {role: len(pids) for role, pids in roles(pid).items()}
+    asyncio.run(run_shape(url, prompts, SHAPES["ours"], warm_up))
+    before = server_cpu(pid)
+    run = asyncio.run(run_shape(url, prompts, SHAPES["ours"], completions))
+    after = server_cpu(pid)
+    return {"processes": processes, "tok_s": run["tok_s"], "tokens": run["tokens"],
+            "server_cpu_s": sum(after.values()) - sum(before.values())}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +87,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="a model folder to serve instead of a tiny variant")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "server_start.json"))
+    parser.add_argument("--smoke", action="store_true", help="start nothing: the generation and CPU part on the server "
+                        "at --server-url, 16 completions (the start itself takes minutes on two cores)")
+    parser.add_argument("--server-url", default=None, help="--smoke: the running server of the same tiny model")
     args = parser.parse_args(argv)
+    if args.smoke:
+        if not args.server_url:
+            parser.error("--smoke needs --server-url (a running server of the tiny model)")
+        from grpo_core.tiny import build_tiny_model
+
+        prompts = prompt_ids(str(build_tiny_model(variant=args.variant)), 32)
+        run = generate_on(args.server_url, listening_pid(args.server_url), prompts, 16, warm_up=4)
+        write_report(args.out, {"smoke": True, "cpus": len(os.sched_getaffinity(0)), "runs": [{"mode": "running", **run}]})
+        return 0
 
     from grpo_core.tiny import build_tiny_model
 
@@ -87,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     prompts = prompt_ids(model_path, 512)
     work = Path(tempfile.mkdtemp(prefix="server_start-"))
-    report: dict[str, Any] = {"command": " ".join(["benchmarks/rollout/server_start.py", *(argv if argv is not None else sys.argv[1:])]),
-                              "cpus": len(os.sched_getaffinity(0)), "load_avg_before": os.getloadavg(), "runs": []}
+    report: dict[str, Any] = {"cpus": len(os.sched_getaffinity(0)), "load_avg_before": os.getloadavg(), "runs": []}
     for r in range(args.rounds):
         order = modes if r % 2 == 0 else list(reversed(modes))
         print(f"round {r}", flush=True)

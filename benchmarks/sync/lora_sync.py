@@ -16,6 +16,7 @@ One run, side by side:
    alternating rounds; the ratio of generated tokens per second is adapter / merged.
 
     .venv/bin/python -m benchmarks.sync.lora_sync --out benchmarks/results/lora_sync.json
+    .venv/bin/python -m benchmarks.sync.lora_sync --smoke --server-url URL --out /tmp/lora_sync.json
 
 Starts its own CPU server for the tiny model (``--server-url`` reuses a running one that has
 ``--enable-lora`` and runtime LoRA updating on).
@@ -184,7 +185,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--seven-b-ranks", default="8,16,32,64")
     parser.add_argument("--out", default="benchmarks/results/lora_sync.json")
+    parser.add_argument("--smoke", action="store_true", help="2 pushes per mode, one short generation round: checks the script")
     args = parser.parse_args()
+    if args.smoke:
+        args.repeats, args.rounds, args.concurrency, args.max_tokens = 2, 1, 4, 8
     # A terminated run still stops the server it started (its process group outlives us otherwise).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 

@@ -15,8 +15,9 @@ Prints, per probe, the largest and the mean |server - fp32| and |fp32 - bf16| an
 largest ratios. A 16-bit server is checked on the mean, so the largest ratio of means is what ``ROUNDING_MARGIN``
 must exceed; the maxima show why the check does not use them. The report goes to ``benchmarks/results/probe_rounding.json``.
 
-    PYTHONPATH=$PWD .venv/bin/python -m benchmarks.sync.probe_rounding
-    PYTHONPATH=$PWD .venv/bin/python -m benchmarks.sync.probe_rounding --variants arithmetic-hybrid-moe --probes 3
+    .venv/bin/python -m benchmarks.sync.probe_rounding
+    .venv/bin/python -m benchmarks.sync.probe_rounding --variants arithmetic-hybrid-moe --probes 3
+    .venv/bin/python -m benchmarks.sync.probe_rounding --smoke --server-url URL --out /tmp/probe_rounding.json
 """
 
 from __future__ import annotations
@@ -42,15 +43,19 @@ from benchmarks.bench_io import ROOT, write_report
 RESULTS = ROOT / "benchmarks" / "results" / "probe_rounding.json"
 
 
-def measure(variant: str, probes: int, log_dir: Path) -> dict:
+def measure(variant: str, probes: int, log_dir: Path, server_url: str | None = None) -> dict:
+    """``server_url``: score on that running server of ``variant`` as it serves it (in any dtype) instead of
+    starting one in bf16."""
     path = str(build_tiny_model(variant=variant))
-    spec = VLLMServerSpec.for_run(path, AsyncGRPOConfig(output_dir=str(log_dir / "unused")),
-                                  model_server_options(path, ServerOptions(), cuda=False))
-    if spec.dtype != "bfloat16":
-        raise SystemExit(f"--variants: {variant} is served in {spec.dtype}, not bf16; pick a Gated DeltaNet variant")
-    server = VLLMServer(spec, log_dir / variant).start(timeout_s=900)
+    server = None
+    if server_url is None:
+        spec = VLLMServerSpec.for_run(path, AsyncGRPOConfig(output_dir=str(log_dir / "unused")),
+                                      model_server_options(path, ServerOptions(), cuda=False))
+        if spec.dtype != "bfloat16":
+            raise SystemExit(f"--variants: {variant} is served in {spec.dtype}, not bf16; pick a Gated DeltaNet variant")
+        server = VLLMServer(spec, log_dir / variant).start(timeout_s=900)
     try:
-        control = VLLMControlClient(server.base_url)
+        control = VLLMControlClient(server_url or server.base_url)
         model, _ = load_policy(path, torch.device("cpu"))
         vocab = model.config.get_text_config().vocab_size
         rows = []
@@ -73,7 +78,8 @@ def measure(variant: str, probes: int, log_dir: Path) -> dict:
                   f"{row['ratio_max']:.2f}, of means {row['ratio_mean']:.2f}  tolerance on the mean {row['tolerance']:.3f}",
                   flush=True)
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
     return {"variant": variant, "model": path, "probes": rows, "largest_ratio_of_maxima": max(r["ratio_max"] for r in rows),
             "largest_ratio_of_means": max(r["ratio_mean"] for r in rows)}
 
@@ -83,9 +89,20 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["arithmetic-hybrid", "arithmetic-hybrid-moe"])
     parser.add_argument("--probes", type=int, default=5)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--server-url", default=None, help="score on this running server of the one variant given")
+    parser.add_argument("--smoke", action="store_true", help="two probes on the server at --server-url (the tiny "
+                        "arithmetic model as it serves it): checks the script")
     args = parser.parse_args()
+    if args.smoke:
+        if not args.server_url:
+            parser.error("--smoke needs --server-url (a running server of the tiny model)")
+        args.probes = 2
+        if args.variants == parser.get_default("variants"):
+            args.variants = ["arithmetic"]
+    if args.server_url and len(args.variants) != 1:
+        parser.error("--server-url serves one model: give one --variants")
     with tempfile.TemporaryDirectory() as tmp:
-        results = [measure(v, args.probes, Path(tmp)) for v in args.variants]
+        results = [measure(v, args.probes, Path(tmp), args.server_url) for v in args.variants]
     for r in results:
         n = len(r["probes"])
         print(f"{r['variant']}: largest ratio of maxima {r['largest_ratio_of_maxima']:.2f}, of means "

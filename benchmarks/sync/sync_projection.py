@@ -15,6 +15,7 @@ The cross-node column assumes one 400 Gb/s NIC (50 GB/s) on the path, as when th
 model and the server's GPU sit on different nodes: an assumption, not a measurement of this project.
 
     python -m benchmarks.sync.sync_projection --out benchmarks/results/sync_projection.json
+    python -m benchmarks.sync.sync_projection --smoke --out /tmp/sync_projection.json
 """
 
 from __future__ import annotations

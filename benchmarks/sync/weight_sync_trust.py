@@ -13,6 +13,7 @@ One run, one server (the tiny model, fp32 weights served, bf16 on the wire as a 
    the model's bytes; and the delta encoder on its own.
 
     flock /tmp/grpo-cpu.lock .venv/bin/python -m benchmarks.sync.weight_sync_trust --out benchmarks/results/weight_sync_trust.json
+    .venv/bin/python -m benchmarks.sync.weight_sync_trust --smoke --server-url URL --out /tmp/weight_sync_trust.json
 """
 
 from __future__ import annotations
@@ -115,7 +116,13 @@ def main() -> None:
     ap.add_argument("--pushes", type=int, default=10)
     ap.add_argument("--lrs", default="1e-6,1e-5,1e-4")
     ap.add_argument("--out", default="benchmarks/results/weight_sync_trust.json")
+    ap.add_argument("--server-url", default=None, help="push to this running server of the tiny model (gloo weight "
+                    "transfer) instead of starting one")
+    ap.add_argument("--smoke", action="store_true", help="two pushes at one learning rate, no second (bf16) server: "
+                    "checks the script")
     args = ap.parse_args()
+    if args.smoke:
+        args.pushes, args.lrs = 2, "1e-4"
 
     from transformers import AutoModelForCausalLM
 
@@ -132,11 +139,13 @@ def main() -> None:
 
     model_path = str(build_tiny_model())
     torch.set_num_threads(1)
-    report: dict[str, Any] = {"pushes": args.pushes, "lrs": {}, "command": "benchmarks/sync/weight_sync_trust.py"}
+    report: dict[str, Any] = {"pushes": args.pushes, "lrs": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        server = VLLMServer(VLLMServerSpec(model=model_path, max_model_len=512, max_logprobs=20), Path(tmp) / "server")
-        server.start(timeout_s=1800)
-        control = VLLMControlClient(server.base_url)
+        server = None
+        if args.server_url is None:
+            server = VLLMServer(VLLMServerSpec(model=model_path, max_model_len=512, max_logprobs=20), Path(tmp) / "server")
+            server.start(timeout_s=1800)
+        control = VLLMControlClient(args.server_url or server.base_url)
         try:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
             source = ModelWeightSource(model, wire_dtype=torch.bfloat16)
@@ -198,15 +207,18 @@ def main() -> None:
             start = time.perf_counter()
             encode_bucket(plan[0], flat[: plan[0].nbytes], old[: plan[0].nbytes])
             report["delta_encode_mb_s"] = plan[0].nbytes / 1e6 / (time.perf_counter() - start)
-            report["bf16_server"] = probe_against_bf16_server(model_path, Path(tmp), versions)
             print(f"checks: probe request {report['verify']['request_s_median'] * 1e3:.1f} ms (median of 10), trainer "
                   f"probe forward {forward_s * 1e3:.1f} ms, probe diff {report['verify']['max_diff']:.2e}; digest "
-                  f"{report['digest_mb_s']:.0f} MB/s; delta encoding {report['delta_encode_mb_s']:.0f} MB/s; bf16 server: "
-                  f"probe diff up to {report['bf16_server']['max_diff']:.3g} (median {report['bf16_server']['median_diff']:.3g}), "
-                  f"one version moves it by {report['bf16_server']['moved_median']} (median)", flush=True)
+                  f"{report['digest_mb_s']:.0f} MB/s; delta encoding {report['delta_encode_mb_s']:.0f} MB/s", flush=True)
+            if not args.smoke:  # a second server, in bf16: minutes to start on two cores
+                report["bf16_server"] = probe_against_bf16_server(model_path, Path(tmp), versions)
+                print(f"bf16 server: probe diff up to {report['bf16_server']['max_diff']:.3g} (median "
+                      f"{report['bf16_server']['median_diff']:.3g}), one version moves it by "
+                      f"{report['bf16_server']['moved_median']} (median)", flush=True)
         finally:
             control.close()
-            server.stop()
+            if server is not None:
+                server.stop()
     write_report(args.out, report)
 
 

@@ -13,6 +13,7 @@ Placements (``--placements``): ``none`` (as the flow ran before: nothing pinned)
 the rest).
 
     .venv/bin/python -m benchmarks.trainer.cpu_share --steps 30 --out benchmarks/results/cpu_share.json
+    .venv/bin/python -m benchmarks.trainer.cpu_share --smoke --server-url URL --out /tmp/cpu_share.json
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 from benchmarks.bench_io import write_report
+from benchmarks.rollout.rollout_throughput import listening_pid
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -210,7 +212,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contenders", default="ours_async,ours_sync")
     parser.add_argument("--placements", default="none,embedded")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_share.json"))
+    parser.add_argument("--server-url", default=None, help="sample this running server of the tiny model (placement "
+                        "none only: a placement is set when a server starts) instead of starting one per placement")
+    parser.add_argument("--smoke", action="store_true", help="ours_async for 3 steps beside the server at "
+                        "--server-url: checks the script")
     args = parser.parse_args(argv)
+    if args.smoke:
+        if not args.server_url:
+            parser.error("--smoke needs --server-url (a running server of the tiny model)")
+        args.steps, args.skip, args.contenders, args.placements = 3, 1, "ours_async", "none"
+    if args.server_url and args.placements != "none":
+        parser.error("--server-url: only --placements none (the server was started without one)")
 
     from grpo_core.tiny import build_tiny_model
     from grpo_core.vllm_server.cpu_placement import embedded_placement
@@ -219,15 +231,16 @@ def main(argv: list[str] | None = None) -> int:
     model_path = str(build_tiny_model())
     spec = {"model_path": model_path, "steps": args.steps, "snapshot_steps": [], "num_train": 2000, "num_eval": 16,
             "seed": 0, "server_url": None}
-    report: dict[str, Any] = {"command": " ".join(["benchmarks/trainer/cpu_share.py", *(argv if argv is not None else sys.argv[1:])]),
-                              "cpus": os.cpu_count(), "load_avg_before": os.getloadavg(), "runs": []}
+    report: dict[str, Any] = {"cpus": os.cpu_count(), "load_avg_before": os.getloadavg(), "runs": []}
     for placement_name in [p for p in args.placements.split(",") if p]:
         placement = None if placement_name == "none" else embedded_placement(sorted(os.sched_getaffinity(0)))
         work = Path(tempfile.mkdtemp(prefix=f"cpu_share-{placement_name}-"))
-        server_spec = VLLMServerSpec(model=model_path, max_model_len=512, max_logprobs=20)
-        server = VLLMServer(server_spec, work, placement=placement).start(timeout_s=900)
-        spec["server_url"] = server.base_url
-        sampler = Sampler(server.process.pid)
+        server = None
+        if args.server_url is None:
+            server_spec = VLLMServerSpec(model=model_path, max_model_len=512, max_logprobs=20)
+            server = VLLMServer(server_spec, work, placement=placement).start(timeout_s=900)
+        spec["server_url"] = args.server_url or server.base_url
+        sampler = Sampler(listening_pid(args.server_url) if server is None else server.process.pid)
         sampler.thread.start()
         try:
             for name in [c for c in args.contenders.split(",") if c]:
@@ -247,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             sampler.stop.set()
             sampler.thread.join()
-            server.stop()
+            if server is not None:
+                server.stop()
     report["load_avg_after"] = os.getloadavg()
     write_report(args.out, report)
     return 0
