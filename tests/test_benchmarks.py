@@ -18,8 +18,10 @@ import ast
 import json
 import multiprocessing
 import os
+import resource
 import runpy
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,6 +205,9 @@ def _run_smoke(module: str, argv: list[str], log: str) -> None:
     except SystemExit as exc:
         if exc.code not in (0, None):
             raise
+    finally:  # CPU seconds of the script and the processes it waited for: the smoke's cost on a shared machine
+        own, waited = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        Path(f"{log}.cpu").write_text(str(own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime))
 
 
 @pytest.fixture(scope="module")
@@ -219,11 +224,15 @@ def run_smoke(ctx: multiprocessing.context.BaseContext, module: str, smoke: Smok
             *(["--server-url", server_url] if server_url else [])]
     log = tmp_path / "smoke.log"
     child = ctx.Process(target=_run_smoke, args=(module, argv, str(log)))
+    began = time.monotonic()
     child.start()
     child.join(smoke.timeout_s)
     if child.is_alive():
         child.kill()
         child.join()
+    cpu = Path(f"{log}.cpu")
+    print(f"smoke {module}: {time.monotonic() - began:.1f} s wall, "
+          f"{float(cpu.read_text()) if cpu.exists() else float('nan'):.1f} s CPU (load {os.getloadavg()[0]:.1f})")
     text = log.read_text(errors="replace") if log.exists() else ""
     assert child.exitcode == 0, f"python -m {module} {' '.join(argv)} ended with {child.exitcode}:\n{text[-6000:]}"
     return out if smoke.writes else None
