@@ -382,7 +382,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     result = {
-        "command": " ".join([".venv/bin/python", "benchmarks/peers/peer_trl.py", *(argv if argv is not None else sys.argv[1:])]),
         "settings": {**SHARED, "steps": args.steps, "eval_every": args.eval_every, "num_eval": args.num_eval,
                      "rounds": args.rounds, "cpu_placement": placement.describe() if placement is not None else "none"},
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),

@@ -17,7 +17,7 @@ host memory; with the largest full layer held at once.
 One GPU or many (same script under torchrun)::
 
     python -m benchmarks.trainer.fsdp_mfu --out benchmarks/results/fsdp_mfu.json
-    torchrun --standalone --nproc-per-node 8 benchmarks/trainer/fsdp_mfu.py --out ...
+    torchrun --standalone --nproc-per-node 8 -m benchmarks.trainer.fsdp_mfu --out ...
 
 ``--smoke`` runs a tiny model on the CPU (gloo, fp32): checks the script, times nothing real.
 """
