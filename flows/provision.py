@@ -145,7 +145,7 @@ class LocalProvisioner(Provisioner):
     Without a GPU, the server it starts and the trainers that use it split the cores
     (``ServerOptions.cpu_placement="auto"``, ``grpo_core.vllm_server.cpu_placement.embedded_placement``): the trainers alone on
     the top half, the server's processes and the rollout worker on the rest. Left to the scheduler, a one-thread
-    trainer's forward/backward beside a generating server took 4x its time alone (``benchmarks/cpu_share.py``)."""
+    trainer's forward/backward beside a generating server took 4x its time alone (``benchmarks/trainer/cpu_share.py``)."""
 
     def __init__(self) -> None:
         self.servers: dict[str, VLLMServer] = {}

@@ -178,7 +178,7 @@ def test_adapter_sync_confirms_the_base_version_of_its_session() -> None:
 
 def test_a_16_bit_servers_tolerance_follows_the_trainers_own_rounding() -> None:
     """An fp32 trainer's probe against a bf16 server: the fixed floor alone refused a server holding the right weights
-    (0.42 apart on the tiny Qwen3.5-MoE as loaded, benchmarks/probe_rounding.py); the measured rounding admits it, a
+    (0.42 apart on the tiny Qwen3.5-MoE as loaded, benchmarks/sync/probe_rounding.py); the measured rounding admits it, a
     single token's flip passes a check on the mean, and weights a push got wrong (nats apart) are still refused."""
     from grpo_core.sync.verify import LOW_PRECISION_ATOL, ROUNDING_MARGIN, PushVerifier, VerifyConfig, default_atol
 

@@ -1,24 +1,25 @@
 """On a GPU: the split plan's Triton kernels (the merge reading row-sized results, the row add) against their
 PyTorch-op versions, on random rows of Qwen3-1.7B's head shape. Prints the largest differences.
 
-    python3 benchmarks/device/check_split_kernels.py
+    python3 -m benchmarks.device.check_split_kernels
+    python -m benchmarks.device.check_split_kernels --smoke   # CPU, small rows: the dispatch's CPU path against the ops
 """
 
-import os
-import sys
+import argparse
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from grpo_core.models.attention import split as tree_split  # noqa: E402
+from grpo_core.models.attention import split as tree_split
 
 
 def main() -> None:
-    dev = torch.device("cuda")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU, small rows (no Triton: checks the script and the CPU path)")
+    args = ap.parse_args()
+    dev = torch.device("cpu" if args.smoke else "cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    u, heads, d = 9000, 16, 128
-    rows = torch.randperm(u, device=dev, generator=gen)[:7000].sort().values
+    u, heads, d = (90, 4, 16) if args.smoke else (9000, 16, 128)
+    rows = torch.randperm(u, device=dev, generator=gen)[:u * 7 // 9].sort().values
     for dtype in (torch.bfloat16, torch.float32):
         acc = torch.randn(u, heads, d, device=dev, generator=gen).to(dtype)
         lse = torch.randn(heads, u, device=dev, generator=gen)

@@ -1,6 +1,6 @@
 # source benchmarks/device/trl_setup.sh WHEELS  (device, after FlashAttention-4's setup.sh, which sets PYTHONPATH)
 #
-# TRL 1.16.0 for benchmarks/peer_trl_gpu.py on a GPU machine without network, from wheels in WHEELS (made here by
+# TRL 1.16.0 for benchmarks/peers/peer_trl_gpu.py on a GPU machine without network, from wheels in WHEELS (made here by
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_17_x86_64 -d WHEELS trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 #     python3 -m pip download ... -d WHEELS/alt datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18

@@ -68,7 +68,7 @@ class VLLMGenerateClient:
         the server prefills the prompt once and decodes them in lock-step, and the HTTP and per-request
         work on both sides is paid once: on two CPU cores with the tiny model, several completions per request
         generate several times the tokens/s of as many requests (benchmarks/README.md, "Rollout generation:
-        request shape and core sharing"; ``benchmarks/rollout_throughput.py``).
+        request shape and core sharing"; ``benchmarks/rollout/rollout_throughput.py``).
         Calls with a ``seed`` (identical seeds would repeat one draw) or ``n`` > 1 go out as they are.
         """
         n = int(sampling_params.get("n", 1) or 1)

@@ -20,7 +20,7 @@ per step. The trainer publishes what it consumed with each weight version, so wi
 the next step's rollouts start only once the weights of the step before are served (a synchronous
 run), and with ``max_staleness=S`` generation runs at most S updates ahead. Without the budget the
 worker ran ahead by the whole queue (``queue_maxsize``), generating samples the trainer then dropped
-as stale while they took the CPU cores from training (benchmarks/peer_trl.py).
+as stale while they took the CPU cores from training (benchmarks/peers/peer_trl.py).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
-"""Bucket threshold (both backends); ``benchmarks/nccl_sync.py`` compares sizes side by side."""
+"""Bucket threshold (both backends); ``benchmarks/sync/nccl_sync.py`` compares sizes side by side."""
 
 
 class TensorMeta(Protocol):

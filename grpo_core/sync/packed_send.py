@@ -2,7 +2,7 @@
 
 ``send_packed`` is the body of ``nccl_trainer.BucketedNCCLTrainerEngine.send_weights``, kept free of
 vLLM imports so the same code also drives a receiver over a plain ``torch.distributed`` NCCL group
-(``benchmarks/nccl_sync.py`` where vLLM cannot be imported). ``comm`` is anything with
+(``benchmarks/sync/nccl_sync.py`` where vLLM cannot be imported). ``comm`` is anything with
 ``broadcast(tensor, src, stream)`` that enqueues on ``stream``: vLLM's ``PyNcclCommunicator`` is one.
 """
 

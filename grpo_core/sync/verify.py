@@ -45,7 +45,7 @@ a push got wrong move every token. A trainer that computes in fp32 raises it to 
 ROUNDING_MARGIN = 8.0
 """A 16-bit server's mean probe gap may be this many times the trainer's own: the mean |fp32 - bf16| of its probe,
 measured at each checked version (``VersionProbe.rounding_gap``). Measured on bf16 CPU servers of the tiny Gated
-DeltaNet builds: weights as loaded, five probe sequences each, up to 1.74x (``benchmarks/probe_rounding.py``); over
+DeltaNet builds: weights as loaded, five probe sequences each, up to 1.74x (``benchmarks/sync/probe_rounding.py``); over
 the 120 pushes of the tiny Qwen3.5-MoE's learning run, up to 3.5x. Twice that, since a false alarm stops a run.
 In 16 bits the probe tells wrong weights from right ones (a push of unpacked experts moved it by 8.96), not one
 step's movement; the version read back after every push is what catches a push that did not land."""

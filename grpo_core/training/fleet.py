@@ -15,7 +15,7 @@ One transfer session per server, not one group spanning all of them: a server th
 own session (a spanning group fails the push for everyone and must be re-formed, with every server, whenever one
 leaves or joins), a server that joins gets its own dense first push while the others go on with deltas, and servers
 of different shapes (tensor-parallel sizes, one on another cluster through storage) mix. The price is the trainer
-sending the weights once per server (``benchmarks/fleet_push.py`` measures both on CPU: README, "A fleet of
+sending the weights once per server (``benchmarks/sync/fleet_push.py`` measures both on CPU: README, "A fleet of
 rollout servers").
 
 A fleet of one behaves as a single server always has: it is never drained; a failed push is recovered by waiting

@@ -1,6 +1,6 @@
 """The forward half of the trainer's micro-batch: a packed row through the policy to its trained tokens' log-probs.
 
-``row_logprobs(model, row, temperature, ..., chunk_size=None)`` (``benchmarks/fsdp_mfu.py`` calls it too,
+``row_logprobs(model, row, temperature, ..., chunk_size=None)`` (``benchmarks/trainer/fsdp_mfu.py`` calls it too,
 so its figures are the trainer's):
 
 * ``chunk_size=None``: ``model(..., logits_to_keep=row.logit_index)`` gives ``[T, V]`` logits at the

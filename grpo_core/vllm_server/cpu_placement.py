@@ -3,7 +3,7 @@
 The embedded default (``grpo demo``, a flow with the local provisioner and no GPU) runs the vLLM CPU server,
 the trainer and the rollout worker on the same few cores. Left to the scheduler, a one-thread trainer beside a
 generating server ran its forward/backward several times slower than alone (benchmarks/README.md, "Where the CPU
-goes beside a local CPU server, and the core split"; ``benchmarks/cpu_share.py``): vLLM binds its
+goes beside a local CPU server, and the core split"; ``benchmarks/trainer/cpu_share.py``): vLLM binds its
 engine worker's OpenMP thread to one core, and the API server, the engine core, the rollout worker and the
 trainer then crowd the others. ``embedded_placement`` splits the cores once: the trainer processes alone on
 theirs, everything that serves generation (the server's processes, the rollout worker) on the rest, with the

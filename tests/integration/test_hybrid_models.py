@@ -198,7 +198,7 @@ def bf16_rounding(model: torch.nn.Module, seqs: list[tuple[list[int], int]], tra
 def within_rounding(server: torch.Tensor, trainer: torch.Tensor, rounding: torch.Tensor) -> tuple[bool, dict[str, float]]:
     """Server and trainer agree as bf16 allows: mean gap within 2x, 90th percentile within 3x the trainer's own bf16
     gap. The largest gap is reported, not held to a bound: one token whose experts a 16-bit router picks differently
-    moves by up to 2 nats with the right weights on the server (benchmarks/probe_rounding.py), which is why the
+    moves by up to 2 nats with the right weights on the server (benchmarks/sync/probe_rounding.py), which is why the
     push check itself reads the mean (sync/verify.py).
 
     Measured on these tiny models (sampled completion tokens, seeds 0-5 of ``sampled_sequences``, as loaded and

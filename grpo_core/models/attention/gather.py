@@ -112,7 +112,7 @@ _kv_regather = True
 def set_kv_regather(enabled: bool) -> bool:
     """Re-gather tree rows' K/V in backward (``True``, the default) or save the gathered copy; returns the
     previous setting. Both give bitwise-identical results; re-gathering lowers a tree row's peak memory for a
-    small share of the step (benchmarks/README.md, "Re-gathering K/V in backward"; ``benchmarks/tree_packing.py
+    small share of the step (benchmarks/README.md, "Re-gathering K/V in backward"; ``benchmarks/packing/tree_packing.py
     --kv-regather off,on``). Compiled layers: ``set_kv_regather_compiled``."""
     global _kv_regather
     previous, _kv_regather = _kv_regather, bool(enabled)

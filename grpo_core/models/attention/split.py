@@ -374,7 +374,7 @@ _level_windows = True
 
 def set_level_windows(on: bool) -> None:
     """Level calls read the row in place where the kernel takes windows (``on``, the default), or always
-    gathered (``benchmarks/tree_packing.py`` times the two side by side)."""
+    gathered (``benchmarks/packing/tree_packing.py`` times the two side by side)."""
     global _level_windows
     _level_windows = bool(on)
 

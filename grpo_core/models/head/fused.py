@@ -88,7 +88,7 @@ def fused_by_default(device: torch.device) -> bool:
     with Triton for ``torch.compile`` to generate kernels with).
 
     Uncompiled, the written-out backward is slower than autograd's (benchmarks/README.md, "The log-prob head's
-    share of the remaining gap"; ``benchmarks/logprob_head.py``): its comparisons with the column index cost a
+    share of the remaining gap"; ``benchmarks/models/logprob_head.py``): its comparisons with the column index cost a
     pass each."""
     if device.type != "cuda":
         return False

@@ -1,0 +1,292 @@
+"""Every benchmark script runs: its CPU smoke mode, on the tiny models, writes a report with its provenance.
+
+A benchmark reaches the library the way a user does, so a change to the library that breaks a benchmark fails
+here, not on the next GPU run. ``SMOKES`` names each script's smoke command; a script under ``benchmarks/``
+that is in none of ``SMOKES``, ``RUN_BY`` (a helper another smoke starts or imports) and ``LIBRARY`` fails
+``test_every_benchmark_has_a_smoke``. Scripts that read a running vLLM server get the session's server
+(``--server-url``); the others need no server and run in the fast tier.
+
+The smokes run in children of one fork server that imported torch, transformers and the trainer once: on two
+cores a fresh interpreter spends seconds of CPU on those imports, per script.
+
+    .venv/bin/python -m pytest -q -m benchmark tests/test_benchmarks.py
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import multiprocessing
+import os
+import resource
+import runpy
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS = REPO / "benchmarks"
+
+pytestmark = pytest.mark.benchmark
+
+
+@dataclass(frozen=True)
+class Smoke:
+    """One script's smoke run: ``python -m MODULE *argv`` from the repository root."""
+
+    argv: tuple[str, ...] = ("--smoke",)
+    """Arguments; ``--out`` (a file in the test's folder) is added where ``writes`` is true."""
+    writes: bool = True
+    """Whether the script takes ``--out`` and writes a JSON report there (the device checks only print)."""
+    server: bool = False
+    """Whether it reads a running server: it gets ``--server-url`` of the session's server."""
+    timeout_s: float = 900
+    """Wall-clock bound: the slowest smoke takes under a minute on two idle cores, and several on a shared machine."""
+    failures: Callable[[Any], list[str]] | None = None
+    """What went wrong inside a run that the script records instead of raising (a subprocess that failed, say)."""
+    broken: str | None = None
+    """Why the script fails today, where it does: the smoke is a strict xfail (it fails the run once it passes, so
+    the mark goes when the script is mended)."""
+
+
+def run_errors(*names: str) -> Callable[[Any], list[str]]:
+    """The ``error`` of each run under ``report["runs"]`` (of those ``names``, where given)."""
+
+    def errors(report: Any) -> list[str]:
+        runs = report.get("runs", {})
+        items = runs.items() if isinstance(runs, dict) else enumerate(runs)
+        return [f"{k}: {r['error'][:300]}" for k, r in items
+                if (not names or k in names) and isinstance(r, dict) and r.get("error")]
+
+    return errors
+
+
+def runs_with_steps(report: Any) -> list[str]:
+    """Runs that failed or recorded no step (a contender whose step hook was never called)."""
+    return [f"{r.get('name')}: {r.get('error') or 'no step recorded'}"[:300] for r in report.get("runs", [])
+            if r.get("error") or not r.get("steps")]
+
+
+SMOKES: dict[str, Smoke] = {
+    "benchmarks.device.check_logprob_grad": Smoke(writes=False),
+    "benchmarks.device.check_split_kernels": Smoke(writes=False),
+    "benchmarks.models.logprob_head": Smoke(),
+    "benchmarks.models.moe_experts": Smoke(),
+    "benchmarks.models.moe_training": Smoke(("--smoke", "--steps", "1")),
+    "benchmarks.packing.gather_grad_sum": Smoke(),
+    "benchmarks.packing.gdn_tree_packing": Smoke(("--smoke", "--repeats", "1")),
+    "benchmarks.packing.tree_packing": Smoke(("--smoke", "--repeats", "1", "--heads", "fused")),
+    "benchmarks.sync.fleet_push": Smoke(),
+    # Two trainer ranks (gloo) and a receiver process: the distributed gather and the bucketed send.
+    "benchmarks.sync.nccl_sync": Smoke(("--smoke", "--trainer-ranks", "2", "--repeats", "1", "--warmup", "0", "--bw-iters", "1",
+                                        "--variants", "bucketed:64,per_param"),
+                                       failures=run_errors()),
+    "benchmarks.sync.sparse_push_gpu": Smoke(),
+    "benchmarks.sync.sparse_share": Smoke(),
+    "benchmarks.sync.sync_projection": Smoke(),
+    "benchmarks.sync.lora_sync": Smoke(server=True),
+    "benchmarks.sync.probe_rounding": Smoke(server=True),
+    "benchmarks.sync.weight_sync_trust": Smoke(server=True),
+    # Eager against the fp64 reference: each compiled mode costs a minute or two of CPU to compile (129 s for layers).
+    "benchmarks.trainer.compile_numerics": Smoke(("--smoke", "--modes", "eager")),
+    "benchmarks.trainer.fsdp_mfu": Smoke(("--smoke", "--configs", "16384:ac")),
+    "benchmarks.trainer.trainer_loop": Smoke(("launch", "--smoke"), failures=run_errors()),
+    "benchmarks.trainer.cpu_share": Smoke(server=True, failures=run_errors()),
+    "benchmarks.rollout.fleet_throughput": Smoke(server=True),
+    "benchmarks.rollout.rollout_throughput": Smoke(server=True),
+    "benchmarks.rollout.sampler_logprobs": Smoke(server=True),
+    "benchmarks.rollout.server_start": Smoke(server=True),
+    # TRL's contenders need benchmarks/.venv-trl (TRL is not in the project's lock): ours only in the suite.
+    "benchmarks.peers.peer_trl": Smoke(("--smoke", "--contenders", "ours_async,ours_sync"), server=True,
+                                       failures=runs_with_steps),
+    # TRL's runs need TRL (benchmarks/.venv-trl; not in the project's lock): ours is checked here.
+    "benchmarks.peers.peer_trl_gpu": Smoke(failures=run_errors("ours")),
+}
+
+# Helpers that a smoke above runs (as a subprocess) or imports: covered by that smoke.
+RUN_BY: dict[str, str] = {
+    "benchmarks.sync.nccl_sync_receiver": "benchmarks.sync.nccl_sync",
+    "benchmarks.sync.sparse_push_gpu_receiver": "benchmarks.sync.sparse_push_gpu",
+    "benchmarks.peers.peer_trl_contenders": "benchmarks.peers.peer_trl",
+    "benchmarks.peers.peer_gpu_runs": "benchmarks.peers.peer_trl_gpu",
+    "benchmarks.peers.peer_gpu_stream": "benchmarks.peers.peer_trl_gpu",
+    "benchmarks.peers.peer_gpu_probes": "benchmarks.peers.peer_trl_gpu",
+    "benchmarks.peers.peer_gpu_report": "benchmarks.peers.peer_trl_gpu",
+}
+
+# Shared code and tools that measure nothing: their own tests cover them.
+LIBRARY = {"benchmarks.bench_io", "benchmarks.index"}
+
+
+def benchmark_modules() -> list[str]:
+    return sorted(".".join(p.relative_to(REPO).with_suffix("").parts) for p in BENCHMARKS.rglob("*.py")
+                  if p.name != "__init__.py" and "results" not in p.parts)
+
+
+def test_every_benchmark_has_a_smoke() -> None:
+    modules = benchmark_modules()
+    missing = [m for m in modules if m not in SMOKES and m not in RUN_BY and m not in LIBRARY]
+    assert not missing, f"benchmarks without a smoke run: {missing}; add each to SMOKES in {Path(__file__).name}"
+    stale = sorted((set(SMOKES) | set(RUN_BY) | LIBRARY) - set(modules))
+    assert not stale, f"smoke entries for scripts that no longer exist: {stale}"
+
+
+@pytest.mark.parametrize("helper", sorted(RUN_BY))
+def test_helpers_are_reached_by_their_smoke(helper: str) -> None:
+    """A helper counts as covered only where its runner names it (imports it or starts it as a module)."""
+    runner = RUN_BY[helper]
+    reached = {runner}
+    frontier = [runner]
+    while frontier:  # what the runner names, and what those name in turn
+        source = (REPO / Path(*frontier.pop().split("."))).with_suffix(".py").read_text()
+        for name in benchmark_modules():
+            if name not in reached and (name in source or f"import {name.rsplit('.', 1)[1]}" in source):
+                reached.add(name)
+                frontier.append(name)
+    assert helper in reached, f"{helper} is not imported or started by {runner} (nor by what it imports)"
+
+
+def trainer_subclasses_with_private_overrides(paths: list[Path]) -> list[str]:
+    """``file: Class._method`` for each class that derives from ``AsyncGRPOTrainer`` (directly or through another
+    class in ``paths``) and defines a single-underscore method: an override of the trainer's internals."""
+    trees = {path: ast.parse(path.read_text()) for path in paths}
+    classes = [(path, node) for path, tree in trees.items() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+
+    def base_names(node: ast.ClassDef) -> set[str]:
+        return {b.id if isinstance(b, ast.Name) else b.attr for b in node.bases if isinstance(b, (ast.Name, ast.Attribute))}
+
+    trainers = {"AsyncGRPOTrainer"}
+    grew = True
+    while grew:
+        new = {node.name for _, node in classes if base_names(node) & trainers} - trainers
+        trainers |= new
+        grew = bool(new)
+    found = []
+    for path, node in classes:
+        if node.name == "AsyncGRPOTrainer" or not base_names(node) & trainers:
+            continue
+        for item in node.body:
+            if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name.startswith("_") \
+                    and not item.name.startswith("__"):
+                where = path.relative_to(REPO) if path.is_relative_to(REPO) else path.name
+                found.append(f"{where}: {node.name}.{item.name}")
+    return found
+
+
+def test_override_check_finds_a_private_override(tmp_path: Path) -> None:
+    """The check itself: an override through a subclass of a subclass is found, a public method and a dunder
+    are not."""
+    sample = tmp_path / "sample.py"
+    sample.write_text("from grpo_core import AsyncGRPOTrainer\n\nclass A(AsyncGRPOTrainer):\n    def run(self): ...\n"
+                      "    def __init__(self): ...\n\nclass B(A):\n    def _step(self): ...\n")
+    assert trainer_subclasses_with_private_overrides([sample]) == ["sample.py: B._step"]
+
+
+def test_no_class_outside_the_library_overrides_a_private_trainer_method() -> None:
+    paths = sorted([*BENCHMARKS.rglob("*.py"), *(REPO / "tests").rglob("*.py")])
+    found = trainer_subclasses_with_private_overrides(paths)
+    assert not found, "private trainer methods overridden (use the constructor's public arguments):\n" + "\n".join(found)
+
+
+def _run_smoke(module: str, argv: list[str], log: str) -> None:
+    """In a fork-server child: the script as ``python -m module *argv`` from the repository root, its output
+    to ``log``."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.chdir(REPO)
+    sys.path.insert(0, str(REPO))
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+    finally:  # CPU seconds of the script and the processes it waited for: the smoke's cost on a shared machine
+        own, waited = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        Path(f"{log}.cpu").write_text(str(own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime))
+
+
+@pytest.fixture(scope="module")
+def smoke_context() -> multiprocessing.context.BaseContext:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", "grpo_core.training.trainer", "benchmarks.bench_io"])
+    return ctx
+
+
+def run_smoke(ctx: multiprocessing.context.BaseContext, module: str, smoke: Smoke, tmp_path: Path,
+              server_url: str | None) -> Path | None:
+    out = tmp_path / f"{module.rsplit('.', 1)[1]}.json"
+    argv = [*smoke.argv, *(["--out", str(out)] if smoke.writes else []),
+            *(["--server-url", server_url] if server_url else [])]
+    log = tmp_path / "smoke.log"
+    child = ctx.Process(target=_run_smoke, args=(module, argv, str(log)))
+    began = time.monotonic()
+    child.start()
+    child.join(smoke.timeout_s)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    cpu = Path(f"{log}.cpu")
+    print(f"smoke {module}: {time.monotonic() - began:.1f} s wall, "
+          f"{float(cpu.read_text()) if cpu.exists() else float('nan'):.1f} s CPU (load {os.getloadavg()[0]:.1f})")
+    text = log.read_text(errors="replace") if log.exists() else ""
+    assert child.exitcode == 0, f"python -m {module} {' '.join(argv)} ended with {child.exitcode}:\n{text[-6000:]}"
+    return out if smoke.writes else None
+
+
+def check_report(out: Path | None, module: str) -> None:
+    if out is None:
+        return
+    assert out.exists(), f"{module} wrote no report at {out}"
+    report = json.loads(out.read_text())
+    failures = SMOKES[module].failures
+    problems = failures(report) if failures else []
+    assert not problems, f"{module} recorded failed runs:\n" + "\n".join(problems)
+    provenance = report.get("provenance") if isinstance(report, dict) else None
+    assert provenance and provenance["command"].startswith(f"python -m {module}"), f"{module}: {provenance}"
+    assert provenance["commit"], f"{module}: no commit in {provenance}"
+    assert {"python", "torch", "device"} <= set(provenance["environment"]), provenance
+
+
+def smoke_params(server: bool) -> list:
+    return [pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=s.broken) if s.broken else ())
+            for m, s in sorted(SMOKES.items()) if s.server == server]
+
+
+@pytest.mark.parametrize("module", smoke_params(server=False))
+def test_smoke(module: str, smoke_context, tmp_path: Path) -> None:
+    check_report(run_smoke(smoke_context, module, SMOKES[module], tmp_path, None), module)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("module", smoke_params(server=True))
+def test_smoke_on_the_session_server(module: str, smoke_context, vllm_server, tmp_path: Path) -> None:
+    check_report(run_smoke(smoke_context, module, SMOKES[module], tmp_path, vllm_server.base_url), module)
+
+
+def test_documented_figures_are_the_ones_their_json_holds() -> None:
+    """The tables between the figures markers are what ``python -m benchmarks.index`` writes from the JSON now;
+    ``benchmarks/README.md`` has the markers (README.md once it carries them)."""
+    from benchmarks import index
+
+    figures = index.table()
+    marked = [d for d in index.DOCUMENTS if index.has_markers(d.read_text())]
+    assert BENCHMARKS / "README.md" in marked, "benchmarks/README.md lost its figures markers"
+    stale = [str(d.relative_to(REPO)) for d in marked if index.render(d, d.read_text(), figures) != d.read_text()]
+    assert not stale, f"figures in {stale} differ from their JSON: run python -m benchmarks.index"
+
+
+def test_index_names_a_document_without_markers(tmp_path: Path) -> None:
+    from benchmarks import index
+
+    with pytest.raises(ValueError, match="needs one '<!-- figures -->' line"):
+        index.render(REPO / "README.md", "# no markers\n", "| table |")
+    doc = REPO / "benchmarks" / "README.md"
+    assert index.render(doc, "a\n<!-- figures -->\nold\n<!-- /figures -->\nb\n", "| [f](benchmarks/results/f.json) |") \
+        == "a\n<!-- figures -->\n| [f](results/f.json) |\n<!-- /figures -->\nb\n"
