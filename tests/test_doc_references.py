@@ -1,8 +1,11 @@
-"""What the code's text points at exists, and docstrings link benchmark figures instead of copying them.
+"""What the code's and the docs' text points at exists, and docstrings link benchmark figures instead of copying them.
 
 Figures live in ``benchmarks/README.md``, written by the scripts that measure them; a docstring that
 quotes one drifts from it at the next run. A file or README section named in a docstring or comment that
-has been moved or renamed sends the reader nowhere.
+has been moved or renamed sends the reader nowhere. The README is an entry page whose sections continue in
+``docs/*.md``, so a README section named in the code may be a heading of one of those pages. The README and
+the pages under ``docs/`` are checked too: the files they name exist, their links resolve, and a section
+they name beside a link is a heading of the linked page.
 
     .venv/bin/python -m pytest -q tests/test_doc_references.py
 """
@@ -32,9 +35,27 @@ def flat(text: str) -> str:
     return " ".join(re.sub(r"^\s*#\s?", "", line).strip() for line in text.splitlines())
 
 
+DOC_PAGES = sorted([REPO / "README.md", *REPO.glob("docs/*.md")])
+# A relative markdown link: [text](target) or ![alt](target), optionally with a #section.
+MD_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+# A section named beside a link to its page: [page.md](page.md), "Section title".
+LINKED_SECTION = re.compile(r"\]\(([^)#\s]+\.md)\),? \"([^\"]+)\"")
+FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+
+
+def page_headings(path: Path) -> list[str]:
+    """The markdown headings of ``path``, without their ``#`` marks (code blocks left out)."""
+    return [line.lstrip("#").strip() for line in FENCE.sub("", path.read_text()).splitlines() if line.startswith("#")]
+
+
 def headings() -> list[str]:
-    return [line.lstrip("#").strip() for name in ("README.md", "benchmarks/README.md")
-            for line in (REPO / name).read_text().splitlines() if line.startswith("#")]
+    return [title for path in [REPO / "README.md", REPO / "benchmarks/README.md", *REPO.glob("docs/*.md")]
+            for title in page_headings(path)]
+
+
+def anchor(title: str) -> str:
+    """The fragment a markdown renderer gives a heading: lower case, punctuation dropped, spaces as dashes."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
 
 
 @pytest.mark.parametrize("path", CODE, ids=lambda p: str(p.relative_to(REPO)))
@@ -48,6 +69,37 @@ def test_named_files_and_sections_exist(path: Path) -> None:
     # Notes kept outside the repository are no reference for a reader of the code.
     missing += [f"the {name}" for name in ("fact sheet",) if name in flat(text).replace(f'"{name}"', "")]
     assert not missing, f"{path.relative_to(REPO)} names what does not exist: {missing}"
+
+
+@pytest.mark.parametrize("path", DOC_PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_doc_pages_name_and_link_what_exists(path: Path) -> None:
+    text = path.read_text()
+    missing = [ref for ref in FILE_REF.findall(text)
+               if not (REPO / ref).exists() and "/results/" not in ref and "NAME" not in ref]
+    for target in MD_LINK.findall(text):
+        if re.match(r"[a-z]+:", target):  # http:, https:, mailto: point outside the repository
+            continue
+        file, _, fragment = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        if not linked.exists():
+            missing.append(f"link {target}")
+        elif fragment and linked.suffix == ".md" and fragment not in map(anchor, page_headings(linked)):
+            missing.append(f"link {target} (no such section)")
+    for file, title in LINKED_SECTION.findall(flat(text)):
+        linked = (path.parent / file).resolve()
+        if linked.exists() and not any(h.startswith(title) for h in page_headings(linked)):
+            missing.append(f"section {title!r} of {file}")
+    assert not missing, f"{path.relative_to(REPO)} names or links what does not exist: {missing}"
+
+
+def test_every_doc_page_is_reachable_from_the_readme() -> None:
+    """A page under docs/ that no page links is one no reader finds."""
+    linked = {(page.parent / target.partition("#")[0]).resolve()
+              for page in DOC_PAGES for target in MD_LINK.findall(page.read_text()) if not re.match(r"[a-z]+:", target)}
+    readme_links = {(REPO / target.partition("#")[0]).resolve() for target in MD_LINK.findall((REPO / "README.md").read_text())}
+    orphans = [str(page.relative_to(REPO)) for page in REPO.glob("docs/*.md") if page.resolve() not in linked]
+    assert not orphans, f"docs pages no page links to: {orphans}"
+    assert any(p.parent == REPO / "docs" for p in readme_links), "the README links no page under docs/"
 
 
 def docstrings(tree: ast.AST):
