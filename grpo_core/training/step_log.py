@@ -3,11 +3,14 @@
 The history (``TrainerState.log_history``, what ``train()`` returns) keeps every metric of every step on every
 rank. Rank 0 also sends them to the tracker every ``logging_steps``: the metrics the run's settings fix (a flat
 chart would say nothing) go as tags, once and again only if their value changes, and the rest as metrics. The
-console gets one line per logged step, and ``log_completions`` a table of the step's completions.
+console gets one line per logged step. With ``log_completions`` each logged step's completions go to the tracker as
+a table of their own (a column per reward function), and every ``print_completions_steps`` a few of them to the
+console as one compact table (``completions_table``), not a record per completion.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 from dataclasses import dataclass, field
@@ -62,22 +65,65 @@ class StepLog:
             self._sent_tags.update(tags)
 
     def completions(self, step: int, batch: StepBatch) -> None:
-        """``log_completions``: a table of the step's prompts, completions and rewards to the tracker, and the
-        first ``num_completions_to_print`` to the console."""
+        """``log_completions``: a table of the step's prompts, completions, rewards and each reward function's score
+        to the tracker; every ``print_completions_steps`` its first ``num_completions_to_print`` rows to the console."""
         if not (self.args.log_completions and self._due(step)):
             return
-        table: dict[str, list[Any]] = {"step": [], "prompt": [], "completion": [], "reward": []}
-        for report in batch.reports:
-            for text, reward in zip(report.completions, report.rewards, strict=False):
-                table["step"].append(step)
-                table["prompt"].append(report.prompt_text)
-                table["completion"].append(text)
-                table["reward"].append(None if np.isnan(reward) else float(reward))
+        table = completions_columns(step, batch)
         if not table["step"]:
             return
         if self.args.num_completions_to_log is not None:  # the first groups of the step, whole where the count allows
             table = {k: v[: self.args.num_completions_to_log] for k, v in table.items()}
         self.tracker.log_table("completions", table, step=step)
-        shown = list(zip(table["prompt"], table["completion"], table["reward"]))[: self.args.num_completions_to_print]
-        for prompt, completion, reward in shown:
-            log.info("step %d completion (reward %s)\n  prompt: %s\n  completion: %s", step, reward, prompt, completion)
+        rows = self.args.num_completions_to_print
+        if rows and step % self.args.print_completions_steps == 0:
+            log.info("completions of step %d (%d of %d):\n%s", step, min(rows, len(table["step"])), len(table["step"]),
+                     completions_table(table, rows))
+
+
+def completions_columns(step: int, batch: StepBatch) -> dict[str, list[Any]]:
+    """The step's completions as columns: ``step``, ``prompt``, ``completion``, ``reward`` (the weighted sum) and one
+    column per reward function, named after it (None where it did not score a completion)."""
+    names: list[str] = []
+    for report in batch.reports:
+        names += [n for n in report.rewards_per_func if n not in names]
+    table: dict[str, list[Any]] = {"step": [], "prompt": [], "completion": [], "reward": [], **{n: [] for n in names}}
+    for report in batch.reports:
+        for i, (text, reward) in enumerate(zip(report.completions, report.rewards, strict=False)):
+            table["step"].append(step)
+            table["prompt"].append(report.prompt_text)
+            table["completion"].append(text)
+            table["reward"].append(_score(reward))
+            for name in names:
+                scores = report.rewards_per_func.get(name)
+                table[name].append(_score(scores[i]) if scores is not None and i < len(scores) else None)
+    return table
+
+
+def _score(value: Any) -> float | None:
+    return None if value is None or np.isnan(value) else float(value)
+
+
+def completions_table(table: dict[str, list[Any]], rows: int, width: int = 120) -> str:
+    """The first ``rows`` rows of a completions table as text ``width`` characters wide: the scores, then the prompt
+    and the completion each on one line, cut with an ellipsis."""
+    from rich.console import Console
+    from rich.table import Table
+
+    scores = [c for c in table if c not in ("step", "prompt", "completion")]
+    out = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+    for name in scores:
+        out.add_column(name, justify="right", no_wrap=True, min_width=max(len(name), 5))
+    left = max(20, width - sum(max(len(n), 5) + 1 for n in scores))
+    out.add_column("prompt", no_wrap=True, overflow="ellipsis", max_width=left // 3)
+    out.add_column("completion", no_wrap=True, overflow="ellipsis", max_width=left - left // 3 - 2)
+    for i in range(min(rows, len(table["step"]))):
+        cells = ["-" if table[c][i] is None else f"{table[c][i]:.2f}" for c in scores]
+        out.add_row(*cells, _one_line(table["prompt"][i]), _one_line(table["completion"][i]))
+    console = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False)
+    console.print(out)
+    return console.file.getvalue().rstrip("\n")  # type: ignore[attr-defined]
+
+
+def _one_line(text: Any) -> str:
+    return " ".join(str(text).split())
