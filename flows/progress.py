@@ -51,8 +51,10 @@ class TrainingProgress:
     """Polls an MLflow run while training runs and prints progress lines (see the module docstring)."""
 
     def __init__(self, tracking_uri: str, run_id: str, total_steps: int, interval_s: float = 5.0,
-                 on_step: Callable[[int, int], None] | None = None):
+                 on_step: Callable[[int, int], None] | None = None, print_steps: bool = True):
         self.tracking_uri = tracking_uri
+        # False where the trainer's own step lines reach this console (a local run): one line per step, not two.
+        self.print_steps = print_steps
         self.on_step = on_step  # told (step, total) at each new step, e.g. to move a Prefect progress artifact
         self.run_id = run_id
         self.total_steps = total_steps
@@ -96,7 +98,8 @@ class TrainingProgress:
         if latest.step == self._last_step:
             return
         self._last_step = latest.step
-        console.print(self.line(latest.step, latest.value, run.data.metrics.get("rollout/generated_tok_s")))
+        if self.print_steps:
+            console.print(self.line(latest.step, latest.value, run.data.metrics.get("rollout/generated_tok_s")))
         if self.on_step is not None:
             self.on_step(latest.step, self.total_steps)
 

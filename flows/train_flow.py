@@ -389,7 +389,9 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
         while True:
             launch = training_launch(job, job_file if resumes == 0 else resume_file, ",".join(server_urls), model_path,
                                      run_id, tracking_uri, out)
-            with TrainingProgress(tracking_uri, run_id, job.trainer.max_steps, on_step=on_step), \
+            # A local trainer prints its step lines to this console itself; a cluster's only to its pod's log.
+            with TrainingProgress(tracking_uri, run_id, job.trainer.max_steps, on_step=on_step,
+                                  print_steps=not isinstance(prov, LocalProvisioner)), \
                     keep_fleet(prov, job, server_urls, tracking_uri, run_id):
                 code = train_attempt(prov, launch, pid_file=str(out / "trainer.pid"))
             if code == 0:
