@@ -4,7 +4,8 @@
 //     node docs/screenshots.mjs SPEC.json
 //
 // SPEC: {"chromium": "/usr/bin/chromium", "shots": [{"path": "x.png", "url": "...", "text": "shown once loaded",
-//        "width": 1600, "height": 1000, "settle_ms": 3000, "local_storage": {"key": "value"}, "click": "Tab"}]}.
+//        "width": 1600, "height": 1000, "settle_ms": 3000, "local_storage": {"key": "value"}, "click": "Tab",
+//        "optional": false}]}; a shot marked optional that fails leaves its .failed.png and the others go on.
 // Each shot starts with the given browser storage (a UI's remembered choices, such as a side panel closed), clicks
 // the element whose text is "click" if given (a tab the URL cannot select), waits for its text,
 // then for the page to settle (charts draw after their data arrives), and captures the viewport only: what a
@@ -38,7 +39,10 @@ try {
     } catch (error) {
       // What the page showed instead, beside the picture it should have been (not one the README uses).
       await page.screenshot({ path: shot.path.replace(/\.png$/, ".failed.png") });
-      throw error;
+      if (!shot.optional) throw error;
+      console.log(`${shot.path}: not taken (${error.message.split("\n")[0]})`);
+      await page.close();
+      continue;
     }
     await page.waitForTimeout(shot.settle_ms ?? 3000);  // the UIs keep polling, so "no network" never comes
     await page.screenshot({ path: shot.path });

@@ -110,20 +110,35 @@ def main() -> int:
 
         run = mlflow.MlflowClient(store).get_run(summary["mlflow_run_id"])
         experiment, run_id = run.info.experiment_id, run.info.run_id
-        flow_run = httpx.post(f"{api}/flow_runs/filter", json={"sort": "START_TIME_DESC", "limit": 1}).json()[0]
+        # A demo run here has its flow run in this Prefect server; one run before (a --work folder holding a finished
+        # demo from elsewhere) has none, and its Prefect picture is left as it is.
+        flow_runs = httpx.post(f"{api}/flow_runs/filter", json={"sort": "START_TIME_DESC", "limit": 1}).json()
         PICTURES.mkdir(parents=True, exist_ok=True)
         # MLflow opens its assistant beside the page on a first visit; closed, as after that, the page shows whole.
         closed = {"mlflow.assistant.panelOpen_v1": "false", "mlflow.assistant.fab.autoOpenedOnFirstLoad_v1": "true"}
-        shots = [
-            {"path": str(PICTURES / "mlflow_experiment.png"), "url": experiment_url(ui, experiment),
-             "text": run.info.run_name, "width": 1600, "height": 700, "local_storage": closed},
-            {"path": str(PICTURES / "mlflow_run_metrics.png"), "url": run_url(ui, experiment, run_id, "model-metrics"),
-             "text": "0_headline", "width": 1600, "height": 1000, "settle_ms": 6000, "local_storage": closed},
-            {"path": str(PICTURES / "prefect_artifacts.png"),
-             "url": f"http://127.0.0.1:{prefect_port}/runs/flow-run/{flow_run['id']}?tab=Artifacts",
-             "text": "training-summary", "width": 1600, "height": 1000,
-             "click": "Artifacts"},  # the flow run page opens on its logs whatever the URL's tab says
+        # Each MLflow page at two sizes, a large screen's and a laptop's (1366x768): the answer must show on both
+        # without scrolling. Pictures of the smaller size end in _1366.
+        sizes = {"": (1600, 1000), "_1366": (1366, 768)}
+        pages = [
+            ("mlflow_experiment", experiment_url(ui, experiment), run.info.run_name, {}),
+            ("mlflow_run_overview", run_url(ui, experiment, run_id), "held-out accuracy", {}),
+            ("mlflow_run_metrics", run_url(ui, experiment, run_id, "model-metrics"), "0_headline", {"settle_ms": 6000}),
         ]
+        shots = [
+            {"path": str(PICTURES / f"{name}{suffix}.png"), "url": url, "text": text, "width": width,
+             "height": height, "local_storage": closed, **extra}
+            for name, url, text, extra in pages for suffix, (width, height) in sizes.items()
+        ]
+        # The experiment opened bare (no view in the URL), its saved views listed: the headline view survives a reload.
+        shots.append({"path": str(PICTURES / "mlflow_saved_views.png"), "width": 1366, "height": 768,
+                      "url": f"{ui}/#/experiments/{experiment}/runs?workflowType=machine_learning",
+                      "click": "Views", "text": "Training: headline metrics", "local_storage": closed,
+                      "optional": True})
+        if flow_runs:
+            shots.append({"path": str(PICTURES / "prefect_artifacts.png"),
+                          "url": f"http://127.0.0.1:{prefect_port}/runs/flow-run/{flow_runs[0]['id']}?tab=Artifacts",
+                          "text": "training-summary", "width": 1600, "height": 1000,
+                          "click": "Artifacts"})  # the flow run page opens on its logs whatever the URL's tab says
         spec = work / "shots.json"
         spec.write_text(json.dumps({"chromium": chromium, "shots": shots}))
         subprocess.run(["node", str(REPO / "docs" / "screenshots.mjs"), str(spec)], cwd=REPO, check=True,

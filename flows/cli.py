@@ -3,6 +3,7 @@
     grpo demo --output-dir DIR       the embedded default: tiny model, CPU vLLM server, MLflow under DIR
     grpo demo --model tiny:arithmetic-hybrid   the same with a Qwen3.5 hybrid (or tiny:arithmetic-vlm)
     grpo train JOB.yaml              the same flow from a job file (see examples/)
+    grpo ui [DIR | STORE]            MLflow's UI for a run's store on a free port; prints the run's links
     grpo deploy [--file prefect.yaml]   register the deployments with a Prefect server
 """
 
@@ -67,7 +68,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     job = JobConfig.model_validate({"trainer": trainer, **({"model": args.model} if args.model else {})})
     summary = _run(job)
     print(json.dumps(summary, indent=2))
-    print_mlflow_links(summary)
+    print_mlflow_links(summary, out)
     print(f"summary: {Path(out) / 'summary.json'}")
     if summary.get("picture"):
         print(f"picture: {summary['picture']}")
@@ -75,32 +76,89 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_mlflow_links(summary: dict) -> None:
-    """Where to see the run: the command that serves the UI of the store (a file or a database) and the links
-    that open the run and its experiment's runs (not MLflow's GenAI views)."""
+def print_mlflow_links(summary: dict, output_dir: str | None = None) -> None:
+    """Where to see the run: for a file or database store, the command (by its full path, so it runs in any shell)
+    that serves its UI and prints the links; for a tracking server, the links themselves ("Model training" mode)."""
     import mlflow
 
-    from grpo_core.tracking.run_view import experiment_url, run_url, ui_command
+    from grpo_core.tracking.run_view import ui_command
+    from grpo_core.tracking.ui import print_links
 
     uri, run_id = summary["mlflow_tracking_uri"], summary["mlflow_run_id"]
-    experiment_id = mlflow.MlflowClient(uri).get_run(run_id).info.experiment_id
     print(f"\nMLflow run {run_id} in {uri}")
-    if serve := ui_command(uri):
-        print(f"  serve the UI:   {serve}")
-    print(f"  the run:        {run_url(uri, experiment_id, run_id)}")
-    print(f"  its charts:     {run_url(uri, experiment_id, run_id, 'model-metrics')}")
-    print(f"  the experiment: {experiment_url(uri, experiment_id)}")
+    serve = ui_command(uri, output_dir or uri)
+    if serve:
+        print(f"  open it in MLflow's UI (serves it on a free port, prints the links; Ctrl-C stops it):\n    {serve}")
+    else:
+        print_links(uri, mlflow.MlflowClient(uri), run_id)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from flows.heldout import heldout_line
 
-    summary = _run(_job_from_yaml(args.config, args.output_dir, args.server_url))
+    job = _job_from_yaml(args.config, args.output_dir, args.server_url)
+    summary = _run(job)
     print(json.dumps(summary, indent=2))
-    print_mlflow_links(summary)
+    from flows.train_flow import local_run_dir
+
+    print_mlflow_links(summary, str(local_run_dir(job)))
     if summary.get("eval_accuracy_before") is not None:
         print(heldout_line(summary))
     return 0
+
+
+def ui_target(target: str) -> tuple[str, str | None]:
+    """``grpo ui``'s argument as (the store, the run to link to): a run's output folder (its ``summary.json``
+    names both), or a store's URI (``sqlite:///...``; the links then go to its newest run)."""
+    folder = Path(target)
+    if (folder / "summary.json").is_file():
+        summary = json.loads((folder / "summary.json").read_text())
+        return summary["mlflow_tracking_uri"], summary["mlflow_run_id"]
+    if (folder / "mlflow.db").is_file():
+        return f"sqlite:///{(folder / 'mlflow.db').absolute()}", None
+    if "://" in target:
+        return target, None
+    raise SystemExit(f"grpo ui: {target} is neither a run's output folder (with summary.json or mlflow.db) nor a "
+                     "store URI (sqlite:///PATH/mlflow.db)")
+
+
+def newest_run(client, store: str) -> str | None:  # noqa: ANN001
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(experiments, order_by=["attributes.start_time DESC"], max_results=1) if experiments else []
+    return runs[0].info.run_id if runs else None
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    import signal
+    import time
+
+    import mlflow
+
+    from grpo_core.tracking.ui import MLflowUI, print_links
+
+    store, run_id = ui_target(args.target)
+    client = mlflow.MlflowClient(store)
+    run_id = run_id or newest_run(client, store)
+    print(f"starting MLflow's UI for {store} ...", flush=True)
+    # SIGTERM ends the command as Ctrl-C does, so the UI's process group is stopped either way.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with MLflowUI(store, port=args.port, log_file=args.log_file) as ui:
+            print(f"MLflow's UI: {ui.address}/#/experiments?workflowType=machine_learning", flush=True)
+            if run_id:
+                print(f"run {run_id}:", flush=True)
+                print_links(ui.address, client, run_id)
+            print("Ctrl-C stops it.", flush=True)
+            while ui.proc is not None and ui.proc.poll() is None:
+                time.sleep(1)
+            print(f"MLflow's UI exited with {ui.proc.returncode if ui.proc else None}", flush=True)
+            return 1
+    except KeyboardInterrupt:
+        return 0
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
@@ -126,6 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--output-dir", default=None)
     train.add_argument("--server-url", default=None, help="train against this running vLLM server instead of starting one")
     train.set_defaults(func=cmd_train)
+    ui = sub.add_parser("ui", help="serve MLflow's UI for a run's store on a free port and print the run's links")
+    ui.add_argument("target", nargs="?", default="outputs/demo",
+                    help="a run's output folder (default outputs/demo) or a store URI (sqlite:///PATH/mlflow.db)")
+    ui.add_argument("--port", type=int, default=0, help="serve on this port (default: a free one)")
+    ui.add_argument("--log-file", default=None, help="write the UI server's own output here")
+    ui.set_defaults(func=cmd_ui)
     deploy = sub.add_parser("deploy", help="register prefect.yaml's deployments")
     deploy.add_argument("--file", default="prefect.yaml")
     deploy.add_argument("--name", action="append", help="only these deployments")

@@ -2,7 +2,7 @@
 
     before = heldout_scores(result, problems)        # one evaluation: overall accuracy and per-problem means
     summary = heldout_summary(before, after)         # the summary.json entries: accuracies, intervals, the gain
-    log_heldout(tracking_uri, run_id, before, after, last_step)   # eval/accuracy at step 0 and the last step
+    log_heldout(tracking_uri, run_id, before, after, last_step)   # heldout_accuracy at step 0 and the last step
     print(heldout_line(summary))
 
 The intervals are Student-t intervals over per-problem means, and the gain's over per-problem paired
@@ -77,16 +77,18 @@ def heldout_line(summary: dict[str, Any]) -> str:
 
 def log_heldout(tracking_uri: str, run_id: str, before: dict[str, Any] | None, after: dict[str, Any] | None,
                 last_step: int) -> None:
-    """``eval/accuracy`` and its interval (``eval/accuracy_ci95_low``/``_high``) at step 0 (before training) and at
-    the last step (after the final weight sync)."""
+    """``heldout_accuracy`` and its interval (``heldout_accuracy_ci95_low``/``_high``, ``run_view.HELDOUT_CI95``) at
+    step 0 (before training) and at the last step (after the final weight sync)."""
     import mlflow
+
+    from grpo_core.tracking.run_view import HELDOUT_ACCURACY, HELDOUT_CI95
 
     client = mlflow.MlflowClient(tracking_uri)
     for step, scores in ((0, before), (last_step, after)):
         if not scores:
             continue
         ci = interval(scores["problems"].values())
-        client.log_metric(run_id, "eval/accuracy", float(scores["accuracy"]), step=step)
+        client.log_metric(run_id, HELDOUT_ACCURACY, float(scores["accuracy"]), step=step)
         if math.isfinite(ci.low):
-            client.log_metric(run_id, "eval/accuracy_ci95_low", ci.low, step=step)
-            client.log_metric(run_id, "eval/accuracy_ci95_high", ci.high, step=step)
+            client.log_metric(run_id, HELDOUT_CI95[0], ci.low, step=step)
+            client.log_metric(run_id, HELDOUT_CI95[1], ci.high, step=step)

@@ -7,7 +7,7 @@
 
 The trainer runs in child processes or pods whose output is copied line by line to the flow's
 console, so a live (redrawn) bar would be torn apart by those lines. Instead a thread reads the
-run's metrics from MLflow, the same way on a laptop and on a cluster, and prints one static line
+run's latest metrics from MLflow (never a metric's whole history, which grows with the run), the same way on a laptop and on a cluster, and prints one static line
 with a bar, step, reward, tokens/s and ETA when something changed, plus a line per checkpoint.
 """
 
@@ -40,12 +40,21 @@ def stage(description: str) -> Iterator[None]:
     console.print(f"[green]✓[/green] {description} ({time.monotonic() - start:.0f} s)")
 
 
+def latest_metric(run, key: str):  # noqa: ANN001, ANN201 - an MLflow Run and Metric
+    """``key``'s latest value of ``run`` with its step (the one at the highest step), or None: read from the run
+    itself, which holds each metric's latest value, so a poll costs the same at step 10 and at step 10,000 (the
+    metric's history grows with the run). MLflow's ``RunData`` keeps the step only on its metric objects."""
+    return next((m for m in getattr(run.data, "_metric_objs", []) if m.key == key), None)
+
+
 class TrainingProgress:
     """Polls an MLflow run while training runs and prints progress lines (see the module docstring)."""
 
     def __init__(self, tracking_uri: str, run_id: str, total_steps: int, interval_s: float = 5.0,
-                 on_step: Callable[[int, int], None] | None = None):
+                 on_step: Callable[[int, int], None] | None = None, print_steps: bool = True):
         self.tracking_uri = tracking_uri
+        # False where the trainer's own step lines reach this console (a local run): one line per step, not two.
+        self.print_steps = print_steps
         self.on_step = on_step  # told (step, total) at each new step, e.g. to move a Prefect progress artifact
         self.run_id = run_id
         self.total_steps = total_steps
@@ -83,14 +92,14 @@ class TrainingProgress:
             if key.startswith("artifact.") and (key, uri) not in self._checkpoints:
                 self._checkpoints.add((key, uri))
                 console.print(f"[cyan]checkpoint written[/cyan] {uri}")
-        history = client.get_metric_history(self.run_id, "reward")
-        if not history:
+        latest = latest_metric(run, "reward")
+        if latest is None:
             return
-        latest = max(history, key=lambda m: m.step)
         if latest.step == self._last_step:
             return
         self._last_step = latest.step
-        console.print(self.line(latest.step, latest.value, run.data.metrics.get("rollout/generated_tok_s")))
+        if self.print_steps:
+            console.print(self.line(latest.step, latest.value, run.data.metrics.get("rollout/generated_tok_s")))
         if self.on_step is not None:
             self.on_step(latest.step, self.total_steps)
 

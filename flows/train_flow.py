@@ -13,7 +13,7 @@ attempt follows ``job.trainer.resume_from_checkpoint``, every later one runs wit
 prompts were trained twice (those past the last checkpoint before each crash), and how often the
 server restarted under the trainer (an external one: the trainer pushed its weights to it again), and the
 held-out accuracy before and after with 95% intervals over problems and the paired gain (``flows.heldout``,
-also ``eval/accuracy`` in MLflow at step 0 and the last step). ``run.png`` beside it pictures the run
+also ``heldout_accuracy`` in MLflow at step 0 and the last step). ``run.png`` beside it pictures the run
 (``flows.run_picture``) and is logged to the MLflow run.
 
 A remote ``output_dir`` (``s3://...``) holds checkpoints and the ledger only; the job file, logs,
@@ -148,17 +148,17 @@ def evaluate(job: JobConfig, model_path: str, server_url: str, label: str) -> di
 
 
 @task(name="create-mlflow-run")
-def create_mlflow_run(job: JobConfig, tracking_uri: str, tags: dict[str, str]) -> str:
-    from grpo_core.tracking.run_view import job_params
+def create_mlflow_run(job: JobConfig, tracking_uri: str, tags: dict[str, str], server_urls: list[str]) -> str:
+    from grpo_core.tracking.run_view import job_params, machine_tags
     from grpo_core.tracking.tracker import MLflowTracker, run_identity, trainer_params
 
     job_dict = json.loads(job.model_dump_json())
     # Named <model>-<task>-<config hash> unless the job names it; tagged so runs of a recipe group.
     default_name, identity = run_identity(job_dict)
     tracker = MLflowTracker(tracking_uri, job.tracking.experiment, job.trainer.run_name or default_name)
-    # Every setting once, under the name a TRL user knows: the trainer's own, model_name_or_path, vllm_*, ...
-    tracker.log_params({**trainer_params(job.trainer), **job_params(job_dict)})
-    tracker.set_tags({**identity, **tags})
+    # Every setting once, under the name a TRL user knows (the project's own as grpo.*), with the servers it uses.
+    tracker.log_params({**trainer_params(job.trainer, server_urls), **job_params(job_dict)})
+    tracker.set_tags({**identity, **tags, **machine_tags(job.trainer.output_dir)})
     if tracker.flush():  # tags are queued like every write during training; these must land now
         raise RuntimeError(f"MLflow at {tracking_uri} did not take the tags of run {tracker.run_id}")
     return tracker.run_id  # type: ignore[return-value]
@@ -315,18 +315,25 @@ def report_resumes(job: JobConfig, tracking_uri: str, run_id: str, resumes: int)
 
 
 @task(name="log-run-summary", retries=1)
-def log_run_summary(tracking_uri: str, run_id: str, summary_file: Path, final_model_uri: str | None) -> None:
+def log_run_summary(tracking_uri: str, run_id: str, summary_file: Path, final_model_uri: str | None,
+                    job: JobConfig) -> None:
     """``summary.json`` into the run's artifacts; the metrics the flow logged itself (the held-out accuracy) into
-    the headline charts, as the trainer's own are, and onto the final model with the others."""
+    the headline charts, as the trainer's own are, and onto the final model with the others; the held-out result as
+    the run's and its registered version's description (``run_answer.record_answer``)."""
     import mlflow
 
-    from grpo_core.tracking.tracker import complete_headline, link_model_metrics
+    from flows.heldout import heldout_line
+    from grpo_core.tracking.run_answer import record_answer
+    from grpo_core.tracking.tracker import complete_headline, git_commit, link_model_metrics
 
     client = mlflow.MlflowClient(tracking_uri)
     client.log_artifact(run_id, str(summary_file))
     complete_headline(client, run_id)
     if final_model_uri:
         link_model_metrics(client, run_id, final_model_uri.removeprefix("models:/"))
+    summary = json.loads(summary_file.read_text())
+    record_answer(client, run_id, summary, json.loads(job.model_dump_json()),
+                  registered_model_name(job) if final_model_uri else None, heldout_line(summary), git_commit())
 
 
 def reward_summary(tracking_uri: str, run_id: str) -> dict[str, float]:
@@ -367,7 +374,7 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
         if job.server.managed:
             server_urls = start_servers(prov, job, model_path, str(out))
         eval_before = evaluate(job, model_path, server_urls[0], "before")
-        run_id = create_mlflow_run(job, tracking_uri, {"model": job.model, "dataset": job.dataset})
+        run_id = create_mlflow_run(job, tracking_uri, {"model": job.model, "dataset": job.dataset}, server_urls)
         if job.tracking.system_metrics:
             # CPU/GPU/memory of this machine for the rest of the job (server, trainers, evaluation).
             exit_stack.enter_context(system_metrics(run_id, tracking_uri))
@@ -382,7 +389,9 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
         while True:
             launch = training_launch(job, job_file if resumes == 0 else resume_file, ",".join(server_urls), model_path,
                                      run_id, tracking_uri, out)
-            with TrainingProgress(tracking_uri, run_id, job.trainer.max_steps, on_step=on_step), \
+            # A local trainer prints its step lines to this console itself; a cluster's only to its pod's log.
+            with TrainingProgress(tracking_uri, run_id, job.trainer.max_steps, on_step=on_step,
+                                  print_steps=not isinstance(prov, LocalProvisioner)), \
                     keep_fleet(prov, job, server_urls, tracking_uri, run_id):
                 code = train_attempt(prov, launch, pid_file=str(out / "trainer.pid"))
             if code == 0:
@@ -420,7 +429,7 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
     }
     summary["picture"] = run_picture(tracking_uri, run_id, heldout, out / "run.png", title=f"GRPO: model {job.model}, data {job.dataset}, seed {job.trainer.seed}")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    log_run_summary(tracking_uri, run_id, out / "summary.json", final_model_uri)
+    log_run_summary(tracking_uri, run_id, out / "summary.json", final_model_uri, job)
     summary_artifact(job, summary)
     return summary
 
@@ -469,19 +478,19 @@ def summary_markdown(job: JobConfig, summary: dict[str, Any], experiment_id: str
     uri, run_id = summary["mlflow_tracking_uri"], summary["mlflow_run_id"]
 
     def cell(key: str, value: Any) -> str:
-        if key == "mlflow_run_id":
+        if key == "mlflow_run_id" and not serve:
             return f"[{value}]({run_url(uri, experiment_id, value)})"
         if isinstance(value, float):
             return f"{value:.3f}"
         return f"`{value}`" if isinstance(value, str) else str(value)
 
-    serve = ui_command(uri)
+    serve = ui_command(uri, str(local_run_dir(job)))
     lines = [
         f"# GRPO run: {job.model} on {job.dataset}", "",
-        f"MLflow: [the run]({run_url(uri, experiment_id, run_id)}), "
-        f"[its charts]({run_url(uri, experiment_id, run_id, 'model-metrics')}), "
-        f"[experiment {job.tracking.experiment}]({experiment_url(uri, experiment_id)})"
-        + (f" (once `{serve}` serves the store)" if serve else ""), "",
+        (f"MLflow: `{serve}` serves the store and prints the links to the run, its charts and its experiment"
+         if serve else f"MLflow: [the run]({run_url(uri, experiment_id, run_id)}), "
+         f"[its charts]({run_url(uri, experiment_id, run_id, 'model-metrics')}), "
+         f"[experiment {job.tracking.experiment}]({experiment_url(uri, experiment_id)})"), "",
         f"Checkpoints: `{job.trainer.output_dir}`", "",
         "| summary | value |", "|---|---|",
         *(f"| {key} | {cell(key, value)} |" for key, value in summary.items()),

@@ -79,9 +79,13 @@ class AsyncGRPOConfig:
     """Log a table of prompts, completions and rewards to the tracker every ``logging_steps``."""
     num_completions_to_log: Annotated[int, Field(ge=1)] | None = None
     """With ``log_completions``: rows of each logged step in the table, its first groups (None: every completion of
-    the step, as TRL logs them). The table is one artifact that grows by these rows at each logged step."""
+    the step, as TRL logs them). Each logged step's rows are one artifact of their own (``completions/step-N.json``)."""
     num_completions_to_print: Annotated[int, Field(ge=0)] = 3
-    """With ``log_completions``: also print this many of each logged step's completions to the console."""
+    """With ``log_completions``: the rows of the console's completions table (``print_completions_steps``)."""
+    print_completions_steps: Annotated[int, Field(ge=1)] = 20
+    """With ``log_completions``: print a compact table of ``num_completions_to_print`` completions (reward, each reward
+    function's score, prompt and completion cut to a line) every N optimizer steps, at a step that is also logged; the
+    console otherwise gets one line per logged step. Every logged step's completions go to the tracker in full."""
 
     # ---- evaluation -----------------------------------------------------------------------------
     # One set of held-out settings, under transformers' and TRL's names; a job's flow derives its evaluation

@@ -7,7 +7,8 @@
     proxy.set_mode("pass")      # forwarded as they are
 
 It forwards whole requests and replies (bodies are buffered), keeps the client's ``Host`` header
-(request signatures stay valid), and counts what it did per mode (``proxy.counts``).
+(request signatures stay valid), and counts what it did per mode (``proxy.counts``) and the bytes of each forwarded
+request and reply (``proxy.traffic``: method, path, request body bytes, reply body bytes).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class FaultProxy:
         self.upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.mode = "pass"
         self.counts: Counter[str] = Counter()
+        self.traffic: list[tuple[str, str, int, int]] = []
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -83,6 +85,8 @@ class FaultProxy:
                     self.wfile.write(SLOW_DOWN)
                     return
                 status, reason, headers, reply = proxy._forward(self.command, self.path, self.headers, body)
+                with proxy._lock:
+                    proxy.traffic.append((self.command, self.path, len(body), len(reply)))
                 if mode == "drop":
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)

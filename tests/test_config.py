@@ -163,7 +163,9 @@ def test_each_vllm_flag_is_spelled_in_one_module(spelling):
 
 # HTTP requests outside the vLLM client: the Kubernetes API client (not a vLLM server).
 HTTP_CALL = re.compile(r"\bhttpx\.(get|post|put|delete|request|stream|Client|AsyncClient)\(")
-HTTP_CLIENT_MODULES = ["flows/kubernetes.py", "grpo_core/rollout/generation.py", "grpo_core/vllm_server/control.py"]
+# The vLLM clients, the Kubernetes API client, and grpo ui's check that the MLflow UI it started answers.
+HTTP_CLIENT_MODULES = ["flows/kubernetes.py", "grpo_core/rollout/generation.py", "grpo_core/tracking/ui.py",
+                       "grpo_core/vllm_server/control.py"]
 
 
 def test_every_vllm_server_request_goes_through_the_client_modules():

@@ -10,18 +10,28 @@ import json
 import time
 
 import mlflow
+import pandas
 import pytest
 
 from grpo_core.tracking.run_view import (
     EXPERIMENT_KIND_TAG,
-    EXPERIMENT_TAGS,
     HEADLINE_METRICS,
     HEADLINE_SECTION,
     RUNS_VIEW,
+    RUNS_VIEW_NAME,
     TRAINING_EXPERIMENT_KIND,
     experiment_url,
+    read_saved_view,
+    runs_view_state,
 )
-from grpo_core.tracking.tracker import MLflowTracker, complete_headline, log_transformers_model, system_metrics, training_experiment
+from grpo_core.tracking.tracker import (
+    MLflowTracker,
+    complete_headline,
+    log_transformers_model,
+    read_table,
+    system_metrics,
+    training_experiment,
+)
 from tests.test_checkpoint import model_path  # noqa: F401 - fixture
 
 
@@ -30,21 +40,30 @@ def store(tmp_path) -> str:
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
 
 
-def test_experiments_are_of_the_training_kind_and_open_on_the_headline_columns(store):
+VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW}"
+
+
+def test_experiments_are_of_the_training_kind_and_open_on_their_saved_headline_view(store):
     client = mlflow.MlflowClient(store)
     made = training_experiment(client, "made")
-    assert client.get_experiment(made).tags == EXPERIMENT_TAGS
-    assert EXPERIMENT_TAGS[EXPERIMENT_KIND_TAG] == TRAINING_EXPERIMENT_KIND
-    view = json.loads(EXPERIMENT_TAGS[f"mlflow.sharedViewState.{RUNS_VIEW}"])
-    assert "metrics.`reward`" in view["selectedColumns"] and f"viewStateShareKey={RUNS_VIEW}" in experiment_url(store, made)
-    # One made elsewhere without a kind gets it; a kind someone chose stays; a stale view is replaced.
+    tags = client.get_experiment(made).tags
+    assert tags[EXPERIMENT_KIND_TAG] == TRAINING_EXPERIMENT_KIND
+    assert read_saved_view(tags[VIEW_TAG]) == (RUNS_VIEW_NAME, runs_view_state())
+    assert f"viewStateShareKey={RUNS_VIEW}" in experiment_url("http://127.0.0.1:1", made)
+    # Opened again, the same view is left as it is (its times too).
+    training_experiment(client, "made")
+    assert client.get_experiment(made).tags[VIEW_TAG] == tags[VIEW_TAG]
+    # One made elsewhere without a kind gets it; a kind someone chose stays; a view in the form the UI does not
+    # list (a bare state) is replaced by a saved view.
     bare = client.create_experiment("bare")
     chosen = client.create_experiment("chosen", tags={EXPERIMENT_KIND_TAG: "finetuning",
-                                                      f"mlflow.sharedViewState.{RUNS_VIEW}": "{}"})
+                                                      VIEW_TAG: json.dumps(runs_view_state())})
     assert training_experiment(client, "bare") == bare
-    assert client.get_experiment(bare).tags == EXPERIMENT_TAGS
+    assert client.get_experiment(bare).tags[EXPERIMENT_KIND_TAG] == TRAINING_EXPERIMENT_KIND
     training_experiment(client, "chosen")
-    assert client.get_experiment(chosen).tags == {**EXPERIMENT_TAGS, EXPERIMENT_KIND_TAG: "finetuning"}
+    chosen_tags = client.get_experiment(chosen).tags
+    assert chosen_tags[EXPERIMENT_KIND_TAG] == "finetuning"
+    assert read_saved_view(chosen_tags[VIEW_TAG]) == (RUNS_VIEW_NAME, runs_view_state())
 
 
 def test_the_tracker_writes_headline_copies_and_param_texts(store):
@@ -69,11 +88,11 @@ def test_the_tracker_writes_headline_copies_and_param_texts(store):
 def test_metrics_the_flow_logs_itself_reach_the_headline_once(store):
     client = mlflow.MlflowClient(store)
     run_id = client.create_run(training_experiment(client, "grpo")).info.run_id
-    client.log_metric(run_id, "eval/accuracy", 0.25, step=0)
-    client.log_metric(run_id, "eval/accuracy", 0.5, step=3)
+    client.log_metric(run_id, "heldout_accuracy", 0.25, step=0)
+    client.log_metric(run_id, "heldout_accuracy", 0.5, step=3)
     assert complete_headline(client, run_id) == 2
     assert complete_headline(client, run_id) == 0
-    copies = client.get_metric_history(run_id, f"{HEADLINE_SECTION}/{HEADLINE_METRICS['eval/accuracy']}")
+    copies = client.get_metric_history(run_id, f"{HEADLINE_SECTION}/{HEADLINE_METRICS['heldout_accuracy']}")
     assert sorted((m.step, m.value) for m in copies) == [(0, 0.25), (3, 0.5)]
 
 
@@ -96,14 +115,15 @@ def test_the_final_model_is_registered_at_its_step_with_the_runs_metrics(store, 
     assert [o.step for o in client.get_run(run_id).outputs.model_outputs] == [3]
     versions = client.search_model_versions("name = 'tiny-test'")
     assert [(v.run_id, v.source) for v in versions] == [(run_id, uri)]  # the version is this logged model
-    assert client.get_run(run_id).data.tags["final_model"] == uri
+    tags = client.get_run(run_id).data.tags
+    assert tags["final_model"] == "models:/tiny-test/1" and tags["final_model_id"] == model_id
     # The held-out accuracy after the final sync comes later, from the flow: linked to the model once.
-    client.log_metric(run_id, "eval/accuracy", 0.4, step=3)
+    client.log_metric(run_id, "heldout_accuracy", 0.4, step=3)
     assert link_model_metrics(client, run_id, model_id) == 1
     assert link_model_metrics(client, run_id, model_id) == 0
     metrics = {(m.key, m.step, m.value) for m in mlflow.get_logged_model(model_id).metrics}
-    assert metrics == final_step | {("eval/accuracy", 3, 0.4)}
-    assert len(client.get_metric_history(run_id, "eval/accuracy")) == 1  # the run's history gained nothing
+    assert metrics == final_step | {("heldout_accuracy", 3, 0.4)}
+    assert len(client.get_metric_history(run_id, "heldout_accuracy")) == 1  # the run's history gained nothing
 
 
 def test_a_block_shorter_than_the_sampling_interval_still_logs_system_metrics(store):
@@ -115,3 +135,21 @@ def test_a_block_shorter_than_the_sampling_interval_still_logs_system_metrics(st
         pass  # over long before the first interval ends, as a short run is
     metrics = client.get_run(run_id).data.metrics
     assert any(k.startswith("system/cpu") for k in metrics), sorted(metrics)
+
+
+def test_each_logged_step_is_a_table_file_of_its_own_that_mlflow_reads(store, tmp_path):
+    tracker = MLflowTracker(store, "grpo", "run")
+    for step in (1, 2, 10):
+        tracker.log_table("completions", {"step": [step, step], "prompt": ["p", "q"], "completion": ["a", "b"],
+                                          "reward": [1.0, None], "accuracy_reward": [1.0, 0.0]}, step=step)
+    tracker.close()
+    client = mlflow.MlflowClient(store)
+    files = [a.path for a in client.list_artifacts(tracker.run_id, "completions")]
+    assert files == ["completions/step-00000001.json", "completions/step-00000002.json", "completions/step-00000010.json"]
+    # The layout of MLflow's tables, as pandas reads it; read_table joins a run's steps.
+    table = pandas.read_json(client.download_artifacts(tracker.run_id, "completions/step-00000010.json", str(tmp_path)),
+                             orient="split")
+    assert list(table.columns) == ["step", "prompt", "completion", "reward", "accuracy_reward"]
+    assert table["step"].tolist() == [10, 10] and table["accuracy_reward"].tolist() == [1.0, 0.0]
+    joined = read_table(client, tracker.run_id, "completions")
+    assert joined["step"].tolist() == [1, 1, 2, 2, 10, 10] and joined["reward"].isna().tolist() == [False, True] * 3

@@ -17,17 +17,27 @@ from grpo_core.launch.job import JobConfig
 from grpo_core.tracking.run_view import (
     HEADLINE_METRICS,
     HEADLINE_SECTION,
+    HELDOUT_CI95,
     MULTI_TURN_METRICS,
+    OWN_PREFIX,
     RUNS_VIEW,
+    RUNS_VIEW_NAME,
     TRAINING_WORKFLOW,
+    TRL_TRAINER_FIELDS,
     as_params,
     constant_metrics,
     constant_tags,
+    experiment_tags,
     experiment_url,
     job_params,
+    machine_tags,
     param_text,
+    read_saved_view,
     resolved_tags,
     run_url,
+    runs_view_state,
+    saved_view,
+    trainer_param_values,
     ui_command,
     with_headline,
 )
@@ -50,7 +60,7 @@ def ui_section_order(metrics: list[str]) -> list[str]:
 
 # Every section the trainer and the flow log into, with names a user's own reward function or tool may add.
 LOGGED = ["reward", "loss", "grad_norm", "batch/packing_ratio", "checkpoint/seconds", "clip_ratio/low_mean",
-          "completions/mean_length", "eval/accuracy", "eval/rewards/accuracy_reward", "perf/step_s",
+          "completions/mean_length", "heldout_accuracy", "eval/rewards/accuracy_reward", "perf/step_s",
           "rewards/Accuracy/mean", "rewards/_private/mean", "rollout/generated_tok_s", "sample/staleness_mean",
           "sampling/ratio_mean", "sync/seconds", "system/cpu_utilization_percentage", "tools/Calc/calls",
           "train/rerun_step", "env/reward", "moe/aux_loss"]
@@ -65,8 +75,10 @@ def test_the_headline_section_is_laid_out_first_and_holds_a_copy_of_each_headlin
     copies = {k: v for k, v in charted.items() if k not in metrics}
     present = [k for k in HEADLINE_METRICS if k in metrics]
     assert copies == {f"{HEADLINE_SECTION}/{HEADLINE_METRICS[k]}": metrics[k] for k in present}
-    # Six charts: one row or two on the metrics page, above the fold.
+    # Six charts: two rows on the metrics page; the UI sorts them by name, three to a row at 1366 pixels, and the
+    # held-out accuracy and the reward are in the first row.
     assert len(set(HEADLINE_METRICS.values())) == len(HEADLINE_METRICS) <= 6
+    assert {HEADLINE_METRICS["reward"], HEADLINE_METRICS["heldout_accuracy"]} <= set(sorted(HEADLINE_METRICS.values())[:3])
 
 
 def test_constant_metrics_follow_the_settings():
@@ -101,19 +113,62 @@ def test_job_params_use_trl_names_once_each():
         "tracking": {"experiment": "x"}, "rendezvous_address": "10.0.0.1",
     }).model_dump_json())
     params = as_params(redact(job_params(job)))  # as MLflowTracker.log_params writes them
-    assert params["vllm_env.VLLM_LOGGING_LEVEL"] == "INFO" and "s3cr3t" not in json.dumps(params)
+    assert params["grpo.server.env.VLLM_LOGGING_LEVEL"] == "INFO" and "s3cr3t" not in json.dumps(params)
     assert params["model_name_or_path"] == "Qwen/Qwen3-0.6B" and params["dataset_name"] == "tiny:arithmetic"
     assert json.loads(params["reward_funcs"]) == job["reward_funcs"]
     assert (params["use_peft"], params["lora_r"], params["lora_alpha"], params["lora_target_modules"]) == (
         "True", "16", "32", "all-linear")
-    assert params["vllm_max_model_len"] == "2048" and params["vllm_dtype"] == "bfloat16"
+    assert params["grpo.server.max_model_len"] == "2048" and params["grpo.server.dtype"] == "bfloat16"
+    assert params["grpo.max_resumes"] == "3"  # the project's own settings under its prefix
     # Where the run happens, and what is unset, is no param; nothing is logged under a job.* prefix.
-    for absent in ("vllm_base_url", "vllm_managed", "experiment", "rendezvous_address", "tools", "environment_factory",
-                   "vllm_max_loras", "model", "dataset"):
+    for absent in ("grpo.server.base_url", "grpo.server.managed", "experiment", "rendezvous_address", "grpo.tools",
+                   "grpo.environment_factory", "grpo.server.max_loras", "model", "dataset"):
         assert absent not in params, absent
     assert not [k for k in params if k.startswith(("job.", "trainer", "server", "tracking"))]
     # One name per setting: none of the job's is also a trainer setting's.
     assert not set(params) & {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
+
+
+def test_trainer_params_keep_trls_names_record_the_servers_used_and_contradict_nothing(tmp_path):
+    config = dataclasses.asdict(AsyncGRPOConfig(output_dir=str(tmp_path / "demo"), do_eval=True))
+    used = ["http://127.0.0.1:41234", "http://127.0.0.1:41235"]
+    params = as_params(trainer_param_values(config, used))
+    # TRL's settings under TRL's names, the project's own as grpo.<name>: every field once, nothing else.
+    assert params["learning_rate"] == "1e-06" and params["max_staleness"] == "4"
+    assert params[f"{OWN_PREFIX}packing"] == "tree" and "packing" not in params
+    own = {k.removeprefix(OWN_PREFIX) for k in params if k.startswith(OWN_PREFIX)}
+    assert not own & TRL_TRAINER_FIELDS and not {k for k in params if not k.startswith(OWN_PREFIX)} - TRL_TRAINER_FIELDS
+    # The servers the run used, not the default URL; one server as its URL.
+    assert json.loads(params["vllm_server_base_url"]) == used
+    assert as_params(trainer_param_values(config, used[:1]))["vllm_server_base_url"] == used[0]
+    assert "localhost:8000" not in json.dumps(params)
+    # No do_eval=True beside eval_strategy=no: the before/after evaluation has a name of its own.
+    assert "do_eval" not in params and params[f"{OWN_PREFIX}heldout_before_after"] == "True"
+    assert params["eval_strategy"] == "no"
+    # No path of this machine in a param: the folder's name, the path as a tag.
+    assert params["output_dir"] == "demo" and str(tmp_path) not in json.dumps(params)
+    assert machine_tags(config["output_dir"]) == {"resolved.output_dir": str(tmp_path / "demo")}
+    remote = dataclasses.asdict(AsyncGRPOConfig(output_dir="s3://bucket/runs/a"))
+    assert trainer_param_values(remote)["output_dir"] == "s3://bucket/runs/a"
+
+
+def test_the_experiments_view_is_a_saved_view_the_ui_lists():
+    tags = experiment_tags(now_ms=1_700_000_000_000)
+    value = tags[f"mlflow.sharedViewState.{RUNS_VIEW}"]
+    envelope = json.loads(value)
+    # The fields and types MLflow's UI checks before it lists a view (a string state, a number createdAt).
+    assert isinstance(envelope["name"], str) and isinstance(envelope["state"], str)
+    assert envelope["createdAt"] == envelope["updatedAt"] == 1_700_000_000_000
+    assert read_saved_view(value) == (RUNS_VIEW_NAME, runs_view_state())
+    columns = runs_view_state()["selectedColumns"]
+    assert "metrics.`reward`" in columns and "metrics.`heldout_accuracy`" in columns
+    # Metric columns sort by name: the held-out accuracy and the reward come among the first three.
+    metric_columns = sorted(c for c in columns if c.startswith("metrics."))
+    assert {"metrics.`heldout_accuracy`", "metrics.`reward`"} <= set(metric_columns[:3])
+    assert not {f"metrics.`{n}`" for n in HELDOUT_CI95} & set(columns)  # the interval is on the run's page
+    # The form the UI loads through a link but does not list is told apart.
+    assert read_saved_view(json.dumps(runs_view_state())) is None and read_saved_view("not json") is None
+    assert read_saved_view(saved_view("v", {}, True)) is None  # a bool is no time
 
 
 def test_links_open_the_training_view_of_the_right_experiment():
@@ -123,10 +178,13 @@ def test_links_open_the_training_view_of_the_right_experiment():
     assert run_url(server, "7", "abc") == f"http://mlflow.example:5000/#/experiments/7/runs/abc?{TRAINING_WORKFLOW}"
     assert run_url(server, "7", "abc", "model-metrics").endswith("/#/experiments/7/runs/abc/model-metrics?"
                                                                  "workflowType=machine_learning")
-    assert ui_command(server) is None
+    assert ui_command(server, "outputs/demo") is None
+    # A store has no address until something serves it: no link, but the command (full path) that serves it.
     store = "sqlite:////tmp/run/mlflow.db"
-    assert run_url(store, "1", "abc").startswith("http://127.0.0.1:5000/#/experiments/1/runs/abc")
-    assert ui_command(store) == f"mlflow ui --backend-store-uri {store}"
+    with pytest.raises(ValueError, match="grpo ui"):
+        run_url(store, "1", "abc")
+    command = ui_command(store, "/tmp/run")
+    assert command.endswith(" ui /tmp/run") and command.startswith("/")
 
 
 # ---------------------------------------------------------------------------------------------- Prefect
@@ -144,7 +202,7 @@ def test_the_summary_artifact_has_a_header_and_links_to_the_run_in_its_experimen
     assert "/#/experiments/0/" not in markdown and "| reward_last | 1.532 |" in lines
     assert experiment_url("http://127.0.0.1:5000", "4") in markdown
     local = summary_markdown(job, {**summary, "mlflow_tracking_uri": "sqlite:////tmp/x/mlflow.db"}, "1")
-    assert "mlflow ui --backend-store-uri sqlite:////tmp/x/mlflow.db" in local  # what serves those links
+    assert " ui " in local and "http://127.0.0.1:5000" not in local  # the command that serves the store and links
 
 
 def test_deployments_are_registered_with_their_whole_job():

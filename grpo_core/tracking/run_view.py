@@ -10,9 +10,12 @@ checked in a browser against a real server (``docs/screenshots.py``):
   still reads the experiment's own kind take it from the tag ``mlflow.experimentKind``. So an experiment is
   created with that tag set to a training kind (``EXPERIMENT_TAGS``), and every link carries the parameter
   (``experiment_url``, ``run_url``).
-- The runs table shows no metric column until someone picks one. A view saved as the experiment tag
-  ``mlflow.sharedViewState.<key>`` is what the UI loads for a link with ``viewStateShareKey=<key>``; the
-  experiment gets one that shows the headline metrics (``RUNS_VIEW``), and its link names it.
+- The runs table shows no metric column until someone picks one. A saved view is the experiment tag
+  ``mlflow.sharedViewState.<key>`` holding ``{"name", "createdAt", "updatedAt", "state"}`` (times in ms, the
+  state as JSON text): the UI lists it under "Views" (by name) and loads it for a link with
+  ``viewStateShareKey=<key>``; a tag in another form is still loaded by such a link but not listed, so a reload
+  or a bookmark loses it. The experiment gets one that shows the headline metrics (``RUNS_VIEW``,
+  ``saved_view``), and its link names it.
 - A run's metric charts are grouped in sections named by the metric up to its last ``/``. Sections are sorted
   as JavaScript sorts strings (by code point: digits before capitals before ``_`` before lower case); the
   metrics without a ``/`` ("Model metrics") and ``system/`` come after all of them. The metrics a person reads
@@ -25,6 +28,7 @@ checked in a browser against a real server (``docs/screenshots.py``):
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
@@ -32,38 +36,66 @@ TRAINING_EXPERIMENT_KIND = "custom_model_development"
 """The kind MLflow's UI itself writes for a "Machine learning" experiment (its other choice is GenAI)."""
 TRAINING_WORKFLOW = "workflowType=machine_learning"
 """The URL parameter that makes MLflow's UI show runs, not GenAI traces."""
-LOCAL_UI = "http://127.0.0.1:5000"
-"""Where ``mlflow ui`` serves by default: the UI of a store that is a file or a database, not a server."""
 
 HEADLINE_SECTION = "0_headline"
 """Sorts before every other section of metric charts (a digit comes before any letter)."""
-HELDOUT_ACCURACY = "eval/accuracy"
-"""The held-out accuracy the flow logs before training (step 0) and after the final weight sync (the last step)."""
+HELDOUT_ACCURACY = "heldout_accuracy"
+"""The held-out accuracy the flow logs before training (step 0) and after the final weight sync (the last step): a
+name without ``/``, so a search needs no quoting (``metrics.heldout_accuracy > 0.5``)."""
+HELDOUT_CI95 = ("heldout_accuracy_ci95_low", "heldout_accuracy_ci95_high")
+"""The bounds of its 95% interval over problems, at the same steps."""
 HEADLINE_METRICS: dict[str, str] = {
     "reward": "reward",
-    HELDOUT_ACCURACY: "heldout_accuracy",
-    "loss": "loss",
+    HELDOUT_ACCURACY: HELDOUT_ACCURACY,
+    "loss": "train_loss",
     # The mean trainer-minus-sampler log-ratio of the trained tokens: how far off-policy a step trained.
-    "sampling/logprob_diff_mean": "logprob_diff_mean",
+    "sampling/logprob_diff_mean": "sampler_logprob_gap",
     "rollout/generated_tok_s": "tokens_per_s",
     "sample/staleness_mean": "staleness_mean",
 }
-"""Metrics repeated under ``HEADLINE_SECTION``: the source's name to the chart's name in that section."""
+"""Metrics repeated under ``HEADLINE_SECTION``: the source's name to the chart's name in that section. The UI lays a
+section's charts out sorted by name, three to a row on a 1366-pixel screen: the names put the held-out accuracy and
+the reward in the first row (``heldout_accuracy``, ``reward``, ``sampler_logprob_gap``), the rest after."""
 
 
 RUNS_VIEW = "training"
-"""The key of the experiment's runs view (``runs_view_state``) in the tag ``mlflow.sharedViewState.<key>``."""
+"""The key of the experiment's saved runs view (``saved_view``) in the tag ``mlflow.sharedViewState.<key>``."""
+RUNS_VIEW_NAME = "Training: headline metrics"
+"""The name the UI lists that view under ("Views")."""
+SAVED_VIEW_PREFIX = "mlflow.sharedViewState."
 
 
 def runs_view_state() -> dict[str, Any]:
-    """The runs table's state the experiment's link opens: the registered model and the headline metrics as
-    columns, under their own names (the UI lays metric columns out sorted by name)."""
+    """The runs table's state the experiment's view holds: the registered model and the headline metrics as
+    columns, under their own names (the UI lays metric columns out sorted by name: ``heldout_accuracy``, ``loss`` and
+    ``reward`` first, on screen at 1366 pixels; the interval is on the run's page)."""
     return {"selectedColumns": ["attributes.`Models`", *(f"metrics.`{name}`" for name in HEADLINE_METRICS)]}
 
 
-EXPERIMENT_TAGS = {EXPERIMENT_KIND_TAG: TRAINING_EXPERIMENT_KIND,
-                   f"mlflow.sharedViewState.{RUNS_VIEW}": json.dumps(runs_view_state())}
-"""Tags of an experiment this package makes: its kind, and the runs view its links open."""
+def saved_view(name: str, state: dict[str, Any], created_at_ms: int, updated_at_ms: int | None = None) -> str:
+    """A saved view's tag value as MLflow's UI writes and lists it: its name, creation and update times (ms since
+    the epoch) and the view's state as JSON text."""
+    return json.dumps({"name": name, "createdAt": created_at_ms, "updatedAt": updated_at_ms or created_at_ms,
+                       "state": json.dumps(state)})
+
+
+def read_saved_view(value: str) -> tuple[str, dict[str, Any]] | None:
+    """The name and state of a saved view's tag value, or None when the UI would not list it (another form)."""
+    try:
+        view = json.loads(value)
+        if isinstance(view, dict) and isinstance(view.get("name"), str) and isinstance(view.get("state"), str) \
+                and isinstance(view.get("createdAt"), (int, float)) and not isinstance(view["createdAt"], bool):
+            return view["name"], json.loads(view["state"])
+    except (TypeError, ValueError):
+        pass
+    return None
+
+
+def experiment_tags(now_ms: int | None = None) -> dict[str, str]:
+    """Tags of an experiment this package makes: its kind, and the runs view its links open (created ``now_ms``)."""
+    created = int(time.time() * 1000) if now_ms is None else now_ms
+    return {EXPERIMENT_KIND_TAG: TRAINING_EXPERIMENT_KIND,
+            f"{SAVED_VIEW_PREFIX}{RUNS_VIEW}": saved_view(RUNS_VIEW_NAME, runs_view_state(), created)}
 
 
 def headline_name(source: str) -> str:
@@ -144,8 +176,63 @@ def _lora_param(key: str) -> str:
     return key if key.startswith(("lora_", "use_")) else f"lora_{key}"
 
 
+TRL_TRAINER_FIELDS = frozenset({
+    # transformers' TrainingArguments
+    "output_dir", "max_steps", "num_train_epochs", "logging_steps", "seed", "run_name", "report_to", "eval_strategy",
+    "eval_steps", "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2",
+    "adam_epsilon", "max_grad_norm", "per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16",
+    "gradient_checkpointing", "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint",
+    "ignore_data_skip",
+    # TRL's GRPOConfig and AsyncGRPOConfig
+    "num_generations", "num_generations_eval", "max_completion_length", "temperature", "top_p", "top_k",
+    "chat_template_kwargs", "max_tool_calling_iterations", "fork_threshold_tokens", "reward_weights", "scale_rewards",
+    "epsilon", "epsilon_high", "token_budget", "max_staleness", "queue_maxsize", "weight_sync_steps",
+    "vllm_server_base_url", "vllm_server_timeout", "request_timeout", "log_completions", "num_completions_to_print",
+})
+"""``AsyncGRPOConfig`` fields that TRL (or transformers) has under the same name and meaning: logged under that name,
+so a search written for a TRL run (``params.learning_rate``) finds ours."""
+OWN_PREFIX = "grpo."
+"""Params of this project's own settings (no TRL counterpart) are ``grpo.<setting>``: they sort together, apart from
+TRL's, and a TRL name cannot be mistaken for one of ours."""
+HELDOUT_BEFORE_AFTER = "heldout_before_after"
+"""``do_eval`` as a param name: here it means the flow's held-out evaluation before and after training, which
+beside ``eval_strategy=no`` (no evaluation during training) would read as a contradiction under transformers' name."""
+
+
+def local_output_dir(output_dir: str) -> bool:
+    return "://" not in output_dir
+
+
+def trainer_param_values(values: dict[str, Any], server_urls: list[str] | None = None) -> dict[str, Any]:
+    """The trainer's settings (``AsyncGRPOConfig`` as a dict) as params of what the run used: TRL's under TRL's names
+    (``TRL_TRAINER_FIELDS``), the rest as ``grpo.<name>``; ``vllm_server_base_url`` the server(s) the run used
+    (``server_urls``, where the flow started them), one URL or a list; ``do_eval`` as ``grpo.heldout_before_after``;
+    a local ``output_dir`` as its folder's name (the machine's path is the tag ``resolved.output_dir``,
+    ``machine_tags``)."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if key == "vllm_server_base_url" and server_urls:
+            value = server_urls[0] if len(server_urls) == 1 else list(server_urls)
+        elif key == "output_dir" and local_output_dir(str(value)):
+            value = str(value).rstrip("/").rsplit("/", 1)[-1] or str(value)
+        elif key == "do_eval":
+            key = HELDOUT_BEFORE_AFTER
+        out[key if key in TRL_TRAINER_FIELDS else f"{OWN_PREFIX}{key}"] = value
+    return out
+
+
+def machine_tags(output_dir: str) -> dict[str, str]:
+    """Where this run's files are on the machine that ran it (a tag: another machine resolves it elsewhere)."""
+    from pathlib import Path
+
+    where = str(Path(output_dir).absolute()) if local_output_dir(output_dir) else output_dir
+    return {"resolved.output_dir": where}
+
+
 JOB_PARAM_NAMES = {"model": "model_name_or_path", "dataset": "dataset_name"}
 """Job keys a TRL script takes under another name (TRL's ``ModelConfig`` and ``ScriptArguments``)."""
+TRL_JOB_KEYS = frozenset({"model_name_or_path", "dataset_name", "reward_funcs"})
+"""Job keys under TRL's script names; the job's other keys are this project's (``OWN_PREFIX``)."""
 UNLOGGED_JOB_KEYS = frozenset({"trainer", "server", "tracking", "peft_config", "rendezvous_address", "rendezvous_port"})
 """Job keys that are not one setting each (logged field by field) or say where the run happens, not what it trains."""
 UNLOGGED_SERVER_KEYS = frozenset({"managed", "base_url", "startup_timeout_s"})
@@ -153,39 +240,74 @@ UNLOGGED_SERVER_KEYS = frozenset({"managed", "base_url", "startup_timeout_s"})
 
 
 def job_params(job: dict[str, Any]) -> dict[str, Any]:
-    """The job's settings beyond the trainer's, one param each under the name a TRL user knows: ``model_name_or_path``,
-    ``dataset_name``, ``reward_funcs``; LoRA as ``use_peft`` and ``lora_*`` (``lora_r``, ``lora_alpha``,
-    ``lora_target_modules``); the vLLM server's options as ``vllm_<option>`` (``vllm_max_model_len``). ``job`` is a
-    ``JobConfig`` as a dict. Values stay as they are (``vllm_env`` a mapping): the tracker drops credential-like keys
-    (``tracker.redact``) before it writes them as text."""
-    values: dict[str, Any] = {JOB_PARAM_NAMES.get(k, k): v for k, v in job.items() if k not in UNLOGGED_JOB_KEYS}
+    """The job's settings beyond the trainer's, one param each: under the name a TRL user knows where TRL has one
+    (``model_name_or_path``, ``dataset_name``, ``reward_funcs``; LoRA as ``use_peft`` and ``lora_*``: ``lora_r``,
+    ``lora_alpha``, ``lora_target_modules``), else ``grpo.<key>`` (``grpo.max_resumes``), and the vLLM server's
+    options as ``grpo.server.<option>`` (``grpo.server.max_model_len``). ``job`` is a ``JobConfig`` as a dict. Values
+    stay as they are (``grpo.server.env`` a mapping): the tracker drops credential-like keys (``tracker.redact``)
+    before it writes them as text."""
+    values: dict[str, Any] = {}
+    for key, value in job.items():
+        if key in UNLOGGED_JOB_KEYS:
+            continue
+        name = JOB_PARAM_NAMES.get(key, key)
+        values[name if name in TRL_JOB_KEYS else f"{OWN_PREFIX}{name}"] = value
     lora = job.get("peft_config")
     values["use_peft"] = lora is not None
     values.update({_lora_param(k): v for k, v in (lora or {}).items()})
-    values.update({f"vllm_{k}": v for k, v in (job.get("server") or {}).items() if k not in UNLOGGED_SERVER_KEYS})
+    values.update({f"{OWN_PREFIX}server.{k}": v for k, v in (job.get("server") or {}).items()
+                   if k not in UNLOGGED_SERVER_KEYS})
     return values
 
 
 # ---------------------------------------------------------------------------------------------- links
-def ui_base(tracking_uri: str) -> str:
-    """The address of the MLflow UI that shows the store at ``tracking_uri``: the server itself, or where
-    ``mlflow ui --backend-store-uri <store>`` serves for a file or database store."""
-    return tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else LOCAL_UI
+def serves_ui(tracking_uri: str) -> bool:
+    """Whether ``tracking_uri`` is a server, whose address is its UI's; a file or database store has a UI only while
+    something serves it (``grpo ui``), at an address chosen then."""
+    return tracking_uri.startswith(("http://", "https://"))
 
 
-def ui_command(tracking_uri: str) -> str | None:
-    """The command that serves the UI of a file or database store (None for a server, which serves its own)."""
-    if tracking_uri.startswith(("http://", "https://")):
+def grpo_command() -> str:
+    """This installation's ``grpo`` command by its full path, so that it runs as printed in a new shell (one where
+    the virtual environment is not active): the ``grpo`` script beside this Python, else this Python with ``-m``."""
+    import shlex
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).with_name("grpo")
+    if script.is_file():
+        return shlex.quote(str(script.absolute()))
+    return f"{shlex.quote(str(Path(sys.executable).absolute()))} -m flows.cli"
+
+
+def ui_command(tracking_uri: str, target: str) -> str | None:
+    """The command that serves the UI of a file or database store and prints the run's links (None for a server,
+    which serves its own): ``grpo ui <target>``, ``target`` a run's output folder or the store's URI."""
+    import shlex
+
+    if serves_ui(tracking_uri):
         return None
-    return f"mlflow ui --backend-store-uri {tracking_uri}"
+    return f"{grpo_command()} ui {shlex.quote(target)}"
 
 
-def experiment_url(tracking_uri: str, experiment_id: str) -> str:
-    """The experiment's runs (not its GenAI views) in the UI, with the headline metrics as columns."""
-    return f"{ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs?{TRAINING_WORKFLOW}&viewStateShareKey={RUNS_VIEW}"
+def ui_base(address: str) -> str:
+    """The UI's address without a trailing ``/``: a tracking server's URI, or where ``grpo ui`` serves a store."""
+    if not serves_ui(address):
+        raise ValueError(f"{address} is a store, not a UI address: serve it (grpo ui) and link to where that serves")
+    return address.rstrip("/")
 
 
-def run_url(tracking_uri: str, experiment_id: str, run_id: str, tab: str | None = None) -> str:
-    """A run's page (``tab``: ``model-metrics``, ``artifacts``, ...) in the UI."""
+def experiment_url(ui: str, experiment_id: str) -> str:
+    """The experiment's runs (not its GenAI views) in the UI at ``ui``, opened on its saved headline view."""
+    return f"{ui_base(ui)}/#/experiments/{experiment_id}/runs?{TRAINING_WORKFLOW}&viewStateShareKey={RUNS_VIEW}"
+
+
+def run_url(ui: str, experiment_id: str, run_id: str, tab: str | None = None) -> str:
+    """A run's page (``tab``: ``model-metrics``, ``artifacts``, ...) in the UI at ``ui``."""
     path = f"runs/{run_id}" + (f"/{tab}" if tab else "")
-    return f"{ui_base(tracking_uri)}/#/experiments/{experiment_id}/{path}?{TRAINING_WORKFLOW}"
+    return f"{ui_base(ui)}/#/experiments/{experiment_id}/{path}?{TRAINING_WORKFLOW}"
+
+
+def model_version_url(ui: str, name: str, version: str) -> str:
+    """A registered model version's page in the UI at ``ui``."""
+    return f"{ui_base(ui)}/#/models/{name}/versions/{version}?{TRAINING_WORKFLOW}"

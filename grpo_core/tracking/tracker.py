@@ -32,7 +32,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-from grpo_core.tracking.run_view import EXPERIMENT_KIND_TAG, EXPERIMENT_TAGS, HEADLINE_METRICS, as_params, with_headline
+from grpo_core.tracking.run_view import (
+    EXPERIMENT_KIND_TAG,
+    HEADLINE_METRICS,
+    as_params,
+    experiment_tags,
+    machine_tags,
+    read_saved_view,
+    trainer_param_values,
+    with_headline,
+)
 
 log = logging.getLogger(__name__)
 
@@ -186,10 +195,12 @@ class MLflowTracker:
         self._outbox.put(f"tag artifact.{name}", functools.partial(self._client.set_tag, self.run_id, f"artifact.{name}", uri))
 
     def log_table(self, name: str, columns: dict[str, list[Any]], step: int) -> None:
-        """Append rows to the run's table ``<name>.json`` (MLflow's table artifact, shown in its UI's
-        evaluation view); ``columns`` maps column names to equally long lists."""
-        self._outbox.put(f"table {name} at step {step}", functools.partial(
-            self._client.log_table, self.run_id, data=columns, artifact_file=f"{name}.json"))
+        """The rows of ``step`` as the table ``<name>/step-<step>.json`` (``table_file``): one new file per logged
+        step, written once and never read back, so a step's write costs the same at step 10 and at step 10,000
+        (MLflow's own ``log_table`` downloads the whole table and uploads it again to add rows).
+        ``columns`` maps column names to equally long lists."""
+        path, text = table_file(name, columns, step)
+        self._outbox.put(f"table {path}", functools.partial(self._client.log_text, self.run_id, text, path))
 
     def last_logged_step(self, key: str) -> int | None:
         """Highest step at which ``key`` was logged in this run (a resumed trainer marks re-runs up to it)."""
@@ -235,28 +246,60 @@ def make_tracker(config: Any, is_main: bool = True, experiment: str = "grpo") ->
     tracker = MLflowTracker(os.environ.get("MLFLOW_TRACKING_URI"), experiment, name,
                             flush_timeout_s=config.tracking_flush_timeout_s)
     tracker.log_params(trainer_params(config))
+    tracker.set_tags(machine_tags(str(config.output_dir)))
     return tracker
 
 
-def trainer_params(config: Any) -> dict[str, Any]:
-    """The trainer's settings as top-level params under their own names (``learning_rate``, not
-    ``job.trainer.learning_rate``), so a search written for a TRL run (``params.learning_rate``) finds it."""
+def trainer_params(config: Any, server_urls: list[str] | None = None) -> dict[str, Any]:
+    """The trainer's settings as top-level params (``learning_rate``, not ``job.trainer.learning_rate``): TRL's under
+    TRL's names, so a search written for a TRL run (``params.learning_rate``) finds it, this project's as
+    ``grpo.<name>``, and the servers the run used (``run_view.trainer_param_values``)."""
     import dataclasses
 
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return trainer_param_values({f.name: getattr(config, f.name) for f in dataclasses.fields(config)}, server_urls)
+
+
+def table_file(name: str, columns: dict[str, list[Any]], step: int) -> tuple[str, str]:
+    """The artifact path and text of one logged step's rows of table ``name``: ``<name>/step-<step:08d>.json`` in
+    the layout MLflow's tables use (``{"columns": [...], "data": [[...], ...]}``, what ``MlflowClient.load_table``
+    and ``pandas.read_json(orient="split")`` read), so the files sort by step."""
+    names = list(columns)
+    rows = [list(row) for row in zip(*(columns[c] for c in names), strict=True)]
+    return f"{name}/step-{step:08d}.json", json.dumps({"columns": names, "data": rows}, default=str)
+
+
+def read_table(client: Any, run_id: str, name: str) -> Any:
+    """The table ``name`` of run ``run_id`` (``MLflowTracker.log_table``: a file per logged step) as one
+    ``pandas.DataFrame``, its steps in order; empty when the run logged none."""
+    import tempfile
+
+    import pandas
+
+    files = sorted(a.path for a in client.list_artifacts(run_id, name) if a.path.endswith(".json"))
+    with tempfile.TemporaryDirectory(prefix="grpo-table-") as tmp:
+        parts = [pandas.read_json(client.download_artifacts(run_id, path, tmp), orient="split") for path in files]
+    return pandas.concat(parts, ignore_index=True) if parts else pandas.DataFrame()
 
 
 def training_experiment(client: Any, name: str) -> str:
-    """The id of experiment ``name``, made a model-training experiment with its runs view (``run_view.EXPERIMENT_TAGS``)
-    when it does not exist. One that exists gets the runs view as this code defines it, and a kind if it has none
-    (a kind someone chose stays)."""
+    """The id of experiment ``name``, made a model-training experiment with its saved runs view
+    (``run_view.experiment_tags``) when it does not exist. One that exists gets the runs view as this code defines it
+    (its creation time kept when only the state changed), and a kind if it has none (a kind someone chose stays)."""
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
         return client.create_experiment(name, artifact_location=_artifact_root(client.tracking_uri),
-                                        tags=EXPERIMENT_TAGS)
-    for key, value in EXPERIMENT_TAGS.items():
-        if experiment.tags.get(key) != value and (key != EXPERIMENT_KIND_TAG or key not in experiment.tags):
-            client.set_experiment_tag(experiment.experiment_id, key, value)
+                                        tags=experiment_tags())
+    for key, value in experiment_tags().items():
+        current = experiment.tags.get(key)
+        if key == EXPERIMENT_KIND_TAG:
+            if current is None:
+                client.set_experiment_tag(experiment.experiment_id, key, value)
+            continue
+        if current is not None and read_saved_view(current) == read_saved_view(value):
+            continue  # the same view: its times stay as they are
+        if current is not None and read_saved_view(current) is not None:
+            value = json.dumps({**json.loads(value), "createdAt": json.loads(current)["createdAt"]})
+        client.set_experiment_tag(experiment.experiment_id, key, value)
     return experiment.experiment_id
 
 
@@ -280,10 +323,12 @@ def _artifact_root(tracking_uri: str) -> str | None:
     return (Path(tracking_uri.removeprefix("sqlite:///")).parent / "mlartifacts").absolute().as_uri()
 
 
-def log_final_model(client: Any, run_id: str, registered_model_name: str | None = None, artifact_path: str = "model") -> str | None:
+def log_final_model(client: Any, run_id: str, registered_model_name: str | None = None,
+                    artifact_path: str | None = None) -> str | None:
     """Log the servable files of the run's newest checkpoint to the run as an MLflow transformers model at the
     checkpoint's step, registered under ``registered_model_name`` and carrying the run's last headline metrics;
-    its model URI, or None when the run wrote no checkpoint.
+    its model URI, or None when the run wrote no checkpoint. The logged model is named ``artifact_path``, by default
+    after the registered model (else ``model``), so the run's and the registry's pages name what it is.
 
     The newest checkpoint is the one ``log_artifact_uri("checkpoint", ...)`` recorded last (the
     trainer saves after its final step). Its servable part (weights in the serving dtype, config,
@@ -316,7 +361,8 @@ def log_final_model(client: Any, run_id: str, registered_model_name: str | None 
             name = path.rstrip("/").rsplit("/", 1)[-1]
             if name not in training_only and fs.isfile(path):
                 fs.get_file(path, str(Path(tmp) / name))
-        return log_transformers_model(client.tracking_uri, run_id, tmp, registered_model_name, artifact_path, step=step)
+        return log_transformers_model(client.tracking_uri, run_id, tmp, registered_model_name,
+                                      artifact_path or registered_model_name or "model", step=step)
 
 
 def _serving_requirements() -> list[str]:
@@ -337,6 +383,8 @@ def log_transformers_model(
     artifact_path: str = "model", step: int = 0,
 ) -> str:
     """Log a Hugging Face model folder to ``run_id`` with MLflow's transformers flavor at ``step``; its model URI.
+    The run's tag ``final_model`` names it as a person finds it: ``models:/<registered name>/<version>`` when it is
+    registered (the logged model's own id is the tag ``final_model_id``).
 
     MLflow links every metric the run logged at ``step`` to the model (system metrics number their samples as
     steps, so one numbered like ``step`` is among them); ``link_model_metrics`` adds the last value of each
@@ -360,7 +408,10 @@ def log_transformers_model(
             step=step,
         )
     link_model_metrics(client, run_id, info.model_id)
-    client.set_tag(run_id, "final_model", info.model_uri)
+    version = getattr(info, "registered_model_version", None)
+    readable = f"models:/{registered_model_name}/{version}" if registered_model_name and version else info.model_uri
+    client.set_tag(run_id, "final_model", readable)
+    client.set_tag(run_id, "final_model_id", info.model_id)
     return info.model_uri
 
 

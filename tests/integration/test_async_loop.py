@@ -178,7 +178,7 @@ def test_mlflow_run_holds_step_metrics_and_config(vllm_server, mlflow_server, ti
     # As MLflow's UI shows it: a training experiment; the headline charts first, each step there too; values the
     # settings fix (a constant learning rate, the sync mode, single-turn reconcile counters) as params and tags.
     assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
-    for copy in ("0_headline/reward", "0_headline/loss", "0_headline/tokens_per_s", "0_headline/staleness_mean"):
+    for copy in ("0_headline/reward", "0_headline/train_loss", "0_headline/tokens_per_s", "0_headline/staleness_mean"):
         assert [m.step for m in client.get_metric_history(tracker.run_id, copy)] == [1, 2, 3], copy
     assert not {"learning_rate", "sync/mode", "rollout/fork_turns", "train/attempt"} & set(run.data.metrics)
     tags = run.data.tags

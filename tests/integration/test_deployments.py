@@ -30,8 +30,9 @@ import pytest
 import torch
 import yaml
 
-from flows.heldout import prompts_digest
+from flows.heldout import heldout_line, prompts_digest
 from grpo_core.launch.job import resolve_dataset
+from grpo_core.tracking.tracker import read_table
 from tests.conftest import HTTP, Service
 
 pytestmark = pytest.mark.integration
@@ -237,6 +238,10 @@ def embedded_run(prefect, deployments, worker, mlflow_server, vllm_server, tiny_
     return EmbeddedRun(run, job, json.loads((out / "summary.json").read_text()), elapsed, out)
 
 
+def tags_after_flow(client, run_id: str) -> dict[str, str]:  # noqa: ANN001
+    return client.get_run(run_id).data.tags
+
+
 def readme_search_examples() -> list[str]:
     """The filter strings the README lists as finding the demo's run (the block after its marker)."""
     text = (ROOT / "README.md").read_text()
@@ -251,7 +256,16 @@ def test_embedded_default_run_completes_with_metrics_in_mlflow(prefect, embedded
 
     from flows.train_flow import registered_model_name
     from grpo_core.launch.job import JobConfig
-    from grpo_core.tracking.run_view import EXPERIMENT_KIND_TAG, EXPERIMENT_TAGS, HEADLINE_METRICS, HEADLINE_SECTION, run_url
+    from grpo_core.tracking.run_view import (
+        EXPERIMENT_KIND_TAG,
+        HEADLINE_METRICS,
+        HEADLINE_SECTION,
+        HELDOUT_ACCURACY,
+        RUNS_VIEW,
+        RUNS_VIEW_NAME,
+        run_url,
+    )
+    from tests.test_mlflow_ui import experiment_tags_as_the_ui_reads_them, listed_views
 
     api, _, _ = prefect
     job, summary = embedded_run.job, embedded_run.summary
@@ -264,7 +278,9 @@ def test_embedded_default_run_completes_with_metrics_in_mlflow(prefect, embedded
     assert mlflow_run.info.experiment_id == mlflow_experiment.experiment_id
     # A model-training experiment, so MLflow's UI shows it as one (not as a GenAI app), with its runs view.
     assert mlflow_experiment.tags[EXPERIMENT_KIND_TAG] == "custom_model_development"
-    assert mlflow_experiment.tags == EXPERIMENT_TAGS
+    # Its headline view is a saved view, listed under "Views" each time the page loads (a reload, a bookmark).
+    ui_tags = experiment_tags_as_the_ui_reads_them(mlflow_server, mlflow_experiment.experiment_id)
+    assert listed_views(ui_tags) == {RUNS_VIEW: RUNS_VIEW_NAME}
     assert mlflow_run.info.status == "FINISHED"
     rewards = client.get_metric_history(run_id, "reward")
     assert sorted({m.step for m in rewards}) == [1, 2, 3]
@@ -273,7 +289,7 @@ def test_embedded_default_run_completes_with_metrics_in_mlflow(prefect, embedded
         assert key in metrics, sorted(metrics)
     assert any(k.startswith("system/") for k in metrics), sorted(metrics)  # system metrics on
     # Headline charts first: each headline metric the trainer logs is repeated at every step in the first section.
-    for source in set(HEADLINE_METRICS) - {"eval/accuracy"}:  # the held-out one: test_..._heldout_accuracy
+    for source in set(HEADLINE_METRICS) - {HELDOUT_ACCURACY}:  # the held-out one: test_..._heldout_accuracy
         copy_steps = [m.step for m in client.get_metric_history(run_id, f"{HEADLINE_SECTION}/{HEADLINE_METRICS[source]}")]
         assert sorted(copy_steps) == [1, 2, 3], source
     # Settings-fixed values are params or tags, not charts; counts of the job are tags.
@@ -294,7 +310,15 @@ def test_embedded_default_run_completes_with_metrics_in_mlflow(prefect, embedded
     assert params["learning_rate"] == "0.0002" and params["max_staleness"] == str(job["trainer"]["max_staleness"])
     assert params["model_name_or_path"] == tiny_model_path and json.loads(params["reward_funcs"]) == job["reward_funcs"]
     assert not [k for k in params if k.startswith(("job.", "perf/"))] and "None" not in params.values()
-    assert "attention_backend" in params and "resolved.attention_backend" not in params
+    assert "grpo.attention_backend" in params and "resolved.attention_backend" not in params
+    # What the run used, contradicting nothing: the server it trained against, no do_eval beside eval_strategy=no,
+    # no path of this machine (that is the tag resolved.output_dir).
+    assert params["vllm_server_base_url"] == job["server"]["base_url"]
+    assert not [v for v in params.values() if "localhost:8000" in v]
+    assert "do_eval" not in params and params["grpo.heldout_before_after"] == "True"
+    assert params["output_dir"] == "run" and tags["resolved.output_dir"] == str(embedded_run.output_dir)
+    # The answer is on the run: the description starts with the held-out result the summary holds.
+    assert tags["mlflow.note.content"].startswith(heldout_line(summary))
     # Every search the README shows finds the run.
     mlflow.set_tracking_uri(mlflow_server)
     examples = readme_search_examples()
@@ -303,19 +327,20 @@ def test_embedded_default_run_completes_with_metrics_in_mlflow(prefect, embedded
         found = mlflow.search_runs(experiment_names=[experiment], filter_string=example, output_format="list")
         assert [r.info.run_id for r in found] == [run_id], example
 
-    # Artifacts: the summary, a table of completions (the job's default: the first 16 of each step).
+    # Artifacts: the summary, a table of completions per logged step (the job's default: the first 16 of each step).
     artifacts = {a.path for a in client.list_artifacts(run_id)}
-    assert {"summary.json", "completions.json", "checkpoints"} <= artifacts, artifacts
+    assert {"summary.json", "completions", "checkpoints"} <= artifacts, artifacts
     logged_summary = json.loads(Path(mlflow.artifacts.download_artifacts(
         artifact_uri=f"runs:/{run_id}/summary.json", tracking_uri=mlflow_server, dst_path=str(tmp_path))).read_text())
     assert logged_summary == summary
-    table = client.load_table(experiment_id=mlflow_run.info.experiment_id, artifact_file="completions.json",
-                              run_ids=[run_id])
-    assert {"step", "prompt", "completion", "reward"} <= set(table.columns)
+    assert [a.path for a in client.list_artifacts(run_id, "completions")] == [
+        f"completions/step-{s:08d}.json" for s in (1, 2, 3)]
+    table = read_table(client, run_id, "completions")
+    assert {"step", "prompt", "completion", "reward", "accuracy_reward", "format_reward"} <= set(table.columns)
     assert sorted(set(table["step"])) == [1, 2, 3] and table.groupby("step").size().max() <= 16
 
     # The held-out accuracy before and after, each with its 95% interval over the 20 held-out problems, and the
-    # paired gain; the same numbers as eval/accuracy at step 0 and at the last step.
+    # paired gain; the same numbers as heldout_accuracy at step 0 and at the last step.
     assert (summary["eval_problems"], summary["eval_prompts"], summary["eval_samples"]) == (20, 100, 100)
     for label in ("before", "after"):
         low, high = summary[f"eval_accuracy_{label}_ci95"]
@@ -326,9 +351,9 @@ def test_embedded_default_run_completes_with_metrics_in_mlflow(prefect, embedded
     seed = job["trainer"].get("seed", 0)
     held_out = resolve_dataset(job.get("dataset", "tiny:arithmetic"), seed)["eval"]["prompt"]
     assert summary["seed"] == seed and summary["eval_prompts_digest"] == prompts_digest(held_out)
-    accuracy = {m.step: m.value for m in client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy")}
+    accuracy = {m.step: m.value for m in client.get_metric_history(mlflow_run.info.run_id, HELDOUT_ACCURACY)}
     assert accuracy == {0: summary["eval_accuracy_before"], 3: summary["eval_accuracy_after"]}
-    lows = {m.step: m.value for m in client.get_metric_history(mlflow_run.info.run_id, "eval/accuracy_ci95_low")}
+    lows = {m.step: m.value for m in client.get_metric_history(mlflow_run.info.run_id, "heldout_accuracy_ci95_low")}
     assert lows[3] == pytest.approx(summary["eval_accuracy_after_ci95"][0])
     # The run's picture beside summary.json, and in the MLflow run.
     picture = embedded_run.output_dir / "run.png"
@@ -345,6 +370,12 @@ def test_embedded_default_run_completes_with_metrics_in_mlflow(prefect, embedded
     registered = registered_model_name(JobConfig.model_validate(job))
     versions = client.search_model_versions(f"name = '{registered}' and run_id = '{run_id}'")
     assert len(versions) == 1 and versions[0].source == summary["final_model_uri"]
+    # The version says what it is: the run's description, its score, base model, data set and commit.
+    assert versions[0].description == tags_after_flow(client, run_id)["mlflow.note.content"]
+    assert versions[0].tags["heldout_accuracy"] == f"{summary['eval_accuracy_after']:.3f}"
+    assert (versions[0].tags["base_model"], versions[0].tags["dataset"]) == (tiny_model_path, job["dataset"])
+    assert versions[0].tags["git_commit"] == tags["git_commit"]
+    assert tags_after_flow(client, run_id)["final_model"] == f"models:/{registered}/{versions[0].version}"
     model = client.get_logged_model(summary["final_model_uri"].removeprefix("models:/"))
     assert [o.step for o in mlflow_run.outputs.model_outputs] == [3]
     linked = {m.key: m.step for m in model.metrics}
