@@ -267,9 +267,9 @@ class AsyncGRPOConfig:
     vllm_server_base_url: str | Annotated[list[str], Field(min_length=1)] = "http://localhost:8000"
     """Base URL of the vLLM server used for generation and weight sync, or a list of them: a fleet of servers of
     the same model and flags. The rollout worker sends each group to one server (where there is room, by each
-    server's own KV-cache usage), every push reaches every server, and a server that stops answering or fails a
-    push is drained (its requests go to the others) until it answers again and has received the current weights
-    (``grpo_core.training.fleet``)."""
+    server's own KV-cache usage), every push reaches every server, and a server that is lost (refused, silent or
+    stalled for ``server_drain_after_s``: docs/fleet.md) or fails a push is drained (its requests go to the others)
+    until it answers again and has received the current weights (``grpo_core.training.fleet``)."""
     vllm_server_fleet_file: str | None = None
     """A file (any fsspec URL) listing more servers of the fleet, a base URL per line (``#`` starts a comment): read
     at start-up and every few seconds while the run goes on. A server listed there joins the run as a restarted one
