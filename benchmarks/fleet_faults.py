@@ -36,7 +36,7 @@ from grpo_core.tiny import arithmetic_dataset, build_tiny_model
 from grpo_core.training.trainer import AsyncGRPOTrainer
 from grpo_core.vllm_server.checks import recommended_command
 from grpo_core.vllm_server.control import VLLMControlClient
-from grpo_core.vllm_server.process import free_port
+from grpo_core.vllm_server.process import CPU_KV_CACHE_ENV, free_port
 
 SCENARIOS = {"none": (2, 40, None), "kill": (2, 40, "kill"), "stop2": (2, 30, "stop"), "stop1": (1, 30, "stop")}
 FAULT_AFTER_STEP = {"kill": 10, "stop": 5}
@@ -54,7 +54,9 @@ def start_by_hand(command: str, port: int, log: Path) -> subprocess.Popen:
     """``command`` as the project prints it (``VAR=value ... python -m ...``), on 127.0.0.1:``port``, in its own
     process group (the API server and its engine stop and die together)."""
     words = shlex.split(command.replace("\\\n", " "))
-    env = dict(os.environ)
+    # The printed command leaves the CPU KV-cache size to the machine; without it vLLM reserves 92% of the memory,
+    # which a shared machine does not have free. 1 GiB, as the project's own launcher sets (ServerOptions.kv_cache_gib).
+    env = {**os.environ, CPU_KV_CACHE_ENV: os.environ.get(CPU_KV_CACHE_ENV, "1")}
     while "=" in words[0] and not words[0].startswith("-"):
         key, value = words.pop(0).split("=", 1)
         env[key] = value
@@ -63,11 +65,13 @@ def start_by_hand(command: str, port: int, log: Path) -> subprocess.Popen:
     return subprocess.Popen(words, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def wait_answering(url: str, timeout_s: float = 1800.0) -> None:
+def wait_answering(url: str, server: subprocess.Popen, timeout_s: float = 1800.0) -> None:
     control = VLLMControlClient(url)
     deadline = time.monotonic() + timeout_s
     try:
         while not control.answers(timeout=2.0):
+            if server.poll() is not None:
+                raise RuntimeError(f"the server for {url} exited ({server.returncode}); see its log")
             if time.monotonic() > deadline:
                 raise TimeoutError(url)
             time.sleep(2.0)
@@ -143,8 +147,8 @@ def main() -> None:
     servers = [start_by_hand(command, p, out / f"server-{i}.log") for i, p in enumerate(ports)]
     try:
         started = time.monotonic()
-        for url in urls:
-            wait_answering(url)
+        for url, server in zip(urls, servers):
+            wait_answering(url, server)
         print(f"both servers answer after {time.monotonic() - started:.0f} s", flush=True)
         for name in args.scenarios:
             result = run_scenario(name, model, urls, servers, out)

@@ -38,6 +38,7 @@ from grpo_core.rollout.generation import RESEND, VLLMGenerateClient
 from grpo_core.rollout.router import GroupRoute, Router, ServerSlot
 from grpo_core.vllm_server.control import SERVER_UNREACHABLE, VLLMRequestError
 from grpo_core.vllm_server.health import ServerHealth, action
+from grpo_core.vllm_server.watch import ANNOUNCE_AFTER_S
 
 log = logging.getLogger(__name__)
 
@@ -358,7 +359,7 @@ class FleetClient:
             stats.suspect = ""
             self.drain(slot, verdict.reason)
             return
-        if verdict.standing != stats.suspect:
+        if verdict.standing != stats.suspect and (what == "wait" or now - stats.trouble_since >= ANNOUNCE_AFTER_S):
             stats.suspect = verdict.standing
             if what == "wait":
                 deadline = (verdict.since or now) + self.unavailable_timeout_s - now
