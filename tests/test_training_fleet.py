@@ -363,3 +363,21 @@ def test_a_server_listed_in_the_fleet_file_joins_once_checked_and_caught_up(tmp_
     fleet.push(1, only=["s2-8000"])
     assert added.state == "serving" and added.epoch == 1 and views[-1]["s2-8000"] == ("http://s2:8000", 1)
     assert fleet.rejoins == 0 and controls["http://s2:8000"].version == "1"
+
+
+def test_a_push_that_waits_on_its_server_is_counted_as_waited_for_that_server():
+    fleet, _, _ = make_fleet()
+    slow = fleet.members["s1-8000"].pusher
+    push = slow.push
+
+    def frozen_push(version: int, attempts: int | None = None) -> PushOutcome:
+        fleet.clock.now += 60.0  # the server thawed a minute later
+        return push(version, attempts)
+
+    slow.push = frozen_push
+    fleet.members["s0-8000"].pusher.push = lambda v, attempts=None: (
+        setattr(fleet.clock, "now", fleet.clock.now + 1.0), FakePusher.push(fleet.members["s0-8000"].pusher, v, attempts)
+    )[1]
+    fleet.push(1)
+    metrics = fleet.serving_metrics()
+    assert metrics["fleet/s1-8000/waited_s"] == 60.0 and metrics["fleet/s0-8000/waited_s"] == 0.0  # 1 s: no wait

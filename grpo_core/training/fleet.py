@@ -79,6 +79,8 @@ class Member:
     """When the trainer said it was slow, once per spell (None: it answers)."""
     out_s: float = 0.0
     """Seconds out of service in ended spells (``fleet/<name>/out_s`` adds the current one)."""
+    push_wait_s: float = 0.0
+    """Seconds of its pushes that lasted past ``ANNOUNCE_AFTER_S`` (``fleet/<name>/waited_s``)."""
 
 
 class ServerFleet:
@@ -133,7 +135,8 @@ class ServerFleet:
         """Which servers serve now (``rollout/server/<name>/serving``, as the trainer sees it: a server is back once
         it holds the current weights) and how many do; servers taken out of service so far (``fleet/drains``), the
         seconds each has spent out of service (``fleet/<name>/out_s``) and waited for while it did not answer
-        (``fleet/<name>/waited_s``: the trainer's waits on a lone or last server, which is never drained)."""
+        (``fleet/<name>/waited_s``: the trainer's waits for it to answer as the last serving server, and its pushes
+        that lasted more than ``ANNOUNCE_AFTER_S``, whole)."""
         now = self.clock()
         metrics = {f"rollout/server/{m.name}/serving": float(m.state == "serving") for m in self.members.values()}
         metrics["rollout/servers_serving"] = float(len(self.serving()))
@@ -141,8 +144,7 @@ class ServerFleet:
         for m in self.members.values():
             away = now - m.left_at if m.state != "serving" and m.left_at is not None else 0.0
             metrics[f"fleet/{m.name}/out_s"] = m.out_s + away
-            if m.watch is not None:
-                metrics[f"fleet/{m.name}/waited_s"] = m.watch.waited_s
+            metrics[f"fleet/{m.name}/waited_s"] = m.push_wait_s + (m.watch.waited_s if m.watch is not None else 0.0)
         return metrics
 
     def _add(self, url: str) -> Member:
@@ -251,6 +253,7 @@ class ServerFleet:
             member = self.members[name]
             # While another server holds (or will hold) this version, a failed server is drained, not waited for.
             others = not self.single and len(outcomes) + (len(targets) - i - 1) + others_serving > 0
+            push_started = self.clock()
             try:
                 with announced_wait(
                         f"fleet server {member.name} ({member.url}) to take weight version {version}", None,
@@ -261,10 +264,12 @@ class ServerFleet:
                         delay_s=ANNOUNCE_AFTER_S) if self.dist.is_main else _nothing():
                     outcomes[name] = member.pusher.push(version, attempts=1 if others else None)
             except PUSH_FAILURES as err:
+                self._count_push_wait(member, push_started)
                 if not others:
                     raise
                 self._lose(member, f"its push of weight version {version} failed ({type(err).__name__}: {err})")
                 continue
+            self._count_push_wait(member, push_started)
             if member.state == "joining":
                 self._admit(member)
             if member.watch is not None:
@@ -272,6 +277,11 @@ class ServerFleet:
                 member.watch.after_push([member.pusher.served_version(version)])
         self._publish()
         return fleet_push_metrics(outcomes, version, sum(m.pusher.recoveries for m in self.members.values()))
+
+    def _count_push_wait(self, member: Member, started: float) -> None:
+        took = self.clock() - started
+        if took > ANNOUNCE_AFTER_S:  # a push that long was waiting on the server (a frozen one waits for its thaw)
+            member.push_wait_s += took
 
     def _admit(self, member: Member) -> None:
         member.state = "serving"
