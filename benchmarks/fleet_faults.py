@@ -117,9 +117,9 @@ def run_scenario(name: str, model: str, urls: list[str], servers: list[subproces
     result = {
         "scenario": name, "servers": n, "steps": len(history), "wall_s": round(wall),
         "fleet/drains": last.get("fleet/drains"),
-        "rollout/drains_total (worker)": last.get("rollout/drains_total"),
+        "rollout/drains_total (worker)": max(h.get("rollout/drains_total", 0.0) for h in history),
         "rollout/resent_requests (sum over steps)": sum(h.get("rollout/resent_requests", 0.0) for h in history),
-        "rollout/moved_groups_total": last.get("rollout/moved_groups_total"),
+        "rollout/moved_groups_total": max(h.get("rollout/moved_groups_total", 0.0) for h in history),
         **{f"fleet/{m}/out_s": round(last.get(f"fleet/{m}/out_s", 0.0), 1) for m in names},
         **{f"fleet/{m}/waited_s": round(last.get(f"fleet/{m}/waited_s", 0.0), 1) for m in names},
         **{f"rollout/server/{m}/unhealthy_s": round(max(h.get(f"rollout/server/{m}/unhealthy_s", 0.0)
