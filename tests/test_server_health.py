@@ -56,6 +56,17 @@ def test_requests_that_stop_making_progress_are_out_after_the_window():
     assert out.standing == "out" and "no progress for 10 s" in out.reason and "500" in out.reason
 
 
+def test_a_server_back_from_a_silence_gets_a_whole_window_to_move_again():
+    health = ServerHealth(drain_after_s=10.0)
+    health.answered(0.0, progress=500.0, busy=True)
+    health.failed(2.0)  # frozen from 2 s to 9 s: shorter than the window
+    health.answered(9.0, progress=500.0, busy=True)  # its first answer shows the counters where the freeze left them
+    assert health.verdict(9.0).standing == "ok"
+    health.answered(18.9, progress=500.0, busy=True)
+    assert health.verdict(18.9).standing == "suspect"
+    assert health.verdict(19.0).standing == "out"  # still standing a window after it came back: stalled
+
+
 @pytest.mark.parametrize("moved, busy, paused", [(True, True, False), (False, False, False), (False, True, True)])
 def test_slow_but_moving_idle_or_paused_for_a_push_is_no_stall(moved, busy, paused):
     health = ServerHealth(drain_after_s=10.0)

@@ -63,11 +63,14 @@ class ServerHealth:
     def answered(self, now: float, progress: float | None = None, busy: bool = False, paused: bool = False) -> None:
         """It answered at ``now``. ``progress``: its token counter then (None: not read); ``busy``: it has
         requests running; ``paused``: paused for a weight push (running requests wait by design)."""
+        came_back = self.failing_since is not None
         self.last_answer, self.failing_since, self.refused = now, None, None
         if progress is None:
             return
         moved = self.progress is None or progress != self.progress
-        if moved or not busy or paused or self.progress_at is None:
+        # Back from a silence (judged by its own window), its requests get a whole window to move again: the first
+        # answer after a freeze shows the counters where the freeze left them.
+        if moved or not busy or paused or came_back or self.progress_at is None:
             self.progress_at = now
         self.progress = progress
 
