@@ -31,6 +31,7 @@ from pathlib import Path
 from grpo_core.checkpoint import ledger_summary, read_ledger
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rewards import accuracy_reward, format_reward
+from grpo_core.rollout.concurrency import parse_vllm_metrics
 from grpo_core.rollout.fleet import server_name
 from grpo_core.tiny import arithmetic_dataset, build_tiny_model
 from grpo_core.training.trainer import AsyncGRPOTrainer
@@ -79,6 +80,21 @@ def wait_answering(url: str, server: subprocess.Popen, timeout_s: float = 1800.0
         control.close()
 
 
+def running_requests(url: str, timeout_s: float) -> float:
+    """The requests the server at ``url`` runs, once it runs any (0 after ``timeout_s``)."""
+    control = VLLMControlClient(url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            running = parse_vllm_metrics(control.metrics_text() or "").num_requests_running or 0
+            if running > 0:
+                return float(running)
+            time.sleep(0.02)
+        return 0.0
+    finally:
+        control.close()
+
+
 def run_scenario(name: str, model: str, urls: list[str], servers: list[subprocess.Popen], out: Path) -> dict:
     n, steps, fault = SCENARIOS[name]
     config = run_config(urls[:n], steps, out / name)
@@ -90,6 +106,7 @@ def run_scenario(name: str, model: str, urls: list[str], servers: list[subproces
     def inject() -> None:
         while len(trainer.state.log_history) < FAULT_AFTER_STEP[fault]:
             time.sleep(0.05)
+        events["running_at_fault"] = running_requests(urls[n - 1], timeout_s=60.0)  # so that work is lost in flight
         events["fault_after_step"] = len(trainer.state.log_history)
         if fault == "kill":
             os.killpg(victim.pid, signal.SIGKILL)
@@ -101,6 +118,16 @@ def run_scenario(name: str, model: str, urls: list[str], servers: list[subproces
         os.killpg(victim.pid, signal.SIGCONT)
         events["resumed_after_step"] = len(trainer.state.log_history)
 
+    def drained_at() -> None:  # when the trainer first counted the victim out, from the fault (monotonic)
+        while fault and "fault_at" not in events or trainer.fleet is None:
+            time.sleep(0.05)
+        member = trainer.fleet.members[server_name(urls[n - 1])]
+        while member.left_at is None or member.left_at < events["fault_at"]:
+            time.sleep(0.05)
+        events["out_after_fault_s"] = round(member.left_at - events["fault_at"], 1)
+
+    if fault and n > 1:
+        threading.Thread(target=drained_at, daemon=True).start()
     thread = threading.Thread(target=inject, daemon=True) if fault else None
     if thread:
         thread.start()
@@ -127,6 +154,8 @@ def run_scenario(name: str, model: str, urls: list[str], servers: list[subproces
         "ledger: prompts_trained_twice": ledger_summary(config.output_dir)["prompts_trained_twice"],
         "ledger: positions below the frontier never trained": len(set(range(frontier)) - set(consumed)),
         "frontier": frontier,
+        **{f"rollout/server/{m}/groups (sum)": sum(h.get(f"rollout/server/{m}/groups", 0.0) for h in history)
+           for m in names},
         **{k: round(v - started, 1) if k.endswith("_at") else v for k, v in events.items()},
     }
     return result
