@@ -24,13 +24,12 @@ from grpo_core.rewards import accuracy_reward, format_reward
 from grpo_core.rollout.fleet import server_name
 from grpo_core.tiny import arithmetic_dataset
 from grpo_core.training.trainer import AsyncGRPOTrainer
-from tests.integration.test_fleet import freeze
 
 pytestmark = pytest.mark.integration
 
 DRAIN_AFTER_S = 4.0
 STOP_S = 12.0  # three windows: out by the rule, waited for as the only server
-STEPS = 12
+STEPS = 20
 FREEZE_AFTER_STEP = 3
 
 
@@ -52,7 +51,13 @@ def test_a_lone_server_frozen_past_the_window_is_waited_for_and_the_wait_is_in_m
         try:
             while len(trainer.state.log_history) < FREEZE_AFTER_STEP:
                 time.sleep(0.05)
-            freeze(vllm_server, STOP_S)
+            # At once, not waiting for it to generate: the tiny run finishes its steps from the queue in seconds,
+            # and the next push (one per step) must meet the frozen server.
+            os.killpg(vllm_server.process.pid, signal.SIGSTOP)
+            try:
+                time.sleep(STOP_S)
+            finally:
+                os.killpg(vllm_server.process.pid, signal.SIGCONT)
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             failure.append(exc)
 
