@@ -48,7 +48,10 @@ def run_config(urls: list[str], steps: int, out: Path) -> AsyncGRPOConfig:
     return AsyncGRPOConfig(
         output_dir=str(out), vllm_server_base_url=urls if len(urls) > 1 else urls[0], report_to="none",
         max_steps=steps, learning_rate=1e-4, num_generations=4, per_device_train_batch_size=8,
-        max_completion_length=32, save_strategy="no", max_staleness=1_000_000, server_unavailable_timeout_s=300.0)
+        max_completion_length=32, save_strategy="no", max_staleness=1_000_000, server_unavailable_timeout_s=300.0,
+        # A short queue keeps the worker from generating the whole run ahead while the trainer waits on a push, so
+        # the servers have requests in flight when the fault comes.
+        max_concurrent_rollouts=16, queue_maxsize=16)
 
 
 def start_by_hand(command: str, port: int, log: Path) -> subprocess.Popen:
@@ -106,7 +109,7 @@ def run_scenario(name: str, model: str, urls: list[str], servers: list[subproces
     def inject() -> None:
         while len(trainer.state.log_history) < FAULT_AFTER_STEP[fault]:
             time.sleep(0.05)
-        events["running_at_fault"] = running_requests(urls[n - 1], timeout_s=60.0)  # so that work is lost in flight
+        events["running_at_fault"] = running_requests(urls[n - 1], timeout_s=10.0)  # so that work is lost in flight
         events["fault_after_step"] = len(trainer.state.log_history)
         if fault == "kill":
             os.killpg(victim.pid, signal.SIGKILL)
