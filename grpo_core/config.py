@@ -271,9 +271,9 @@ class AsyncGRPOConfig:
     vllm_server_base_url: str | Annotated[list[str], Field(min_length=1)] = "http://localhost:8000"
     """Base URL of the vLLM server used for generation and weight sync, or a list of them: a fleet of servers of
     the same model and flags. The rollout worker sends each group to one server (where there is room, by each
-    server's own KV-cache usage), every push reaches every server, and a server that stops answering or fails a
-    push is drained (its requests go to the others) until it answers again and has received the current weights
-    (``grpo_core.training.fleet``)."""
+    server's own KV-cache usage), every push reaches every server, and a server that is lost (refused, silent or
+    stalled for ``server_drain_after_s``: docs/fleet.md) or fails a push is drained (its requests go to the others)
+    until it answers again and has received the current weights (``grpo_core.training.fleet``)."""
     vllm_server_fleet_file: str | None = None
     """A file (any fsspec URL) listing more servers of the fleet, a base URL per line (``#`` starts a comment): read
     at start-up and every few seconds while the run goes on. A server listed there joins the run as a restarted one
@@ -281,9 +281,13 @@ class AsyncGRPOConfig:
     worker sends it groups. A server taken off the list is not drained by that (stop it: it is drained once it stops
     answering)."""
     server_drain_after_s: Annotated[float, Field(gt=0)] = 10.0
-    """A fleet of two or more servers: a server whose ``/metrics`` has not answered for this long is drained (a
-    refused connection drains it at once); its rollouts go on on the others. A fleet's last serving server is never
-    drained for not answering: it is waited for, as a single server is (``server_unavailable_timeout_s``)."""
+    """The window of the fleet's rule for taking a server out of service (``grpo_core.vllm_server.health``,
+    docs/fleet.md): a server is out when a connection to it is refused, when nothing asked of it (``/metrics``,
+    its weight version) has been answered for this long, or when it has had requests but its ``/metrics`` token
+    counters have stood still for this long outside a weight push. A server that is only slow keeps its requests.
+    An out server is drained while another serves (its groups move there); the last serving one, and a single
+    server, is waited for instead, up to ``server_unavailable_timeout_s`` from when its trouble began. Set it above
+    the longest pause a healthy server of yours makes (a long prefill, a busy host)."""
     vllm_server_timeout: Annotated[float, Field(gt=0)] = 240.0
     """Seconds ``train()`` waits for the server to answer (it may still be starting) before it fails."""
     request_timeout: Annotated[float, Field(gt=0)] = 600.0
@@ -389,6 +393,10 @@ class AsyncGRPOConfig:
         if len(urls) > 1 and self.lora_sync_mode == "adapter":
             _fail(self, "lora_sync_mode", "a fleet of servers takes merged LoRA pushes (adapters are registered by name "
                   "on one server); use 'merged' or 'auto'")
+        if self.server_drain_after_s > self.server_unavailable_timeout_s:
+            _fail(self, "server_drain_after_s", f"a server is waited for at most server_unavailable_timeout_s="
+                  f"{self.server_unavailable_timeout_s:g} s, so the drain window must not be longer: set "
+                  f"server_drain_after_s <= {self.server_unavailable_timeout_s:g} (default 10)")
         if self.weight_transfer_port_range is not None:
             low, high = (int(p) for p in self.weight_transfer_port_range.split("-"))
             if not 1 <= low <= high <= 65535:

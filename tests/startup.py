@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 INTEGRATION_ORDER = (
     "test_async_loop", "test_drop_in", "test_curriculum", "test_lora_sync", "test_multi_node", "test_multi_rank",
     "test_flaky_services", "test_lora_learning", "test_deployments", "test_notebook", "test_examples",
-    "test_tools", "test_hybrid_models", "test_moe_models", "test_fleet", "test_server_restart", "test_resume", "test_soak",
+    "test_tools", "test_hybrid_models", "test_moe_models", "test_fleet", "test_server_restart", "test_server_frozen", "test_resume", "test_soak",
 )
 
 

@@ -118,7 +118,9 @@ def test_parser_on_recorded_metrics() -> None:
         num_requests_running=3,
         kv_cache_size_tokens=1048576,
         generation_tokens_total=61440.0,
+        prompt_tokens_total=12800.0,
     )
+    assert m.tokens_processed == 61440.0 + 12800.0  # what moves while its requests make progress
 
 
 def test_parser_missing_metrics_are_none() -> None:

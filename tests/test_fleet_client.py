@@ -129,6 +129,110 @@ def test_a_hung_server_is_drained_by_its_silent_metrics_and_its_request_resent()
     assert "not answered for 11 s" in reports[0][2]
 
 
+class CountingServer(FakeServer):
+    """A server whose ``/metrics`` shows one request running and a token counter that moves only when told; its
+    requests finish when ``release`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = 100.0
+        self.paused = False
+        self.release = asyncio.Event()
+
+    async def generate(self, token_ids: list[int], params: dict[str, Any], num_top: int = 0) -> list[GeneratedChoice]:
+        self.calls.append(list(token_ids))
+        await self.release.wait()
+        self.answered += 1
+        return [GeneratedChoice([7], [-0.5], "stop", None, None)]
+
+    async def scrape(self) -> tuple[bool, str | None]:
+        if self.hung:
+            return False, None
+        return True, (f"vllm:num_requests_running{{engine=\"0\"}} 1.0\n"
+                      f"vllm:generation_tokens_total{{engine=\"0\"}} {self.tokens}\n")
+
+    async def is_paused(self) -> bool:
+        return self.paused
+
+
+async def one_request_on_a(fleet: FleetClient) -> tuple[Any, asyncio.Future]:
+    route = fleet.router.open_route(fleet.router.slots["a-1"], 1)
+    fleet.router.admit(route)
+    ROUTE.set(route)
+    call = asyncio.ensure_future(fleet.generate([1], {"max_tokens": 1}))
+    await asyncio.sleep(0.01)
+    return route, call
+
+
+def test_a_slow_server_whose_counters_move_keeps_its_request_past_the_window():
+    async def go():
+        clock = Clock()
+        a, b = CountingServer(), FakeServer()
+        fleet = FleetClient([("http://a:1", a), ("http://b:1", b)], drain_after_s=10.0, clock=clock)
+        await fleet.start(ceiling=16)
+        route, call = await one_request_on_a(fleet)
+        for now in range(0, 60, 2):
+            clock.now = float(now)
+            a.tokens += 1.0  # slow: one token every two seconds
+            await fleet.poll()
+        a.release.set()
+        return await asyncio.wait_for(call, 5), a, b, route, fleet
+
+    result, a, b, route, fleet = asyncio.run(go())
+    assert len(result) == 1 and a.answered == 1 and b.calls == [] and route.resent == 0
+    assert fleet.router.slots["a-1"].serving and fleet.snapshot()["rollout/drains_total"] == 0.0
+
+
+def test_a_server_silent_for_less_than_the_window_keeps_its_request():
+    async def go():
+        clock = Clock()
+        a, b = CountingServer(), FakeServer()
+        fleet = FleetClient([("http://a:1", a), ("http://b:1", b)], drain_after_s=10.0, clock=clock)
+        await fleet.start(ceiling=16)
+        route, call = await one_request_on_a(fleet)
+        a.hung = True  # frozen: its scrapes time out
+        for now in (0.0, 4.0, 9.0):
+            clock.now = now
+            await fleet.poll()
+        a.hung = False  # thawed within the window, and its counters move again
+        a.tokens += 5.0
+        clock.now = 11.0
+        await fleet.poll()
+        a.release.set()
+        return await asyncio.wait_for(call, 5), a, b, route, fleet
+
+    result, a, b, route, fleet = asyncio.run(go())
+    assert a.answered == 1 and b.calls == [] and route.resent == 0 and fleet.router.slots["a-1"].serving
+    assert fleet.snapshot()["rollout/server/a-1/unhealthy_s"] == 11.0  # from its first silent scrape to its answer
+
+
+def test_a_server_whose_requests_stall_is_drained_after_the_window_but_not_while_paused_for_a_push():
+    async def go():
+        clock = Clock()
+        a, b = CountingServer(), FakeServer()
+        reports: list = []
+        fleet = FleetClient([("http://a:1", a), ("http://b:1", b)], drain_after_s=10.0, clock=clock,
+                            report_drained=lambda *r: reports.append(r))
+        await fleet.start(ceiling=16)
+        route, call = await one_request_on_a(fleet)
+        a.paused = True
+        for now in range(0, 30, 2):  # counters still, but paused for a push: no stall
+            clock.now = float(now)
+            await fleet.poll()
+        assert fleet.router.slots["a-1"].serving
+        a.paused = False
+        for now in range(30, 42, 2):
+            clock.now = float(now)
+            await fleet.poll()
+        return await asyncio.wait_for(call, 5), a, b, route, reports, fleet
+
+    result, a, b, route, reports, fleet = asyncio.run(go())
+    assert len(result) == 1 and a.answered == 0 and b.answered == 1 and route.resent == 1
+    assert reports and "made no progress for 10 s" in reports[0][2]
+    snapshot = fleet.snapshot()
+    assert snapshot["rollout/drains_total"] == 1.0 and snapshot["rollout/moved_groups_total"] == 1.0
+
+
 def test_the_last_serving_server_is_waited_for_not_drained():
     async def go():
         fleet, a, b, reports = two_servers()

@@ -148,7 +148,7 @@ class FakeServer:
             self.down_for -= 1
             raise httpx.ConnectError("[Errno 111] Connection refused")
 
-    def weight_version(self) -> str:
+    def weight_version(self, timeout: float | None = None) -> str:
         self._refuse()
         return self.version
 

@@ -92,6 +92,7 @@ class FakeWatch:
         self.control = control
         self.expected_version: str | None = None
         self.noted: str | None = None
+        self.waited_s = 0.0
 
     def after_push(self, pushed: list[int]) -> None:
         self.expected_version = self.control.version
@@ -166,6 +167,70 @@ def test_a_failed_push_drains_that_server_and_the_push_is_done_on_the_others(cap
     assert metrics["sync/servers"] == 1.0
     assert fleet.members["s1-8000"].state == "lost" and views[-1]["s1-8000"] == ("http://s1:8000", 0)
     assert "s1-8000 (http://s1:8000) drained: its push of weight version 2 failed" in caplog.text
+
+
+class SlowControl(FakeControl):
+    """Answers its weight version, or times out (``slow``) like a busy or frozen server."""
+
+    slow = False
+
+    def weight_version(self, timeout: float | None = None) -> str:
+        if self.slow:
+            import httpx
+
+            raise httpx.ReadTimeout("timed out")
+        return super().weight_version(timeout)
+
+
+def test_a_slow_look_is_no_drain_until_the_silence_lasts_the_window(caplog):
+    fleet, controls, _ = make_fleet()
+    fleet.drain_after_s = 10.0
+    for name in fleet.members:
+        fleet.members[name].health.drain_after_s = 10.0
+    fleet.push(1)
+    member = fleet.members["s1-8000"]
+    slow = SlowControl(member.url)
+    slow.version = member.control.version
+    member.control = slow
+    slow.slow = True
+    with caplog.at_level(logging.WARNING):
+        for now in (1.0, 5.0, 10.9):  # time-outs for 9.9 s since the first unanswered look (at 1 s)
+            fleet.clock.now = now
+            assert fleet.tend() == [] and member.state == "serving"
+        assert caplog.text.count("is slow to answer") == 1  # said once, with when it would be drained
+        assert "drained in 10 s unless it answers (server_drain_after_s=10)" in caplog.text
+        slow.slow = False
+        fleet.clock.now = 12.0
+        fleet.tend()  # it answered: the count starts again
+        assert "answers again after 11 s; it kept serving" in caplog.text
+        slow.slow = True
+        for now in (13.0, 22.9):
+            fleet.clock.now = now
+            fleet.tend()
+            assert member.state == "serving"
+        fleet.clock.now = 23.0
+        fleet.tend()
+    assert member.state == "lost" and "has not answered for 10 s" in caplog.text
+    metrics = fleet.serving_metrics()
+    assert metrics["fleet/drains"] == 1.0 and metrics["fleet/s1-8000/out_s"] == 0.0
+    fleet.clock.now = 53.0
+    assert fleet.serving_metrics()["fleet/s1-8000/out_s"] == 30.0  # out since 23 s
+    slow.slow = False
+    member.next_probe = 0.0
+    assert fleet.tend() == ["s1-8000"]
+    fleet.clock.now = 60.0
+    fleet.push(2, only=["s1-8000"])  # admitted again with the current weights
+    fleet.clock.now = 100.0
+    metrics = fleet.serving_metrics()
+    assert member.state == "serving" and metrics["fleet/s1-8000/out_s"] == 37.0 and metrics["fleet/drains"] == 1.0
+
+
+def test_a_refused_look_drains_at_once():
+    fleet, controls, _ = make_fleet()
+    fleet.push(1)
+    controls["http://s1:8000"].up = False  # ConnectError: nothing listens there
+    fleet.tend()
+    assert fleet.members["s1-8000"].state == "lost" and fleet.serving_metrics()["fleet/drains"] == 1.0
 
 
 def test_a_server_drained_by_the_worker_leaves_only_for_the_epoch_it_was_admitted_at():
@@ -298,3 +363,21 @@ def test_a_server_listed_in_the_fleet_file_joins_once_checked_and_caught_up(tmp_
     fleet.push(1, only=["s2-8000"])
     assert added.state == "serving" and added.epoch == 1 and views[-1]["s2-8000"] == ("http://s2:8000", 1)
     assert fleet.rejoins == 0 and controls["http://s2:8000"].version == "1"
+
+
+def test_a_push_that_waits_on_its_server_is_counted_as_waited_for_that_server():
+    fleet, _, _ = make_fleet()
+    slow = fleet.members["s1-8000"].pusher
+    push = slow.push
+
+    def frozen_push(version: int, attempts: int | None = None) -> PushOutcome:
+        fleet.clock.now += 60.0  # the server thawed a minute later
+        return push(version, attempts)
+
+    slow.push = frozen_push
+    fleet.members["s0-8000"].pusher.push = lambda v, attempts=None: (
+        setattr(fleet.clock, "now", fleet.clock.now + 1.0), FakePusher.push(fleet.members["s0-8000"].pusher, v, attempts)
+    )[1]
+    fleet.push(1)
+    metrics = fleet.serving_metrics()
+    assert metrics["fleet/s1-8000/waited_s"] == 60.0 and metrics["fleet/s0-8000/waited_s"] == 0.0  # 1 s: no wait

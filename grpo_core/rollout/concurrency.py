@@ -73,6 +73,15 @@ class VllmMetrics:
     num_requests_running: int | None = None
     kv_cache_size_tokens: int | None = None  # from the vllm:cache_config_info labels
     generation_tokens_total: float | None = None
+    prompt_tokens_total: float | None = None
+
+    @property
+    def tokens_processed(self) -> float | None:
+        """Prompt and generated tokens so far: what moves while the server's requests make progress (None: neither
+        counter exported)."""
+        if self.generation_tokens_total is None and self.prompt_tokens_total is None:
+            return None
+        return (self.generation_tokens_total or 0.0) + (self.prompt_tokens_total or 0.0)
 
 
 # Older vLLM releases named the KV gauge after the GPU; accept it so the cap still adapts there.
@@ -119,6 +128,7 @@ def parse_vllm_metrics(text: str) -> VllmMetrics:
         num_requests_running=None if running is None else int(running),
         kv_cache_size_tokens=kv_tokens,
         generation_tokens_total=summed("vllm:generation_tokens_total"),
+        prompt_tokens_total=summed("vllm:prompt_tokens_total"),
     )
 
 

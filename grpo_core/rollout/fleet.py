@@ -4,19 +4,21 @@
 which the scheduler sets around each group; ``router.Router`` chose the server), through that server's own
 ``generation.VLLMGenerateClient`` (so a group's identical first turns are still coalesced into one request).
 
-A server leaves service ("drained") when
+A server leaves service ("drained") on the evidence ``vllm_server.health`` states once for the worker and the trainer:
 
-* a request to it fails to connect (after the immediate resends of a dropped keep-alive connection),
-* its ``/metrics`` has not answered for ``drain_after_s`` (a hung server: its requests would otherwise wait for
-  the request timeout), or
-* the trainer says so (it failed a push, or restarted: ``apply_view``).
+* a request to it fails to connect (after the immediate resends of a dropped keep-alive connection), or its
+  ``/metrics`` scrape (every two seconds) is refused,
+* no scrape has been answered for ``drain_after_s``, or its requests made no progress (its ``/metrics`` token
+  counters stood still while it had requests and was not paused for a push) for ``drain_after_s``, or
+* the trainer says so (it failed a push, restarted, or the trainer's own look found it out: ``apply_view``).
 
-Its groups move to the other servers (``Router.drain``), its requests in flight are cancelled and sent again
+A server that is slow but answers or progresses within the window keeps its groups and requests. A drained
+server's groups move to the other servers (``Router.drain``), its requests in flight are cancelled and sent again
 there (``rollout/resent_requests``); a request that got no reply produced nothing, so nothing is trained twice.
 The worker tells the trainer (``report_drained``), which admits the server again only once it answers, passes the
 start-up checks and holds the current weights (a view with a newer epoch). The last serving server is never
-drained for not answering: requests wait for it (or for another server) for ``unavailable_timeout_s``, as with a
-single server, whose client keeps today's resend-with-backoff behaviour.
+drained: requests wait for it (or for another server) for ``unavailable_timeout_s``, as with a single server, whose
+client keeps its resend-with-backoff behaviour.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from grpo_core.rollout.concurrency import ConcurrencyController, parse_vllm_metr
 from grpo_core.rollout.generation import RESEND, VLLMGenerateClient
 from grpo_core.rollout.router import GroupRoute, Router, ServerSlot
 from grpo_core.vllm_server.control import SERVER_UNREACHABLE, VLLMRequestError
+from grpo_core.vllm_server.health import ServerHealth, action
+from grpo_core.vllm_server.watch import ANNOUNCE_AFTER_S
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +77,12 @@ class ServerStats:
     tok_s: float = 0.0
     tokens_total: float | None = None
     scraped_at: float | None = None
-    failing_since: float | None = None
+    suspect: str = ""
+    """The standing last announced while not ok (``vllm_server.health``): "" when ok."""
+    trouble_since: float | None = None
+    """When its current spell of not answering or not progressing began (None: it is ok)."""
+    trouble_s: float = 0.0
+    """Seconds of its ended spells (``rollout/server/<name>/unhealthy_s`` adds the current one)."""
 
 
 class FleetClient:
@@ -87,6 +96,9 @@ class FleetClient:
         slots = [ServerSlot(name=server_name(url), url=url.rstrip("/")) for url, _ in members]
         self.router = Router(slots, ceiling=1)  # the real ceiling comes with start()
         self.stats = {s.name: ServerStats() for s in slots}
+        self.health: dict[str, ServerHealth] = {}  # the evidence of each server (``vllm_server.health``)
+        self.moved_groups = 0
+        self.drains = 0
         self.unavailable_timeout_s = unavailable_timeout_s
         self.drain_after_s = drain_after_s
         self.report_drained = report_drained or (lambda name, epoch, reason: None)
@@ -250,7 +262,13 @@ class FleetClient:
         """Take ``slot`` out of service: its groups move, its requests in flight are sent again elsewhere."""
         if not slot.serving:
             return
+        stats = self.stats[slot.name]
+        if stats.trouble_since is not None:  # its spell ends here: out of service is the trainer's out_s
+            stats.trouble_s += self.clock() - stats.trouble_since
+            stats.trouble_since = None
         moved = self.router.drain(slot)
+        self.moved_groups += len(moved)
+        self.drains += 1
         self._drained_event(slot).set()
         log.warning("rollout: server %s (%s) drained: %s; %d groups moved to %s", slot.name, slot.url, reason,
                     len(moved), ", ".join(s.name for s in self.router.serving()) or "no server (they wait)")
@@ -273,7 +291,8 @@ class FleetClient:
             if epoch > slot.epoch:
                 controller = await self._controller(slot)
                 self._drained[name] = asyncio.Event()
-                self.stats[name].failing_since = None
+                self.health[name] = ServerHealth(self.drain_after_s)  # a new admission: no old evidence
+                self.stats[name].suspect = ""
                 moved = self.router.admit_server(slot, epoch, controller)
                 if epoch > 1:
                     log.warning("rollout: server %s (%s) serves again (admission %d); %d waiting groups moved to it",
@@ -291,29 +310,85 @@ class FleetClient:
 
     # ---- what each server says ----------------------------------------------------------------------
     async def poll(self) -> None:
-        """Read every serving server's ``/metrics``: feed its cap, its KV usage and tokens/s; drain one that has
-        not answered for ``drain_after_s`` while another serves."""
-        for slot in list(self.router.serving()):
-            client, stats = self.clients[slot.name], self.stats[slot.name]
-            scrape = getattr(client, "scrape", None)
-            answered, text = await scrape() if scrape is not None else (True, await client.metrics_text())
-            now = self.clock()
-            if not slot.serving:
-                continue  # drained while its scrape was out
-            if not answered:
-                stats.failing_since = stats.failing_since if stats.failing_since is not None else now
-                if now - stats.failing_since >= self.drain_after_s and self.router.others_serving(slot):
-                    self.drain(slot, f"its /metrics has not answered for {now - stats.failing_since:.0f} s")
-                continue
-            stats.failing_since = None
-            metrics = parse_vllm_metrics(text) if text else None
-            assert slot.controller is not None
-            slot.controller.observe_metrics(metrics)
-            slot.kv_usage = metrics.kv_cache_usage_perc if metrics else None
-            total = metrics.generation_tokens_total if metrics else None
-            if total is not None and stats.tokens_total is not None and stats.scraped_at is not None and now > stats.scraped_at:
-                stats.tok_s = max(0.0, total - stats.tokens_total) / (now - stats.scraped_at)
-            stats.tokens_total, stats.scraped_at = total, now
+        """Read every serving server's ``/metrics`` (side by side): feed its cap, its KV usage and tokens/s, and the
+        evidence of ``vllm_server.health``; drain one that is out while another serves."""
+        await asyncio.gather(*(self._poll_one(slot) for slot in list(self.router.serving())))
+
+    async def _poll_one(self, slot: ServerSlot) -> None:
+        client, stats, health = self.clients[slot.name], self.stats[slot.name], self._health(slot.name)
+        scrape = getattr(client, "scrape", None)
+        sent = self.clock()
+        answered, text = await scrape() if scrape is not None else (True, await client.metrics_text())
+        now = self.clock()
+        if not slot.serving:
+            return  # drained while its scrape was out
+        if not answered:
+            health.failed(sent, refused=getattr(client, "refusal", None))
+            self._judge(slot, health, now)
+            return
+        metrics = parse_vllm_metrics(text) if text else None
+        self._observe(slot, stats, metrics, now)
+        if metrics is not None and (metrics.num_requests_running is not None or metrics.num_requests_waiting is not None):
+            busy = (metrics.num_requests_running or 0) + (metrics.num_requests_waiting or 0) > 0
+        else:
+            busy = stats.active > 0
+        progress = metrics.tokens_processed if metrics is not None else None
+        health.answered(now, progress, busy)
+        if health.verdict(now).standing == "out" and await self._paused(client):
+            health.answered(now, progress, busy, paused=True)  # a push holds its requests: not a stall
+        self._judge(slot, health, now)
+
+    def _judge(self, slot: ServerSlot, health: ServerHealth, now: float) -> None:
+        """Apply the rule (``vllm_server.health``): drain a server that is out while another serves; say once per
+        spell that a server is suspect, or out but waited for as the last serving one."""
+        verdict = health.verdict(now)
+        stats = self.stats[slot.name]
+        if verdict.standing == "ok":
+            if stats.trouble_since is not None:
+                stats.trouble_s += now - stats.trouble_since
+                stats.trouble_since = None
+            if stats.suspect:
+                log.warning("rollout: server %s (%s) answers and makes progress again; it kept its requests",
+                            slot.name, slot.url)
+            stats.suspect = ""
+            return
+        if stats.trouble_since is None:
+            stats.trouble_since = verdict.since if verdict.since is not None else now
+        what = action(verdict, self.router.others_serving(slot))
+        if what == "drain":
+            stats.suspect = ""
+            self.drain(slot, verdict.reason)
+            return
+        if verdict.standing != stats.suspect and (what == "wait" or now - stats.trouble_since >= ANNOUNCE_AFTER_S):
+            stats.suspect = verdict.standing
+            if what == "wait":
+                deadline = (verdict.since or now) + self.unavailable_timeout_s - now
+                log.warning("rollout: server %s (%s) is out (%s) but no other server serves: its requests wait for it "
+                            "for %.0f s more (server_unavailable_timeout_s)", slot.name, slot.url, verdict.reason,
+                            max(deadline, 0.0))
+            else:
+                log.warning("rollout: server %s (%s) is slow: %s; it keeps its requests, and is drained in %.0f s "
+                            "unless it answers and makes progress (server_drain_after_s)", slot.name, slot.url,
+                            verdict.reason, max((verdict.deadline or now) - now, 0.0))
+
+    def _observe(self, slot: ServerSlot, stats: ServerStats, metrics: Any, now: float) -> None:
+        assert slot.controller is not None
+        slot.controller.observe_metrics(metrics)
+        slot.kv_usage = metrics.kv_cache_usage_perc if metrics else None
+        total = metrics.generation_tokens_total if metrics else None
+        if total is not None and stats.tokens_total is not None and stats.scraped_at is not None and now > stats.scraped_at:
+            stats.tok_s = max(0.0, total - stats.tokens_total) / (now - stats.scraped_at)
+        stats.tokens_total, stats.scraped_at = total, now
+
+    @staticmethod
+    async def _paused(client: Any) -> bool:
+        is_paused = getattr(client, "is_paused", None)
+        return bool(await is_paused()) if is_paused is not None else False
+
+    def _health(self, name: str) -> ServerHealth:
+        if name not in self.health:
+            self.health[name] = ServerHealth(self.drain_after_s)
+        return self.health[name]
 
     def snapshot(self) -> dict[str, float]:
         """Each server's gauges and running counts, as ``rollout/server/<name>/...`` metrics."""
@@ -327,7 +402,12 @@ class FleetClient:
             out[f"{prefix}/generated_tok_s"] = stats.tok_s
             out[f"{prefix}/requests"] = float(stats.requests)
             out[f"{prefix}/errors"] = float(stats.errors)
+            # Seconds it served but did not answer or progress (slow or frozen, before a drain or a recovery).
+            ongoing = self.clock() - stats.trouble_since if stats.trouble_since is not None and slot.serving else 0.0
+            out[f"{prefix}/unhealthy_s"] = stats.trouble_s + ongoing
             if slot.kv_usage is not None:
                 out[f"{prefix}/kv_usage"] = slot.kv_usage
         out["rollout/resent_requests_total"] = float(self.resent)
+        out["rollout/moved_groups_total"] = float(self.moved_groups)
+        out["rollout/drains_total"] = float(self.drains)
         return out

@@ -48,6 +48,7 @@ class VLLMGenerateClient:
         self._open: dict[tuple[Any, ...], list[asyncio.Future[GeneratedChoice]]] = {}
         self.requests_sent = 0
         self.completions_received = 0
+        self.refusal: str | None = None  # why the last /metrics scrape was refused (``scrape``)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -155,9 +156,23 @@ class VLLMGenerateClient:
 
     async def scrape(self, timeout_s: float = 5.0) -> tuple[bool, str | None]:
         """Whether the server answered ``/metrics`` within ``timeout_s`` at all, and the text when it answered 200
-        (a fleet drains a server that stops answering: ``rollout.fleet``)."""
+        (a fleet drains a server that stops answering: ``rollout.fleet``). ``refusal`` keeps why an unanswered
+        scrape's connection was refused (None: it timed out, or it answered)."""
+        self.refusal = None
         try:
             response = await self._http.get("/metrics", timeout=timeout_s)
+        except httpx.ConnectError as err:
+            self.refusal = f"{type(err).__name__}: {err}"
+            return False, None
         except httpx.HTTPError:
             return False, None
         return True, (response.text if response.status_code == 200 else None)
+
+    async def is_paused(self, timeout_s: float = 5.0) -> bool:
+        """Whether the server is paused for a weight push (its running requests wait by design); False when it does
+        not say."""
+        try:
+            response = await self._http.get("/is_paused", timeout=timeout_s)
+            return response.status_code == 200 and bool(response.json().get("is_paused"))
+        except (httpx.HTTPError, ValueError):
+            return False

@@ -18,8 +18,12 @@ of different shapes (tensor-parallel sizes, one on another cluster through stora
 sending the weights once per server (``benchmarks/sync/fleet_push.py`` measures both on CPU: README, "A fleet of
 rollout servers").
 
-A fleet of one behaves as a single server always has: it is never drained; a failed push is recovered by waiting
-for the server (``weight_sync_attempts``), and a restart is noticed by its ``ServerWatch`` and pushed to again.
+When a server is out of service follows one rule for every fleet size (``vllm_server.health``): refused, silent
+for ``server_drain_after_s``, or not progressing for that long; a slow answer alone is not evidence. An out server
+is drained while another serves; the last serving one (a fleet of one always) is waited for, up to
+``server_unavailable_timeout_s``. A fleet of one is never drained: a failed push is recovered by waiting for the
+server (``weight_sync_attempts``), and a restart is noticed by its ``ServerWatch`` and pushed to again. A wait on a
+server longer than a few seconds (a push, a look, a decision) is announced with the server's name and its limit.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,13 +46,16 @@ from grpo_core.training.weight_push import PUSH_FAILURES, PushOutcome, WeightPus
 from grpo_core.vllm_server.checks import (
     ServerCapabilities, ServerConfigError, check_fleet_alike, expected_server_dtype, server_fingerprint)
 from grpo_core.vllm_server.control import VLLMControlClient
+from grpo_core.vllm_server.health import ServerHealth, Verdict
 from grpo_core.vllm_server.watch import (
-    ANSWER_FAILURES, ServerUnavailableError, ServerWatch, close_open_weight_update, left_paused)
+    ANNOUNCE_AFTER_S, ANSWER_FAILURES, PROBE_TRY_S, ServerUnavailableError, ServerWatch, close_open_weight_update,
+    left_paused, refusal)
+from grpo_core.waiting import announced_wait
 
 log = logging.getLogger(__name__)
 
 PROBE_LOST_EVERY_S = 5.0
-"""How often a lost server is asked whether it answers again (one ``GET /v1/models``, 2 s at most)."""
+"""How often a lost server is asked whether it answers again (one ``GET /v1/models``, ``PROBE_TRY_S`` at most)."""
 
 
 @dataclass(eq=False)
@@ -66,6 +74,14 @@ class Member:
     left_at: float | None = None
     next_probe: float = 0.0
     check_failure: str | None = None
+    health: ServerHealth | None = None
+    """What the trainer's looks found (``vllm_server.health``; the rollout worker keeps its own, with progress)."""
+    suspect_since: float | None = None
+    """When the trainer said it was slow, once per spell (None: it answers)."""
+    out_s: float = 0.0
+    """Seconds out of service in ended spells (``fleet/<name>/out_s`` adds the current one)."""
+    push_wait_s: float = 0.0
+    """Seconds of its pushes that lasted past ``ANNOUNCE_AFTER_S`` (``fleet/<name>/waited_s``)."""
 
 
 class ServerFleet:
@@ -74,9 +90,13 @@ class ServerFleet:
     def __init__(self, urls: list[str], dist: DistInfo, make_pusher: Callable[[str, Any, Any], WeightPusher],
                  make_control: Callable[[str], Any] | None = None, make_watch: Callable[[Any], Any] | None = None,
                  unavailable_timeout_s: float = 900.0, listing: Callable[[], list[str]] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, drain_after_s: float = 10.0,
+                 push_deadline_floor_s: float = 60.0):
         self.dist = dist
         self.clock = clock
+        self.drain_after_s = drain_after_s
+        self.push_deadline_floor_s = push_deadline_floor_s  # each push phase's least deadline: the push's announcement
+        self.drains = 0
         self.make_pusher, self.make_control, self.make_watch = make_pusher, make_control, make_watch
         self.members: dict[str, Member] = {}
         for url in urls:
@@ -103,6 +123,7 @@ class ServerFleet:
         urls += [u for u in (listing() if listing else []) if u not in urls]
         fleet = cls(
             urls, dist, unavailable_timeout_s=args.server_unavailable_timeout_s, listing=listing,
+            drain_after_s=args.server_drain_after_s, push_deadline_floor_s=args.weight_sync_deadline_floor_s,
             make_pusher=lambda url, control, watch: WeightPusher.for_run(setup, dist, control, watch, vocab_size,
                                                                          probe=probe),
             make_control=lambda url: VLLMControlClient(url, timeout=args.request_timeout),
@@ -132,16 +153,25 @@ class ServerFleet:
 
     def serving_metrics(self) -> dict[str, float]:
         """Which servers serve now (``rollout/server/<name>/serving``, as the trainer sees it: a server is back once
-        it holds the current weights) and how many do."""
+        it holds the current weights) and how many do; servers taken out of service so far (``fleet/drains``), the
+        seconds each has spent out of service (``fleet/<name>/out_s``) and waited for while it did not answer
+        (``fleet/<name>/waited_s``: the trainer's waits for it to answer as the last serving server, and its pushes
+        that lasted more than ``ANNOUNCE_AFTER_S``, whole)."""
+        now = self.clock()
         metrics = {f"rollout/server/{m.name}/serving": float(m.state == "serving") for m in self.members.values()}
         metrics["rollout/servers_serving"] = float(len(self.serving()))
+        metrics["fleet/drains"] = float(self.drains)
+        for m in self.members.values():
+            away = now - m.left_at if m.state != "serving" and m.left_at is not None else 0.0
+            metrics[f"fleet/{m.name}/out_s"] = m.out_s + away
+            metrics[f"fleet/{m.name}/waited_s"] = m.push_wait_s + (m.watch.waited_s if m.watch is not None else 0.0)
         return metrics
 
     def _add(self, url: str) -> Member:
         control = self.make_control(url) if self.dist.is_main and self.make_control is not None else None
         watch = self.make_watch(control) if control is not None and self.make_watch is not None else None
         member = Member(name=server_name(url), url=url, pusher=self.make_pusher(url, control, watch),
-                        control=control, watch=watch)
+                        control=control, watch=watch, health=ServerHealth(self.drain_after_s))
         self.members[member.name] = member
         return member
 
@@ -243,13 +273,23 @@ class ServerFleet:
             member = self.members[name]
             # While another server holds (or will hold) this version, a failed server is drained, not waited for.
             others = not self.single and len(outcomes) + (len(targets) - i - 1) + others_serving > 0
+            push_started = self.clock()
             try:
-                outcomes[name] = member.pusher.push(version, attempts=1 if others else None)
+                with announced_wait(
+                        f"fleet server {member.name} ({member.url}) to take weight version {version}", None,
+                        "a server that stopped is drained once a phase passes its deadline" if others else
+                        "past a deadline the run waits for it (server_unavailable_timeout_s) and pushes again",
+                        limit_text=f"each phase of the push within its deadline, at least "
+                                   f"{self.push_deadline_floor_s:g} s (weight_sync_deadline_floor_s)",
+                        delay_s=ANNOUNCE_AFTER_S) if self.dist.is_main else _nothing():
+                    outcomes[name] = member.pusher.push(version, attempts=1 if others else None)
             except PUSH_FAILURES as err:
+                self._count_push_wait(member, push_started)
                 if not others:
                     raise
                 self._lose(member, f"its push of weight version {version} failed ({type(err).__name__}: {err})")
                 continue
+            self._count_push_wait(member, push_started)
             if member.state == "joining":
                 self._admit(member)
             if member.watch is not None:
@@ -258,10 +298,19 @@ class ServerFleet:
         self._publish()
         return fleet_push_metrics(outcomes, version, sum(m.pusher.recoveries for m in self.members.values()))
 
+    def _count_push_wait(self, member: Member, started: float) -> None:
+        took = self.clock() - started
+        if took > ANNOUNCE_AFTER_S:  # a push that long was waiting on the server (a frozen one waits for its thaw)
+            member.push_wait_s += took
+
     def _admit(self, member: Member) -> None:
         member.state = "serving"
         member.epoch += 1
         member.check_failure = None
+        member.health = ServerHealth(self.drain_after_s)  # a new admission starts with no evidence against it
+        member.suspect_since = None
+        if member.left_at is not None:
+            member.out_s += self.clock() - member.left_at
         if member.epoch > 1:
             self.rejoins += 1
             away = f" after {self.clock() - member.left_at:.0f} s away" if member.left_at is not None else ""
@@ -270,7 +319,10 @@ class ServerFleet:
     def _lose(self, member: Member, reason: str) -> None:
         if member.state == "lost":
             return
-        member.state, member.left_at, member.next_probe = "lost", self.clock(), self.clock() + PROBE_LOST_EVERY_S
+        if member.state == "serving" or member.left_at is None:
+            member.left_at = self.clock()  # a joining server has been out since it left service
+        member.state, member.next_probe = "lost", self.clock() + PROBE_LOST_EVERY_S
+        self.drains += 1
         log.warning("fleet: %s (%s) drained: %s; %d of %d servers serve", member.name, member.url, reason,
                     len(self.serving()), len(self.members))
         self._publish()
@@ -296,7 +348,8 @@ class ServerFleet:
         for member in self.serving():
             self._look_at_serving(member)
         now = self.clock()
-        return any(m.state == "joining" or (m.state == "lost" and now >= m.next_probe and m.control.answers(timeout=2.0))
+        return any(m.state == "joining"
+                   or (m.state == "lost" and now >= m.next_probe and m.control.answers(timeout=PROBE_TRY_S))
                    for m in self.members.values())
 
     def tend(self) -> list[str]:
@@ -332,12 +385,10 @@ class ServerFleet:
         if member.watch is None:
             return  # a transport of the caller's, no server to watch
         if self.single or len(self.serving()) == 1:
-            reason = member.watch.restarted()  # waits for a server that does not answer, up to its timeout
+            reason = member.watch.restarted()  # the last serving server is waited for, up to its timeout
         else:
-            try:
-                version = member.control.weight_version(timeout=2.0)
-            except ANSWER_FAILURES as err:
-                self._lose(member, f"it does not answer ({type(err).__name__}: {err})")
+            version = self._look(member)
+            if version is None:
                 return
             reason = (f"it serves weight version {version!r}, the trainer last pushed {member.watch.expected_version!r}"
                       if member.watch.expected_version is not None and version != member.watch.expected_version else None)
@@ -346,9 +397,39 @@ class ServerFleet:
                         reason)
             member.state, member.left_at = "joining", self.clock()
 
+    def _look(self, member: Member) -> str | None:
+        """One look at a serving server of several: its weight version, or None when it did not answer. It is
+        drained only on the rule's evidence (``vllm_server.health``): a refusal, or no answer for
+        ``drain_after_s``; a slow answer makes it suspect, which is said once."""
+        assert member.health is not None
+        sent = self.clock()
+        try:
+            version = member.control.weight_version(timeout=PROBE_TRY_S)
+        except ANSWER_FAILURES as err:
+            member.health.failed(sent, refused=refusal(err))
+            self._judge(member, member.health.verdict(self.clock()), f"{type(err).__name__}: {err}")
+            return None
+        member.health.answered(self.clock())
+        if member.suspect_since is not None:
+            log.warning("fleet: %s (%s) answers again after %.0f s; it kept serving", member.name, member.url,
+                        self.clock() - member.suspect_since)
+            member.suspect_since = None
+        return version
+
+    def _judge(self, member: Member, verdict: Verdict, error: str) -> None:
+        """The rule's outcome for a server of several that serve (the last one is waited for by its watch)."""
+        if verdict.standing == "out":
+            self._lose(member, verdict.reason)
+        elif member.suspect_since is None:
+            member.suspect_since = verdict.since if verdict.since is not None else self.clock()
+            left = (verdict.deadline or self.clock()) - self.clock()
+            log.warning("fleet: %s (%s) is slow to answer (%s); it keeps serving, and is drained in %.0f s unless it "
+                        "answers (server_drain_after_s=%g)", member.name, member.url, error, max(left, 0.0),
+                        self.drain_after_s)
+
     def _look_at_lost(self, member: Member) -> None:
         member.next_probe = self.clock() + PROBE_LOST_EVERY_S
-        if not member.control.answers(timeout=2.0):
+        if not member.control.answers(timeout=PROBE_TRY_S):
             return
         try:
             if left_paused(member.control):
@@ -463,6 +544,11 @@ class VersionProbe:
 
     def __call__(self, token_ids: list[int]) -> torch.Tensor:
         return self._once_per_version("probe", token_ids, lambda: self.probe(token_ids))
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
 
 
 def _error_of(call: Callable[[Any], None], arg: Any) -> BaseException | None:

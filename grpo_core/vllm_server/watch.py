@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ import httpx
 
 from grpo_core.retry import RetryPolicy
 from grpo_core.vllm_server.control import SERVER_UNREACHABLE, VLLMRequestError
+from grpo_core.waiting import announced_wait
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,17 @@ log = logging.getLogger(__name__)
 ANSWER_FAILURES = (*SERVER_UNREACHABLE, httpx.ReadTimeout, VLLMRequestError)
 ANSWER = RetryPolicy(passes=lambda err: isinstance(err, ANSWER_FAILURES), deadline_s=None, first_s=0.5, max_s=10.0)
 """How the watch waits for a server that does not answer (the deadline is ``server_unavailable_timeout_s``)."""
+PROBE_TRY_S = 5.0
+"""How long one look at a server (its weight version, whether it answers) may take: a look that takes longer is a
+failed one, which counts against the server only once failures last ``server_drain_after_s``
+(``vllm_server.health``); the last serving server is looked at again with backoff instead."""
+ANNOUNCE_AFTER_S = 5.0
+"""A wait on a server (a push, a look) that lasts longer than this says so, with the server and the limit."""
+
+
+def refusal(err: BaseException) -> str | None:
+    """``err`` as a refused connection (nothing listens there: the rule's immediate evidence), or None."""
+    return f"{type(err).__name__}: {err}" if isinstance(err, httpx.ConnectError) else None
 
 _START_TIME = re.compile(r"^process_start_time_seconds\s+(\S+)$", re.M)
 
@@ -65,6 +78,7 @@ class ServerWatch:
         self.expected_version: str | None = None
         self.identity: ServerIdentity | None = None
         self.restarts = 0
+        self.waited_s = 0.0  # seconds spent waiting for it to answer again (``fleet/<name>/waited_s``)
         self._known_restart: str | None = None  # noticed by WatchedSource, not yet acted on
 
     def after_push(self, pushed: list[int]) -> None:
@@ -108,7 +122,7 @@ class ServerWatch:
     # ---- reading the server -------------------------------------------------------------------------
     def _weight_version(self) -> tuple[str, bool]:
         """The served weight version, and whether the server had to be waited for."""
-        return self._answering(self.control.weight_version)
+        return self._answering(lambda: self.control.weight_version(timeout=PROBE_TRY_S))
 
     def _identity(self) -> ServerIdentity:
         models, _ = self._answering(self.control.models)
@@ -125,13 +139,21 @@ class ServerWatch:
                 log.warning("the vLLM server at %s does not answer (%s); waiting up to %.0f s for it",
                             self.control.base_url, err, self.unavailable_timeout_s)
 
+        started = time.monotonic()
         try:
-            return attempts.call(call, before_wait=waiting), attempts.count > 1
+            with announced_wait(f"the vLLM server at {self.control.base_url} to answer", self.unavailable_timeout_s,
+                                "no other server serves, so its rollouts wait for it; past the limit the run fails "
+                                "naming it (server_unavailable_timeout_s)", delay_s=ANNOUNCE_AFTER_S):
+                result = attempts.call(call, before_wait=waiting)
+            return result, attempts.count > 1
         except ANSWER_FAILURES as err:
             raise ServerUnavailableError(
                 f"the vLLM server at {self.control.base_url} did not answer for {attempts.failing_for_s:.0f} s "
                 f"(server_unavailable_timeout_s={self.unavailable_timeout_s:g}); last error: {err}"
             ) from err
+        finally:
+            if attempts.count > 1:
+                self.waited_s += time.monotonic() - started
 
 
 # ---- a server a dead trainer left mid-push ---------------------------------------------------------

@@ -1,6 +1,7 @@
 """A fleet of two CPU vLLM servers under one run: both serve, both hold the trainer's weights, one killed mid-run.
 
-One run checks both halves of the fleet's promise, so that the two servers start once:
+The servers start once for the module. The first run freezes one (``test_a_frozen_server_...``, below); the second
+checks both halves of the fleet's promise:
 
 (a) The run trains with two servers, placed as the flow places a fleet (on two cores: both servers on core 0, the
     trainer alone on core 1). Every push reaches both (``sync/servers``); after every push each server's probe
@@ -57,11 +58,16 @@ START_TIMEOUT_S = 1800  # a vLLM start on two busy cores has taken ten minutes
 STEPS_BEFORE_KILL = 16  # 30 groups trained before the kill: the groups-per-server share is read over them
 STEPS_AFTER_RETURN_LIMIT = 200  # a restarted server that serves nothing for this many steps fails the test
 UNBOUNDED = 1_000_000  # max_steps until the test ends the run (below), and max_staleness
+DRAIN_AFTER_S = 8.0  # the freeze test's server_drain_after_s
+CALM_STEPS = 6  # steps with nothing done to the servers before the first freeze
+SHORT_STOP_S = 2.0  # a freeze shorter than the window: the server is kept
+LONG_STOP_S = 20.0  # longer than the window: drained, then back after SIGCONT
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def fleet(tiny_model_path, server_logs):
-    """Two servers of one spec, placed as the flow places a fleet of two, started side by side."""
+    """Two servers of one spec, placed as the flow places a fleet of two, started side by side; the module's tests
+    share them (the freeze test leaves both serving; the kill test, last, restarts the one it kills)."""
     cpus = sorted(os.sched_getaffinity(0))
     spec = VLLMServerSpec(model=tiny_model_path, max_model_len=512, max_logprobs=20, enforce_eager=True)
     servers = [VLLMServer(spec.for_replica(i), server_logs / f"fleet-{i}", placement=replica_placement(cpus, i, 2))
@@ -117,6 +123,118 @@ def wait_until_generating(url: str, timeout_s: float) -> int:
 def groups_per_server(history: list[dict[str, float]], names: list[str], steps: set[int]) -> dict[str, float]:
     rows = [h for h in history if int(h["step"]) in steps]
     return {n: sum(h.get(f"rollout/server/{n}/groups", 0.0) for h in rows) for n in names}
+
+
+def freeze(server: VLLMServer, seconds: float) -> float:
+    """SIGSTOP ``server``'s process group (API server and engine) while it generates, for ``seconds``; returns when
+    it was stopped (monotonic)."""
+    wait_until_generating(server.base_url, timeout_s=60.0)
+    os.killpg(server.process.pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        time.sleep(seconds)
+    finally:
+        os.killpg(server.process.pid, signal.SIGCONT)
+    return stopped
+
+
+@pytest.mark.usefixtures("trainer_core")
+def test_a_frozen_server_is_kept_within_the_window_and_drained_past_it(fleet, tiny_model_path, mlflow_server,
+                                                                         tmp_path, monkeypatch):
+    """The drain rule (``vllm_server.health``) on real servers, the trainer on one core and both servers on the
+    other: first nothing is done to them (no drain, no request sent again); then one is frozen (SIGSTOP) for less
+    than ``server_drain_after_s`` while it generates (kept: its requests finish there); then for longer (drained,
+    its groups move once; after SIGCONT it is checked, pushed the current weights, its probe checked, and it serves
+    groups again). No prompt position is trained twice or lost; MLflow has the drains and the time out."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    names = [server_name(s.base_url) for s in fleet]
+    victim, victim_name = fleet[1], names[1]
+    config = AsyncGRPOConfig(
+        output_dir=str(tmp_path / "run"), vllm_server_base_url=[s.base_url for s in fleet], report_to="mlflow",
+        run_name="fleet-frozen", max_steps=UNBOUNDED, learning_rate=1e-4, num_generations=4,
+        per_device_train_batch_size=8, max_completion_length=16, save_strategy="no", num_sampler_logprobs=4,
+        weight_sync_verify_every=1, weight_sync_verify_atol=DENSE_LOGPROB_ATOL, server_drain_after_s=DRAIN_AFTER_S,
+        server_unavailable_timeout_s=START_TIMEOUT_S, max_staleness=UNBOUNDED, max_concurrent_rollouts=16,
+        queue_maxsize=16)
+    trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward, format_reward],
+                               train_dataset=arithmetic_dataset()["train"], args=config)
+    events: dict[str, float] = {}
+    failure: list[BaseException] = []
+
+    def steps() -> int:
+        return len(trainer.state.log_history)
+
+    def wait_for_steps(n: int) -> None:
+        deadline = time.monotonic() + 600
+        while steps() < n:
+            assert time.monotonic() < deadline, f"the run did not reach step {n} in 600 s"
+            time.sleep(0.05)
+
+    def script() -> None:
+        try:
+            wait_for_steps(CALM_STEPS)
+            events["short_after_step"] = steps()
+            freeze(victim, SHORT_STOP_S)
+            wait_for_steps(steps() + 3)
+            events["long_after_step"] = steps()
+            events["long_at"] = freeze(victim, LONG_STOP_S)
+            member = trainer.fleet.members[victim_name]
+            deadline = time.monotonic() + 300
+            while not (member.epoch >= 2 and member.state == "serving"):
+                assert time.monotonic() < deadline, f"{victim_name} did not serve again within 300 s of SIGCONT"
+                time.sleep(0.2)
+            events["left_after_s"] = member.left_at - events["long_at"]
+            back = events["back_after_step"] = steps()
+            while not any(h.get(f"rollout/server/{victim_name}/groups", 0.0) > 0
+                          for h in trainer.state.log_history[back:]):
+                if steps() > back + STEPS_AFTER_RETURN_LIMIT:
+                    break  # the assertions below say what is missing
+                time.sleep(0.05)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            failure.append(exc)
+        finally:
+            trainer.args.max_steps = steps() + 1
+
+    thread = threading.Thread(target=script, daemon=True)
+    started = time.monotonic()
+    thread.start()
+    history = trainer.train()
+    thread.join(timeout=10)
+    assert not failure, failure
+    short, long_, back = events["short_after_step"], events["long_after_step"], events["back_after_step"]
+    print(f"{len(history)} steps in {time.monotonic() - started:.0f} s; frozen {SHORT_STOP_S:g} s after step {short}, "
+          f"{LONG_STOP_S:g} s after step {long_} (out {events['left_after_s']:.1f} s after the SIGSTOP), serving "
+          f"again after step {back}")
+
+    # Nothing done to them, then a freeze shorter than the window: no drain, no request sent again, both serve.
+    calm = [h for h in history if int(h["step"]) <= long_]
+    assert all(h["fleet/drains"] == 0.0 and h[f"rollout/server/{victim_name}/serving"] == 1.0 for h in calm)
+    assert sum(h.get("rollout/resent_requests", 0.0) for h in calm) == 0.0
+    assert max(h.get("rollout/drains_total", 0.0) for h in calm) == 0.0  # the worker drained none either
+
+    # Longer than the window: out no sooner than the window, its groups moved once, back with the current weights.
+    assert events["left_after_s"] >= DRAIN_AFTER_S - 1.0, events  # (a look's 5 s time-out, the poll's 2 s period)
+    last = history[-1]
+    assert last["fleet/drains"] == 1.0 and max(h.get("rollout/drains_total", 0.0) for h in history) == 1.0
+    assert 0.0 < last[f"fleet/{victim_name}/out_s"] < LONG_STOP_S + 300
+    assert last[f"fleet/{names[0]}/out_s"] == 0.0
+    assert groups_per_server(history, [victim_name], set(range(back + 1, len(history) + 1)))[victim_name] > 0
+    rejoined = [h for h in history if int(h["step"]) >= back and "sync/servers" in h
+                and f"sync/server/{victim_name}/verify_logprob_diff" in h]
+    assert rejoined and max(h[f"sync/server/{victim_name}/verify_logprob_diff"] for h in rejoined) <= DENSE_LOGPROB_ATOL
+
+    # No prompt position below the frontier trained twice or lost (no sample is dropped as stale).
+    _, records = read_ledger(config.output_dir)
+    consumed = [p for r in records for p in r["trained"] + r["dropped_groups"]]
+    assert ledger_summary(config.output_dir)["prompts_trained_twice"] == 0
+    assert not set(range(records[-1]["frontier"])) - set(consumed)
+
+    # MLflow has the drain and the time out of service.
+    client = mlflow.MlflowClient(mlflow_server)
+    run_id = trainer.tracker.run_id
+    assert max(m.value for m in client.get_metric_history(run_id, "fleet/drains")) == 1.0
+    out_s = client.get_metric_history(run_id, f"fleet/{victim_name}/out_s")
+    assert max(m.value for m in out_s) == last[f"fleet/{victim_name}/out_s"]
 
 
 @pytest.mark.usefixtures("trainer_core")
