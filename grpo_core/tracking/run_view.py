@@ -43,8 +43,10 @@ HEADLINE_METRICS: dict[str, str] = {
     "reward": "reward",
     HELDOUT_ACCURACY: "heldout_accuracy",
     "loss": "loss",
-    # The mean trainer-minus-sampler log-ratio of the trained tokens: how far off-policy a step trained.
-    "sampling/logprob_diff_mean": "logprob_diff_mean",
+    # How far apart sampler and trainer were on the step's trained tokens: the k3 estimate of KL(sampler || trainer)
+    # per token (never negative, unlike the mean log-ratio ``sampling/logprob_diff_mean``, whose terms cancel).
+    # The other mismatch metrics, and each one per staleness: the ``mismatch`` sections (docs/mismatch.md).
+    "mismatch/k3_token": "mismatch_k3_token",
     "rollout/generated_tok_s": "tokens_per_s",
     "sample/staleness_mean": "staleness_mean",
 }
