@@ -329,3 +329,12 @@ def test_config_names_the_bad_field():
     loss = LossConfig.from_config(AsyncGRPOConfig(vllm_importance_sampling_mode="sequence_truncate",
                                                   vllm_importance_sampling_cap=3.0, max_staleness=1))
     assert loss.correction.mode == "sequence_truncate" and loss.correction.cap == 3.0 and loss.max_staleness == 1
+
+
+def test_truncation_bounds_a_ratio_too_large_for_fp32():
+    """exp(200) overflows fp32: the truncated weight is still exactly the cap, and the gradient finite."""
+    sampler = torch.tensor([-201.0, -1.0])
+    logprobs = torch.tensor([-1.0, -1.0 + math.log(1.1)], requires_grad=True)
+    loss, _ = grpo_loss(LossInputs(logprobs, sampler, torch.tensor([-1.0, 1.0])), config("token_truncate"), 2)
+    loss.backward()
+    assert logprobs.grad.tolist() == pytest.approx([2.0 / 2, -1.1 / 2], rel=1e-6)

@@ -281,17 +281,17 @@ def grpo_loss(
         log_ratio = logprobs.detach() - sampler
         ratio = torch.exp(log_ratio)
         factors = correction_factors(log_ratio, inputs.sampler_logprobs, config.correction, sample_index, num_samples)
-        keep = factors.factor > 0
+        keep = ~factors.masked
         low = keep & (ratio < 1.0 - config.epsilon) & (adv < 0)
         high = keep & (ratio > 1.0 + config.epsilon_high) & (adv > 0)
         clipped = low | high
-        factor = factors.factor.to(logprobs.dtype)
-        safe_ratio = torch.where(keep, ratio, torch.zeros_like(ratio))
-        # Value of the corrected surrogate c * min(r A, clip(r) A); where the clip binds it is a constant.
-        clipped_ratio = safe_ratio.clamp(1.0 - config.epsilon, 1.0 + config.epsilon_high)
-        value = factor * torch.where(clipped, clipped_ratio, safe_ratio) * adv
+        factor, weight = factors.factor.to(logprobs.dtype), factors.weight.to(logprobs.dtype)
+        # Value of the corrected surrogate c min(r A, clip(r) A): w A where the clip does not bind, a
+        # constant c clip(r) A where it does.
+        clipped_ratio = ratio.clamp(1.0 - config.epsilon, 1.0 + config.epsilon_high)
+        value = torch.where(clipped, factor * clipped_ratio * adv, weight * adv)
         # d(surrogate)/d(logprob) of an unclipped token: A c r = A w (the mode's importance weight).
-        coef = torch.where(keep & ~clipped, adv * factor * safe_ratio, torch.zeros_like(adv))
+        coef = torch.where(keep & ~clipped, adv * weight, torch.zeros_like(adv))
 
     # The graph carries only coef * (x - sg(x)): 0 in value, gradient coef. A dropped token's log-prob
     # is replaced by 0 first, so an extreme or -inf one cannot leak NaN into the gradient.

@@ -83,6 +83,8 @@ class Factors:
 
     factor: Tensor
     """[T] c_t >= 0: multiplies the token's clipped surrogate (value and gradient)."""
+    weight: Tensor
+    """[T] w_t = c_t r_t >= 0, computed directly (no product that could overflow): an unclipped token's weight."""
     measurable: Tensor
     """[T] bool: the token has a finite log-ratio and a real sampler log-prob."""
     masked: Tensor
@@ -128,12 +130,14 @@ def correction_factors(
             log_cap = math.log(correction.cap)
             truncated = measurable & (seq > log_cap)
             keep, log_weight = measurable, seq.clamp(max=log_cap)
+    zero = torch.zeros_like(safe)
+    weight = torch.where(keep, torch.exp(log_weight), zero)
     if not correction.enabled or correction.mode == "token_mask":
         # w_t = r_t exactly: the factor is the keep indicator, so the clipped surrogate is not rescaled at all.
         factor = keep.to(log_ratio.dtype)
     else:
-        factor = torch.where(keep, torch.exp(log_weight - safe), torch.zeros_like(safe))
-    return Factors(factor=factor, measurable=measurable, masked=~keep, truncated=truncated,
+        factor = torch.where(keep, torch.exp(log_weight - safe), zero)
+    return Factors(factor=factor, weight=weight, measurable=measurable, masked=~keep, truncated=truncated,
                    sample_log_ratio=seq_log_ratio)
 
 
