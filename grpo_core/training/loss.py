@@ -258,7 +258,7 @@ def grpo_loss(
     -inf under the trainer (outside its candidate set) are left out and the rest renormalised; a
     position with none left is not centered. The centering term is added as
     coef · Σ_j ũ_j (x_j - sg(x_j)), which is exactly 0 in value: **the returned loss value is the
-    plain clipped surrogate; centering changes only the gradient.** Without top-N inputs the call
+    corrected clipped surrogate; centering changes only the gradient.** Without top-N inputs the call
     is not centered; the caller is expected to say so once in its logs.
 
     Args:
