@@ -338,3 +338,23 @@ def test_truncation_bounds_a_ratio_too_large_for_fp32():
     loss, _ = grpo_loss(LossInputs(logprobs, sampler, torch.tensor([-1.0, 1.0])), config("token_truncate"), 2)
     loss.backward()
     assert logprobs.grad.tolist() == pytest.approx([2.0 / 2, -1.1 / 2], rel=1e-6)
+
+
+@pytest.mark.parametrize("setting", ["demo", "harsh"])
+def test_comparison_runs_set_one_mode_each(setting):
+    """benchmarks/mismatch_runs.py: each row's trainer settings are a valid config with that mode and setting."""
+    from benchmarks.mismatch_runs import MODES, run_name, trainer_settings
+    from flows.cli import DEMO_TRAINER
+    from grpo_core.config import AsyncGRPOConfig
+
+    names = set()
+    for mode in MODES:
+        name = run_name("arithmetic-hybrid-moe", mode, setting, routing_replay=False, seed=1)
+        args = AsyncGRPOConfig(**trainer_settings(mode, setting, False, 1, 3, "/tmp/unused", name, evaluate=False))
+        assert args.vllm_importance_sampling_correction is (mode != "none")
+        assert mode == "none" or args.vllm_importance_sampling_mode == mode
+        assert (args.max_steps, args.routing_replay, args.do_eval, args.run_name) == (3, False, False, name)
+        assert args.learning_rate == (1e-3 if setting == "harsh" else DEMO_TRAINER["learning_rate"])
+        assert args.max_staleness == (4 if setting == "harsh" else DEMO_TRAINER["max_staleness"])
+        names.add(name)
+    assert len(names) == len(MODES)
