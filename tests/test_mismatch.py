@@ -358,3 +358,15 @@ def test_comparison_runs_set_one_mode_each(setting):
         assert args.max_staleness == (4 if setting == "harsh" else DEMO_TRAINER["max_staleness"])
         names.add(name)
     assert len(names) == len(MODES)
+
+
+@pytest.mark.parametrize("mode", list(EXPECTED))
+def test_loss_is_linear_in_each_advantage(mode):
+    """The advantages stay on the graph: d loss_t / d A_t = loss_t / A_t (callers weigh terms with it)."""
+    adv = torch.tensor(ADV, dtype=F64, requires_grad=True)
+    inputs = hand_inputs()
+    inputs.advantages = adv
+    loss, _ = grpo_loss(inputs, mode_config(mode), N)
+    loss.backward()
+    values, _ = EXPECTED[mode]
+    np.testing.assert_allclose(adv.grad.numpy(), np.array(values) / np.array(ADV) / N, rtol=REL, atol=1e-15)

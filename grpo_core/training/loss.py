@@ -286,13 +286,16 @@ def grpo_loss(
         high = keep & (ratio > 1.0 + config.epsilon_high) & (adv > 0)
         clipped = low | high
         factor, weight = factors.factor.to(logprobs.dtype), factors.weight.to(logprobs.dtype)
-        # Value of the corrected surrogate c min(r A, clip(r) A): w A where the clip does not bind, a
-        # constant c clip(r) A where it does.
         clipped_ratio = ratio.clamp(1.0 - config.epsilon, 1.0 + config.epsilon_high)
-        value = torch.where(clipped, factor * clipped_ratio * adv, weight * adv)
-        # d(surrogate)/d(logprob) of an unclipped token: A c r = A w (the mode's importance weight).
-        coef = torch.where(keep & ~clipped, adv * weight, torch.zeros_like(adv))
+        # The corrected surrogate c min(r A, clip(r) A) is w A where the clip does not bind and the
+        # constant c clip(r) A where it does: its factor of A per token.
+        scale = torch.where(clipped, factor * clipped_ratio, weight)
+        active_weight = torch.where(keep & ~clipped, weight, torch.zeros_like(weight))
 
+    # The advantages stay on the graph (the loss is linear in A per token; callers may differentiate in A).
+    value = scale * adv
+    # d(surrogate)/d(logprob) of an unclipped token: A c r = A w (the mode's importance weight).
+    coef = active_weight * adv
     # The graph carries only coef * (x - sg(x)): 0 in value, gradient coef. A dropped token's log-prob
     # is replaced by 0 first, so an extreme or -inf one cannot leak NaN into the gradient.
     live = torch.where(keep & ~clipped, logprobs, torch.zeros_like(logprobs))
