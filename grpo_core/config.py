@@ -235,6 +235,24 @@ class AsyncGRPOConfig:
     probability, beyond the drift of a few optimizer steps or bf16-vs-fp32 kernels)."""
     vllm_importance_sampling_clip_max: Annotated[float, Field(gt=1)] = 2.0
     """Tokens whose trainer/sampler ratio rises above this are dropped from the loss (symmetric in log space)."""
+    vllm_importance_sampling_correction: bool = True
+    """Correct the objective for the gap between the sampler's and the trainer's probabilities, as
+    ``vllm_importance_sampling_mode`` says. False: every token keeps its raw ratio trainer/sampler as its weight
+    (the PPO clip still applies); only tokens without a finite ratio are left out. docs/mismatch.md compares them."""
+    vllm_importance_sampling_mode: Literal["token_mask", "token_truncate", "sequence_mask", "sequence_truncate"] = (
+        "token_mask")
+    """How the ratio r = trainer/sampler of each trained token weighs it (TRL's names; docs/mismatch.md has the
+    formulas). ``token_mask``: a token whose r leaves [``vllm_importance_sampling_clip_min``,
+    ``vllm_importance_sampling_clip_max``] is dropped, the others weigh r. ``token_truncate``: every token weighs
+    min(r, ``vllm_importance_sampling_cap``) (truncated importance sampling). ``sequence_mask`` and
+    ``sequence_truncate``: the same on the sample's geometric-mean ratio (the exponential of its tokens' mean
+    log-ratio), which then weighs each of its tokens. Unlike TRL, whose sequence modes take the product of the
+    ratios and whose masks drop only ratios above the cap, the sequence ratio here does not grow with the length and
+    the masks keep the two-sided bounds. The default keeps this trainer's earlier behaviour."""
+    vllm_importance_sampling_cap: Annotated[float, Field(gt=1)] = 2.0
+    """The ``*_truncate`` modes: the largest weight a token (or a sequence) takes; larger ratios are truncated to it
+    (the same bound as ``vllm_importance_sampling_clip_max`` by default, so that switching between a mask and a
+    truncation changes only what happens to the ratios beyond it)."""
 
     # ---- asynchrony -----------------------------------------------------------------------------
     max_staleness: Annotated[int, Field(ge=0)] = 4

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from grpo_core.packing.collator import pack_row
 from grpo_core.rollout.scheduler import END_OF_DATA
 from grpo_core.rollout.types import GroupReport, RolloutSample
 from grpo_core.training.collector import StepCollector, TrainingFrontier, WeightVersions
@@ -77,6 +78,10 @@ def test_staleness_counts_weight_updates_not_optimizer_steps():
     batch = c.collect(pushed)
     assert [s.policy_version for s in batch.samples] == [2, 4, 6]
     assert batch.staleness == [2, 1, 0]
+    # each sample carries its own into the packed rows (the per-staleness mismatch metrics)
+    assert [s.staleness for s in batch.samples] == [2, 1, 0]
+    assert sorted(pack_row(row).sample_staleness.tolist() for mb in batch.plan.microbatches for row in mb
+                  if row.num_samples) == [[2, 1, 0]]
     assert batch.stale_dropped == 1
     assert [pushed.staleness(v) for v in (0, 1, 2, 3, 6, 7)] == [3, 3, 2, 2, 0, 0]
 

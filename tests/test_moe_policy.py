@@ -129,7 +129,11 @@ def test_routing_mismatch_metric_over_micro_batches() -> None:
         sampler[:2] = -1  # no routes at two positions
         _, part = policy.after_forward(sampler, torch.arange(12), route_conflicts=shift, row_positions=12, step_positions=24)
         parts.append(part)
+        # per token, for the per-staleness mismatch metrics: positions 0-1 have no route; the shift moves all others
+        differs, known = policy.token_routes
+        assert known.tolist() == [False] * 2 + [True] * 10 and differs.tolist() == [False] * 2 + [bool(shift)] * 10
         policy.after_backward()
+        assert policy.token_routes is None
     merged = {k: v.item() for k, v in reduce_metric_parts(parts).items()}
     metrics = finalize_moe_metrics(merged)
     assert metrics["sampling/routing_mismatch"] == pytest.approx(10 / 20)  # the shifted micro-batch's 10 of 20

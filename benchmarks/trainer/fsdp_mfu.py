@@ -116,7 +116,8 @@ def row_backward(model, row, num_tokens: int, loss_config: LossConfig, chunk: in
         return
     inputs = LossInputs(logprobs=head.logprobs, sampler_logprobs=row.sampler_logprobs, advantages=row.advantages,
                         top_logprobs=head.top_logprobs, sampler_top_logprobs=row.sampler_top_logprobs,
-                        top_valid=row.top_valid)
+                        top_valid=row.top_valid, sample_index=row.sample_index,
+                        sample_staleness=row.sample_staleness)  # as the trainer: per-sample weights and metrics
     loss, _ = grpo_loss(inputs, loss_config, num_tokens)
     loss.backward()
 

@@ -43,6 +43,7 @@ class PackedRow:
     attention: TreeAttentionMetadata  # segments: query ranges and root-to-segment K/V indices
     sample_num_trained: torch.Tensor  # int64 [S]
     sample_policy_version: torch.Tensor  # int64 [S]
+    sample_staleness: torch.Tensor  # int64 [S]: weight updates behind the trainer when it took the sample
     sampler_top_ids: torch.Tensor | None = None  # int64 [T, N]; None when no sample has top-N
     sampler_top_logprobs: torch.Tensor | None = None  # float32 [T, N]
     top_valid: torch.Tensor | None = None  # bool [T, N]: False where a sample had fewer (or none)
@@ -106,7 +107,8 @@ def _empty_row() -> PackedRow:
         input_ids=one, position_ids=one.clone(), logit_index=none, target_ids=none.clone(),
         advantages=torch.zeros(0), sampler_logprobs=torch.zeros(0), sample_index=none.clone(),
         attention=TreeAttentionMetadata(cu_seq_q=cu, cu_seq_k=cu.clone(), max_q=1, max_k=1, kv_index=None),
-        sample_num_trained=none.clone(), sample_policy_version=none.clone(), is_dummy=True,
+        sample_num_trained=none.clone(), sample_policy_version=none.clone(), sample_staleness=none.clone(),
+        is_dummy=True,
     )
 
 
@@ -156,6 +158,7 @@ def pack_row(row: TreeRow) -> PackedRow:
         s = row.num_samples
         dummy.sample_num_trained = torch.zeros(s, dtype=torch.int64)
         dummy.sample_policy_version = _long([x.policy_version for x in row.samples])
+        dummy.sample_staleness = _long([x.staleness for x in row.samples])
         return dummy
     input_ids, position_ids, meta = _layout(row)
 
@@ -181,6 +184,7 @@ def pack_row(row: TreeRow) -> PackedRow:
         attention=meta,
         sample_num_trained=_long([s.num_trained for s in row.samples]),
         sample_policy_version=_long([s.policy_version for s in row.samples]),
+        sample_staleness=_long([s.staleness for s in row.samples]),
     )
     _add_top_n(packed, row)
     _add_sampling_masks(packed, row)

@@ -132,6 +132,9 @@ class RolloutSample:
     # last (which nothing forwards); None without routes (a dense model, a server that does not return them).
     routed_experts: np.ndarray | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # Weight updates pushed after ``policy_version`` when the trainer took the sample (``StepCollector`` sets it;
+    # the per-staleness mismatch metrics read it).
+    staleness: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

@@ -48,14 +48,16 @@ HEADLINE_METRICS: dict[str, str] = {
     "reward": "reward",
     HELDOUT_ACCURACY: HELDOUT_ACCURACY,
     "loss": "train_loss",
-    # The mean trainer-minus-sampler log-ratio of the trained tokens: how far off-policy a step trained.
-    "sampling/logprob_diff_mean": "sampler_logprob_gap",
+    # How far apart sampler and trainer were on the step's trained tokens: the k3 estimate of KL(sampler || trainer)
+    # per token (never negative, unlike the mean log-ratio ``sampling/logprob_diff_mean``, whose terms cancel).
+    # The other mismatch metrics, and each one per staleness: the ``mismatch`` sections (docs/mismatch.md).
+    "mismatch/k3_token": "sampler_mismatch_k3",
     "rollout/generated_tok_s": "tokens_per_s",
     "sample/staleness_mean": "staleness_mean",
 }
 """Metrics repeated under ``HEADLINE_SECTION``: the source's name to the chart's name in that section. The UI lays a
 section's charts out sorted by name, three to a row on a 1366-pixel screen: the names put the held-out accuracy and
-the reward in the first row (``heldout_accuracy``, ``reward``, ``sampler_logprob_gap``), the rest after."""
+the reward in the first row (``heldout_accuracy``, ``reward``, ``sampler_mismatch_k3``), the rest after."""
 
 
 RUNS_VIEW = "training"

@@ -193,6 +193,7 @@ class StepCollector:
                 self.frontier.on_consumed(item)
                 self.consumed_total += 1
                 continue
+            item.staleness = lag
             samples.append(item)
             staleness.append(lag)
         plan = self.planner.finish()

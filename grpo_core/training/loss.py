@@ -21,9 +21,16 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-# vLLM serialises -inf log-probs as -9999.0 (tokens outside top-k/top-p in processed_logprobs mode),
-# so anything at or below this is "impossible under the sampler", never a real log-probability.
-VLLM_NEG_INF = -9999.0
+from grpo_core.training.mismatch import (
+    VLLM_NEG_INF,
+    Correction,
+    CorrectionMode,
+    correction_factors,
+    finalize_mismatch,
+    mismatch_parts,
+)
+
+__all__ = ["VLLM_NEG_INF", "LossConfig", "LossInputs", "finalize_metrics", "grpo_loss", "reduce_metric_parts"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,14 @@ class LossConfig:
     vllm_importance_sampling_clip_max: float
     """Tokens whose ratio is above this are dropped. The PPO clip never binds for a negative
     advantage above 1, so without this bound such a token would be weighted by an unbounded ratio."""
+    vllm_importance_sampling_correction: bool
+    """False: every token with a finite ratio weighs its raw ratio (no mask, no truncation)."""
+    vllm_importance_sampling_mode: CorrectionMode
+    """Which weight the correction gives each token (``grpo_core.training.mismatch``)."""
+    vllm_importance_sampling_cap: float
+    """The ``*_truncate`` modes' largest weight."""
+    max_staleness: int
+    """Samples are at most this stale: the mismatch metrics keep one bucket per staleness 0..max_staleness."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.epsilon < 1.0:
@@ -62,12 +77,17 @@ class LossConfig:
             raise ValueError(f"epsilon_high must be >= 0, got {self.epsilon_high}")
         if self.score_centering_weights not in ("sampler", "importance"):
             raise ValueError(f"unknown score_centering_weights {self.score_centering_weights!r}")
-        lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
-        if not 0.0 <= lo <= 1.0 <= hi:
-            raise ValueError(
-                "need 0 <= vllm_importance_sampling_clip_min <= 1"
-                f" <= vllm_importance_sampling_clip_max, got [{lo}, {hi}]"
-            )
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        self.correction  # checks the mode, the mask bounds and the cap  # noqa: B018
+
+    @property
+    def correction(self) -> Correction:
+        return Correction(
+            enabled=self.vllm_importance_sampling_correction, mode=self.vllm_importance_sampling_mode,
+            clip_min=self.vllm_importance_sampling_clip_min, clip_max=self.vllm_importance_sampling_clip_max,
+            cap=self.vllm_importance_sampling_cap,
+        )
 
     @classmethod
     def from_config(cls, config: Any) -> LossConfig:
@@ -79,6 +99,10 @@ class LossConfig:
             score_centering_weights=config.score_centering_weights,
             vllm_importance_sampling_clip_min=config.vllm_importance_sampling_clip_min,
             vllm_importance_sampling_clip_max=config.vllm_importance_sampling_clip_max,
+            vllm_importance_sampling_correction=config.vllm_importance_sampling_correction,
+            vllm_importance_sampling_mode=config.vllm_importance_sampling_mode,
+            vllm_importance_sampling_cap=config.vllm_importance_sampling_cap,
+            max_staleness=config.max_staleness,
         )
 
 
@@ -99,13 +123,29 @@ class LossInputs:
     """[T, N] the sampler's log-probs of those ids."""
     top_valid: Tensor | None = None
     """[T, N] bool, False for padding slots where fewer than N ids came back. None: all valid."""
+    sample_index: Tensor | None = None
+    """[T] int64: the sample (sequence) of the row each token belongs to, 0..S-1 (``PackedRow.sample_index``).
+    None: the T tokens are one sequence."""
+    sample_staleness: Tensor | None = None
+    """[S] int64: each sample's staleness (weight updates behind the trainer), for the per-staleness metrics.
+    None: every sample counts as staleness 0."""
+    route_differs: Tensor | None = None
+    """[T] bool, mixture-of-experts policies: the trainer's own top-k differs from the sampler's route at the
+    position predicting the token (``grpo_core.models.moe.routing.routing_mismatch_tokens``)."""
+    route_known: Tensor | None = None
+    """[T] bool: the position has sampler routes in every MoE layer (where ``route_differs`` means something)."""
 
     def __post_init__(self) -> None:
         (t,) = self.logprobs.shape
-        for name in ("sampler_logprobs", "advantages"):
-            shape = tuple(getattr(self, name).shape)
+        for name in ("sampler_logprobs", "advantages", "sample_index", "route_differs", "route_known"):
+            value = getattr(self, name)
+            shape = tuple(value.shape) if value is not None else (t,)
             if shape != (t,):
                 raise ValueError(f"{name} has shape {shape}, want ({t},)")
+        if (self.route_differs is None) != (self.route_known is None):
+            raise ValueError("route_differs and route_known come together or not at all")
+        if self.sample_staleness is not None and self.sample_index is None:
+            raise ValueError("sample_staleness needs sample_index (which sample each token belongs to)")
         tops = (self.top_logprobs, self.sampler_top_logprobs)
         if (tops[0] is None) != (tops[1] is None):
             raise ValueError("top_logprobs and sampler_top_logprobs come together or not at all")
@@ -138,16 +178,24 @@ def _centering_weights(inputs: LossInputs, config: LossConfig, advantages: Tenso
         # has no finite score to average, so it leaves the average rather than poisoning it.
         log_w = sampler
     else:
-        # q_j * w_j with w_j = pi_j / q_j (times the same keep / not-clipped indicators as the
-        # sampled token, evaluated as if j had been sampled) is pi_j: in log space, the trainer's
-        # log-prob, which also avoids 0 * inf for tiny q_j.
+        # q_j * w_j, with w_j the weight candidate j would have had if it had been sampled (the
+        # correction's weight and the same not-clipped indicator as the sampled token). Token
+        # weights r_j give q_j r_j = pi_j: in log space the trainer's log-prob, which also avoids
+        # 0 * inf for tiny q_j; a truncated one min(pi_j, C q_j). A sequence weight is the same for
+        # every candidate of the position (to first order in 1/length) and cancels: q_j.
         ratio = torch.exp(trainer - sampler)
         adv = advantages.unsqueeze(-1)
-        usable &= ratio >= config.vllm_importance_sampling_clip_min
-        usable &= ratio <= config.vllm_importance_sampling_clip_max
+        correction = config.correction
+        log_w = trainer
+        if correction.enabled and correction.mode == "token_mask":
+            usable &= ratio >= correction.clip_min
+            usable &= ratio <= correction.clip_max
+        elif correction.enabled and correction.mode == "token_truncate":
+            log_w = torch.minimum(trainer, sampler + math.log(correction.cap))
+        elif correction.sequence_level:
+            log_w = sampler
         usable &= ~((ratio < 1.0 - config.epsilon) & (adv < 0))
         usable &= ~((ratio > 1.0 + config.epsilon_high) & (adv > 0))
-        log_w = trainer
     log_w = log_w.masked_fill(~usable, float("-inf"))
     log_norm = torch.logsumexp(log_w, dim=-1, keepdim=True)
     # A row with no usable slot has log_norm = -inf; where() keeps its weights at exactly 0.
@@ -165,9 +213,14 @@ def grpo_loss(
     with the weight w = r where the clip does not bind and w = 0 where it does (r < 1 - epsilon
     with A < 0, or r > 1 + epsilon_high with A > 0).
 
-    **Importance-sampling mask.** A token whose ratio lies outside
-    [vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max] contributes exactly 0
-    (value and gradient; its ratio is never exponentiated on the graph, so an extreme or -inf
+    **Importance-sampling correction** (``config.correction``, ``grpo_core.training.mismatch``). Each
+    token's clipped surrogate is multiplied by a detached factor c >= 0 such that an unclipped
+    token's gradient weight becomes the mode's importance weight w = c r: the raw ratio (correction
+    off), r inside [vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max] and 0
+    outside (``token_mask``, the default), min(r, cap) (``token_truncate``), or the same on the
+    geometric mean R_s of the token's own sample's ratios (``sequence_mask``, ``sequence_truncate``).
+    The PPO clip is decided on the token's own r in every mode. A token with c = 0 contributes
+    exactly 0 (value and gradient; its log-prob never reaches the graph, so an extreme or -inf
     log-prob cannot leak NaN into the gradient). It is **still counted** in
     ``num_tokens_in_step``: the denominator is fixed before the step's forward passes (no extra
     all-reduce of mask counts), and dropping a token must not up-weight the step's other tokens.
@@ -197,14 +250,15 @@ def grpo_loss(
       the exact ratio π/q, the plain term is already unbiased (E_q[r ∇log π] = Σ π ∇log π = 0) and
       this baseline adds A E_q[r] b = A (q - π) in logit space.
     - ``"importance"`` weights ũ_j ∝ q_j w(a_j) (each candidate's own clipped/masked ratio,
-      computed from the top-N log-probs; q_j r_j = π_j): b = E_q[w ∇log π] / E_q[w], so the
+      computed from the top-N log-probs as the correction would weigh it: q_j r_j = π_j, truncated
+      min(π_j, C q_j), a sequence weight q_j): b = E_q[w ∇log π] / E_q[w], so the
       expectation is exactly 0 for any w, and b = 0 when the top-N covers the vocabulary unclipped.
 
     Both use stop-gradient weights. Top-N slots that are padding, -9999/-inf under the sampler, or
     -inf under the trainer (outside its candidate set) are left out and the rest renormalised; a
     position with none left is not centered. The centering term is added as
     coef · Σ_j ũ_j (x_j - sg(x_j)), which is exactly 0 in value: **the returned loss value is the
-    plain clipped surrogate; centering changes only the gradient.** Without top-N inputs the call
+    corrected clipped surrogate; centering changes only the gradient.** Without top-N inputs the call
     is not centered; the caller is expected to say so once in its logs.
 
     Args:
@@ -221,25 +275,31 @@ def grpo_loss(
     logprobs = inputs.logprobs
     sampler = inputs.sampler_logprobs.to(logprobs.dtype)
     adv = inputs.advantages.to(logprobs.dtype)
+    sample_index, num_samples = _samples(inputs)
 
     with torch.no_grad():
         log_ratio = logprobs.detach() - sampler
         ratio = torch.exp(log_ratio)
-        # NaN compares False, so a NaN ratio is dropped too.
-        keep = (ratio >= config.vllm_importance_sampling_clip_min) & (
-            ratio <= config.vllm_importance_sampling_clip_max
-        )
+        factors = correction_factors(log_ratio, inputs.sampler_logprobs, config.correction, sample_index, num_samples)
+        keep = ~factors.masked
         low = keep & (ratio < 1.0 - config.epsilon) & (adv < 0)
         high = keep & (ratio > 1.0 + config.epsilon_high) & (adv > 0)
         clipped = low | high
+        factor, weight = factors.factor.to(logprobs.dtype), factors.weight.to(logprobs.dtype)
+        clipped_ratio = ratio.clamp(1.0 - config.epsilon, 1.0 + config.epsilon_high)
+        # The corrected surrogate c min(r A, clip(r) A) is w A where the clip does not bind and the
+        # constant c clip(r) A where it does: its factor of A per token.
+        scale = torch.where(clipped, factor * clipped_ratio, weight)
+        active_weight = torch.where(keep & ~clipped, weight, torch.zeros_like(weight))
 
-    # Dropped tokens get log-ratio 0 on the graph: where() routes them a zero gradient, and the
-    # finite stand-in keeps exp()'s backward from producing 0 * inf.
-    safe_log_ratio = torch.where(keep, logprobs - sampler, torch.zeros_like(logprobs))
-    ratio_g = torch.exp(safe_log_ratio)
-    clipped_ratio = ratio_g.detach().clamp(1.0 - config.epsilon, 1.0 + config.epsilon_high)
-    # Where the clip binds, min(rA, clip(r)A) is clip(r)A, a constant: detached, no gradient.
-    surrogate = torch.where(clipped, clipped_ratio * adv, ratio_g * adv)
+    # The advantages stay on the graph (the loss is linear in A per token; callers may differentiate in A).
+    value = scale * adv
+    # d(surrogate)/d(logprob) of an unclipped token: A c r = A w (the mode's importance weight).
+    coef = active_weight * adv
+    # The graph carries only coef * (x - sg(x)): 0 in value, gradient coef. A dropped token's log-prob
+    # is replaced by 0 first, so an extreme or -inf one cannot leak NaN into the gradient.
+    live = torch.where(keep & ~clipped, logprobs, torch.zeros_like(logprobs))
+    surrogate = value + coef * (live - live.detach())
     per_token = -surrogate
 
     centered = config.score_centering and inputs.top_logprobs is not None
@@ -249,14 +309,28 @@ def grpo_loss(
         top = inputs.top_logprobs.to(logprobs.dtype)
         top = torch.where(weights > 0, top, torch.zeros_like(top))  # no -inf on the graph
         # -d(surrogate)/d(logprob) is -A w; the baseline enters with the opposite sign.
-        coef = torch.where(keep & ~clipped, adv * ratio_g.detach(), torch.zeros_like(adv))
         per_token = per_token + coef * (weights * (top - top.detach())).sum(-1)
 
     per_token = torch.where(keep, per_token, torch.zeros_like(per_token))
     loss = per_token.sum() / num_tokens_in_step
 
     parts = _metric_parts(log_ratio, ratio, keep, low, high, inputs)
+    staleness = inputs.sample_staleness if inputs.sample_staleness is not None \
+        else torch.zeros(num_samples, dtype=torch.int64, device=log_ratio.device)
+    parts.update(mismatch_parts(log_ratio, factors, sample_index, staleness, config.max_staleness + 1,
+                                inputs.route_differs, inputs.route_known))
     return loss, parts
+
+
+def _samples(inputs: LossInputs) -> tuple[Tensor, int]:
+    """Each token's sample index and the number of samples (one sequence when the inputs do not say)."""
+    if inputs.sample_index is None:
+        t = inputs.logprobs.shape[0]
+        return torch.zeros(t, dtype=torch.int64, device=inputs.logprobs.device), 1
+    if inputs.sample_staleness is not None:
+        return inputs.sample_index, int(inputs.sample_staleness.numel())
+    # Without the per-sample tensor the count comes from the indices: a sync, for callers outside the trainer.
+    return inputs.sample_index, int(inputs.sample_index.max().item()) + 1 if inputs.sample_index.numel() else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,6 +368,14 @@ def _metric_parts(
 
 def reduce_metric_parts(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     """Merge per-call parts into one dict by key suffix: _min -> min, _max -> max, else sum."""
+    if _same_layout(parts):
+        # The usual step: every call has the same scalar parts on one device. One stack per call and three
+        # reductions, instead of one kernel per part and call (a step has ~100 parts per call).
+        keys = list(parts[0])
+        table = torch.stack([torch.stack([p[k].detach().reshape(()) for k in keys]) for p in parts])
+        sums, mins, maxs = table.sum(0), table.amin(0), table.amax(0)
+        return {k: (mins if k.endswith("_min") else maxs if k.endswith("_max") else sums)[i]
+                for i, k in enumerate(keys)}
     merged: dict[str, Tensor] = {}
     for part in parts:
         for key, value in part.items():
@@ -309,6 +391,15 @@ def reduce_metric_parts(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     return merged
 
 
+def _same_layout(parts: list[dict[str, Tensor]]) -> bool:
+    if len(parts) < 2 or not parts[0]:
+        return False
+    first = parts[0]
+    keys = first.keys()
+    kinds = {(v.dtype, v.device, v.numel()) for p in parts for v in p.values()}
+    return all(p.keys() == keys for p in parts) and len(kinds) == 1 and next(iter(kinds))[2] == 1
+
+
 def finalize_metrics(parts: list[dict[str, Tensor]]) -> dict[str, float]:
     """Published step metrics from the parts of every ``grpo_loss`` call of the step.
 
@@ -318,7 +409,10 @@ def finalize_metrics(parts: list[dict[str, Tensor]]) -> dict[str, float]:
     advantage. ``sampling/sampler_mass`` appears only when some call had top-N log-probs; nothing
     is published for a step without tokens.
     """
-    m = {k: v.item() for k, v in reduce_metric_parts(parts).items()}
+    merged = reduce_metric_parts(parts)
+    # One device-to-host copy for every part of the step, not one sync per part.
+    values = torch.stack([v.float().reshape(()) for v in merged.values()]).tolist() if merged else []
+    m = dict(zip(merged, values))
     n = m.get("tokens_sum", 0.0)
     if n == 0:
         return {}
@@ -334,4 +428,5 @@ def finalize_metrics(parts: list[dict[str, Tensor]]) -> dict[str, float]:
     }
     if m.get("top_tokens_sum", 0.0) > 0:
         out["sampling/sampler_mass"] = m["sampler_mass_sum"] / m["top_tokens_sum"]
+    out.update(finalize_mismatch(m))
     return out

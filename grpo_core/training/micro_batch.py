@@ -6,7 +6,8 @@ sets where it returns them), ``grpo_core.training.loss.grpo_loss`` over the step
 backward (scaled for fp16). For a mixture-of-experts policy (``moe``) the row's sampler routes go into the
 routers before the forward and stay there through backward (activation checkpointing recomputes the
 layers), the routing-mismatch parts join the loss's metric parts, and the balancing-loss term, when on,
-joins the loss (``grpo_core.models.moe.policy``).
+joins the loss (``grpo_core.models.moe.policy``). Each token's sample and that sample's staleness go to the loss
+for the sequence-level corrections and the per-staleness mismatch metrics (``grpo_core.training.mismatch``).
 """
 
 from __future__ import annotations
@@ -71,12 +72,22 @@ class MicroBatch:
             top_logprobs=head.top_logprobs,
             sampler_top_logprobs=row.sampler_top_logprobs if top_ids is not None else None,
             top_valid=row.top_valid if top_ids is not None else None,
+            sample_index=row.sample_index,
+            sample_staleness=row.sample_staleness,
+            **self._route_flags(),
         )
         loss, part = grpo_loss(inputs, self.loss_config, num_tokens)
         if moe_loss is not None:
             loss = loss + moe_loss
         (self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss).backward()
         return float(loss.detach()), {**part, **moe_parts}
+
+    def _route_flags(self) -> dict[str, torch.Tensor]:
+        """The row's per-token routing comparison, where the MoE policy made one (the mismatch metrics)."""
+        if self.moe is None or self.moe.token_routes is None:
+            return {}
+        differs, known = self.moe.token_routes
+        return {"route_differs": differs, "route_known": known}
 
     def _candidate_masks(self, row: PackedRow) -> torch.Tensor | None:
         if not self.candidate_sets or row.sampling_mask_ids is None:

@@ -11,6 +11,8 @@ the tests measure that gap on the server as it loaded the checkpoint, and hold e
   loading from disk gave); after pushing changed weights, the server follows the trainer within
   the measured bf16 gap, also when only the short-convolution weights changed;
 * the VLM's sync carries no tensor under the vision tower's names (recorded on the wire);
+* the mismatch metrics (docs/mismatch.md) of a short run against the hybrid's bf16 server reach a real MLflow
+  server at every step, with their headline copy, and show the bf16 gap at staleness 0;
 * (``long``) each variant, as users get it, learns the arithmetic task on its server: the mean reward
   of the last 10% of steps beats the first 10% by ``MARGIN``.
 
@@ -276,6 +278,51 @@ def test_sync_follows_the_trainer_within_bf16_rounding(served: Served) -> None:
     tower = [n for n, _ in model.named_parameters() if n.startswith(TOWER)]
     assert bool(tower) == (served.variant == "arithmetic-vlm")
     assert not any(n.startswith(TOWER) for n in sent)
+
+
+# ---- mismatch metrics --------------------------------------------------------------------------------------------
+MISMATCH_METRICS = ("mismatch/k1_token", "mismatch/k3_token", "mismatch/k1_seq", "mismatch/k3_seq",
+                    "mismatch/masked_token_share", "mismatch/masked_seq_share", "mismatch/truncated_token_share",
+                    "mismatch/truncated_seq_share", "mismatch/max_token_gap")
+
+
+def test_mismatch_metrics_reach_mlflow(check_servers: dict[str, Served], mlflow_server: str, tmp_path: Path) -> None:
+    """Two steps against the hybrid's bf16 server, tracked in a real MLflow server: every step holds the mismatch
+    metrics, overall and per staleness, and the headline copy; the fp32 trainer against the bf16 server shows a
+    gap at staleness 0 (the weights the server loaded). A sequence-level mode, so that the rows' sample indices
+    reach the loss too."""
+    import mlflow
+
+    from grpo_core.rewards import accuracy_reward, format_reward
+    from grpo_core.tiny import arithmetic_dataset
+    from grpo_core.tracking.run_view import headline_name
+    from grpo_core.tracking.tracker import MLflowTracker
+    from grpo_core.training.trainer import AsyncGRPOTrainer
+
+    served = check_servers["arithmetic-hybrid"]
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path / "run"), vllm_server_base_url=served.url, report_to="mlflow", max_steps=2,
+        learning_rate=1e-4, num_generations=4, per_device_train_batch_size=16, max_completion_length=16,
+        save_strategy="no", num_sampler_logprobs=4, max_staleness=1, bf16=False,
+        vllm_importance_sampling_mode="sequence_truncate",
+    )
+    tracker = MLflowTracker(mlflow_server, "test-mismatch", "hybrid-bf16-server")
+    trainer = AsyncGRPOTrainer(served.path, [accuracy_reward, format_reward],
+                               train_dataset=arithmetic_dataset()["train"], args=args, tracker=tracker)
+    history = trainer.train()
+    tracker.close()
+    client = mlflow.MlflowClient(mlflow_server)
+    for name in (*MISMATCH_METRICS, headline_name("mismatch/k3_token")):
+        steps = [m.step for m in client.get_metric_history(tracker.run_id, name)]
+        assert steps == [1, 2], f"{name}: logged at steps {steps}"
+    # step 1 trains samples of the pushed version 0 only; step 2 may train some one update old
+    assert 1 in [m.step for m in client.get_metric_history(tracker.run_id, "mismatch/k3_token/staleness_0")]
+    first = history[0]  # samples of the weights the server loaded: the gap is the server's bf16 against fp32
+    assert first["mismatch/k3_token/staleness_0"] > 0 and first["mismatch/max_token_gap/staleness_0"] > 0
+    # the same k3 sum over the step's sequences (k3_seq) and over its more numerous tokens (k3_token)
+    assert first["mismatch/k3_seq"] >= first["mismatch/k3_token"] > 0
+    assert client.get_metric_history(tracker.run_id, "mismatch/k3_token")[0].value == pytest.approx(
+        first["mismatch/k3_token"])
 
 
 # ---- learning ----------------------------------------------------------------------------------------------------

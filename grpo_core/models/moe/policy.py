@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from grpo_core.models.moe.balance import load_balancing_loss, row_weight
-from grpo_core.models.moe.routing import NO_ROUTE, RoutingReplay, moe_layers, routing_mismatch
+from grpo_core.models.moe.routing import NO_ROUTE, RoutingReplay, moe_layers, routing_mismatch_tokens
 
 
 @dataclass
@@ -37,6 +37,10 @@ class MoEPolicy:
     replay: bool
     """Force the sampler's routes where a row carries them."""
     aux_loss_coef: float
+    token_routes: tuple[Tensor, Tensor] | None = None
+    """Of the last ``after_forward`` with routes: per trained token, whether the trainer's own top-k differed from
+    the sampler's route, and whether there was a route to compare with (bool ``[T]`` each; the per-staleness
+    ``mismatch/route_mismatch_share``). Cleared by ``after_backward``."""
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, replay: bool, aux_loss_coef: float = 0.0) -> MoEPolicy | None:
@@ -57,11 +61,13 @@ class MoEPolicy:
         """The balancing-loss term to add to the row's loss (None when off) and the row's metric parts."""
         device = logit_index.device
         parts: dict[str, Tensor] = {}
+        self.token_routes = None
         if routes is not None:
-            mismatched, counted = routing_mismatch(self.routing.own_topk(), routes, logit_index,
-                                                   [m.layer for m in self.routing.layers])
-            parts["routed_tokens_sum"] = counted.float()
-            parts["routing_mismatch_sum"] = mismatched.float()
+            differs, known = routing_mismatch_tokens(self.routing.own_topk(), routes, logit_index,
+                                                     [m.layer for m in self.routing.layers])
+            self.token_routes = (differs, known)
+            parts["routed_tokens_sum"] = known.sum().float()
+            parts["routing_mismatch_sum"] = differs.sum().float()
             parts["route_conflicts_sum"] = torch.tensor(float(route_conflicts), device=device)
         extra = None
         if self.aux_loss_coef > 0:
@@ -73,6 +79,7 @@ class MoEPolicy:
 
     def after_backward(self) -> None:
         self.routing.clear()
+        self.token_routes = None
 
 
 def finalize_moe_metrics(merged: dict[str, float]) -> dict[str, float]:

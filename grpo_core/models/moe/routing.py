@@ -205,14 +205,20 @@ class RoutingReplay:
         return [moe.router._grpo_probs for moe in self.layers]
 
 
-def routing_mismatch(own: Tensor, sampler: Tensor, positions: Tensor, layers: list[int]) -> tuple[Tensor, Tensor]:
-    """``(mismatched, counted)`` over ``positions`` (int ``[T]``): ``counted`` those with sampler routes in
-    every MoE layer, ``mismatched`` those of them where some MoE layer's trainer top-k set (``own``,
-    ``[positions, layers, k]``) differs from the sampler's (``sampler``, same shape; order within a set
-    does not matter). Device tensors, no host sync."""
+def routing_mismatch_tokens(own: Tensor, sampler: Tensor, positions: Tensor, layers: list[int]) -> tuple[Tensor, Tensor]:
+    """``(differs, known)``, bool ``[T]`` over ``positions`` (int ``[T]``): ``known`` where the position has sampler
+    routes in every MoE layer, ``differs`` where it has and some MoE layer's trainer top-k set (``own``,
+    ``[positions, layers, k]``) differs from the sampler's (``sampler``, same shape; order within a set does not
+    matter). Device tensors, no host sync."""
     index = torch.as_tensor(layers, device=own.device)
     mine = own.index_select(0, positions).index_select(1, index).sort(-1).values
     theirs = sampler.index_select(0, positions).index_select(1, index).long().sort(-1).values
     known = (theirs != NO_ROUTE).all(-1).all(-1)
     differs = (mine != theirs).any(-1).any(-1) & known
+    return differs, known
+
+
+def routing_mismatch(own: Tensor, sampler: Tensor, positions: Tensor, layers: list[int]) -> tuple[Tensor, Tensor]:
+    """``(mismatched, counted)``: the counts of ``routing_mismatch_tokens``'s ``differs`` and ``known``."""
+    differs, known = routing_mismatch_tokens(own, sampler, positions, layers)
     return differs.sum(), known.sum()
