@@ -20,12 +20,15 @@ ROOT = Path(__file__).resolve().parent.parent
 """The repository root: where the scripts run from, and where their subprocesses start."""
 
 COMMIT_ENV = "BENCH_COMMIT"
-"""Names the commit where the copy that runs has no ``.git`` (a GPU machine given the working tree only)."""
+"""Names the commit of the copy that runs, where its own ``.git`` cannot tell (a GPU machine given the working tree,
+whose ``.git`` may be another checkout's); when set it wins over git."""
 
 
 def commit() -> dict[str, Any]:
     """The commit the run's code is at, and whether tracked files differ from it; ``BENCH_COMMIT`` where the
-    copy has no git history (then ``dirty`` is unknown: None)."""
+    copy's own history cannot tell (then ``dirty`` is unknown: None)."""
+    if os.environ.get(COMMIT_ENV):
+        return {"commit": os.environ[COMMIT_ENV], "dirty": None}
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=20)
         if head.returncode == 0:

@@ -96,6 +96,7 @@ SMOKES: dict[str, Smoke] = {
     "benchmarks.trainer.compile_numerics": Smoke(("--smoke", "--modes", "eager")),
     "benchmarks.trainer.fsdp_mfu": Smoke(("--smoke", "--configs", "16384:ac")),
     "benchmarks.trainer.trainer_loop": Smoke(("launch", "--smoke"), failures=run_errors()),
+    "benchmarks.trainer.mismatch_cost": Smoke(),
     "benchmarks.trainer.cpu_share": Smoke(server=True, failures=run_errors()),
     "benchmarks.rollout.fleet_throughput": Smoke(server=True),
     "benchmarks.rollout.rollout_throughput": Smoke(server=True),

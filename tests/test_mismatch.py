@@ -342,8 +342,14 @@ def test_truncation_bounds_a_ratio_too_large_for_fp32():
 
 @pytest.mark.parametrize("setting", ["demo", "harsh"])
 def test_comparison_runs_set_one_mode_each(setting):
-    """benchmarks/mismatch_runs.py: each row's trainer settings are a valid config with that mode and setting."""
-    from benchmarks.mismatch_runs import MODES, run_name, trainer_settings
+    """scripts/mismatch_runs.py: each row's trainer settings are a valid config with that mode and setting."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("mismatch_runs", Path(__file__).parents[1] / "scripts" / "mismatch_runs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    MODES, run_name, trainer_settings = module.MODES, module.run_name, module.trainer_settings
     from flows.cli import DEMO_TRAINER
     from grpo_core.config import AsyncGRPOConfig
 

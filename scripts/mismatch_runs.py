@@ -9,10 +9,10 @@ MLflow. Every run of the table goes to one experiment (``--experiment``), named
 ``mismatch.mode``, ``mismatch.setting``, ``mismatch.routing_replay``, ``mismatch.variant``; the table is read
 from there (``notebooks/compare_experiments.ipynb`` or an MLflow search on those tags).
 
-    python benchmarks/mismatch_runs.py --model tiny:arithmetic-hybrid --mode token_truncate --setting harsh \\
+    python scripts/mismatch_runs.py --model tiny:arithmetic-hybrid --mode token_truncate --setting harsh \\
         --tracking-uri sqlite:///outputs/mismatch/mlflow.db
-    python benchmarks/mismatch_runs.py --model tiny:arithmetic-hybrid-moe --mode none --no-routing-replay
-    python benchmarks/mismatch_runs.py --mode sequence_mask --max-steps 3 --no-eval   # a quick check of the script
+    python scripts/mismatch_runs.py --model tiny:arithmetic-hybrid-moe --mode none --no-routing-replay
+    python scripts/mismatch_runs.py --mode sequence_mask --max-steps 3 --no-eval   # a quick check of the script
 
 Modes: ``none`` (``vllm_importance_sampling_correction=False``) and the four of ``vllm_importance_sampling_mode``.
 Settings: ``demo`` (flows/cli.py ``DEMO_TRAINER``: lr 2e-4, staleness up to 2, 120 steps) and ``harsh``

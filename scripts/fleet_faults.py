@@ -1,7 +1,7 @@
 """The fleet's drain rule, tried as a user meets it: CPU servers started by hand with the command the project prints,
 the trainer on the same cores, faults injected into the servers' process groups.
 
-    .venv/bin/python benchmarks/fleet_faults.py none kill stop2 stop1
+    .venv/bin/python scripts/fleet_faults.py none kill stop2 stop1
 
 Scenarios (each a fresh run against the same two servers; ``report_to="none"``):
 

@@ -7,7 +7,7 @@ difference is what the metrics cost per row; and ``finalize_metrics`` over ``--r
 one host copy). Only the loss is timed: compare the figures with a whole step's (benchmarks/README.md,
 "MFU"), which holds the model's forward and backward too.
 
-    python3 benchmarks/mismatch_cost.py --tokens 12288 --samples 16 --out $OUT/mismatch_cost.json
+    python3 benchmarks/trainer/mismatch_cost.py --tokens 12288 --samples 16 --out $OUT/mismatch_cost.json
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ from unittest import mock
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from grpo_core.training import loss as loss_module  # noqa: E402
 from grpo_core.training.loss import LossConfig, LossInputs, finalize_metrics, grpo_loss  # noqa: E402
+from benchmarks.bench_io import write_report  # noqa: E402
 
 MODES = ("token_mask", "token_truncate", "sequence_mask", "sequence_truncate")
 
@@ -86,7 +85,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16, help="rows (micro-batches) of a step, for finalize_metrics")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--smoke", action="store_true", help="small sizes and few repeats: checks the script")
     args = parser.parse_args()
+    if args.smoke:
+        args.tokens, args.samples, args.rows, args.iters = 512, 4, 2, 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t = row_inputs(args.tokens, args.samples, args.top, device)
     report: dict[str, object] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -109,8 +111,7 @@ def main() -> None:
     report["metrics_ms_per_row"] = default - report["loss_ms_default_without_metrics"]  # type: ignore[operator]
     print(json.dumps(report, indent=2))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+        write_report(args.out, report)
 
 
 if __name__ == "__main__":
