@@ -12,7 +12,7 @@ each ending when every receiver has the bytes (a one-element all-reduce on each 
 the median seconds and MB/s of each and the ratios to ``spanning``; the report goes to
 ``benchmarks/results/fleet_push.json``. Gloo on loopback on a shared CPU measures the sender's cost, not a
 network's: with NCCL across nodes a spanning broadcast pipelines through the receivers, so its time stays near one
-transfer's while per-server pushes grow with the number of servers (README, "A fleet of rollout servers").
+transfer's while per-server pushes grow with the number of servers (docs/fleet.md).
 
     .venv/bin/python -m benchmarks.sync.fleet_push
     .venv/bin/python -m benchmarks.sync.fleet_push --mb 64 --rounds 3

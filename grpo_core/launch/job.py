@@ -65,8 +65,8 @@ class ServerParams(ServerOptions):
     seed, ``seed + replica``), its own cores and port on one machine (``cpu_placement``), its own stable name on
     Kubernetes. The rollout worker routes each group to one of them, every push reaches all of them, and a server
     that dies is restarted by the flow and catches up before it serves again. A server's own data parallelism (vLLM's
-    ``--data-parallel-size`` in ``extra_args``) is the other way to more generation: README, "A fleet of rollout
-    servers", says when to use which."""
+    ``--data-parallel-size`` in ``extra_args``) is the other way to more generation: docs/fleet.md
+    says when to use which."""
     base_url: str | list[str] | None = None
     """URL of an existing server, or the URLs of an existing fleet (when ``managed`` is false)."""
     startup_timeout_s: Annotated[float, Field(gt=0)] = 600.0

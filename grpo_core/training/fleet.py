@@ -15,8 +15,7 @@ One transfer session per server, not one group spanning all of them: a server th
 own session (a spanning group fails the push for everyone and must be re-formed, with every server, whenever one
 leaves or joins), a server that joins gets its own dense first push while the others go on with deltas, and servers
 of different shapes (tensor-parallel sizes, one on another cluster through storage) mix. The price is the trainer
-sending the weights once per server (``benchmarks/sync/fleet_push.py`` measures both on CPU: README, "A fleet of
-rollout servers").
+sending the weights once per server (``benchmarks/sync/fleet_push.py`` measures both on CPU; docs/fleet.md).
 
 When a server is out of service follows one rule for every fleet size (``vllm_server.health``): refused, silent
 for ``server_drain_after_s``, or not progressing for that long; a slow answer alone is not evidence. An out server
