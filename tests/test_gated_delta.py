@@ -104,6 +104,25 @@ def test_tree_kernels_follow_each_path(samples):
         torch.testing.assert_close(out[own], alone[-n:], atol=1e-10, rtol=1e-8)
         plain = F.conv1d(x[:, :, path], weight[:, None], bias, padding=3, groups=6)[:, :, : len(path)]
         torch.testing.assert_close(conv[:, :, own], plain[:, :, -n:], atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(conv, gd.tree_causal_conv1d_grouped(x, weight, bias, meta), atol=1e-12, rtol=1e-10)
+
+
+def test_conv_gradients_match_the_grouped_convolution():
+    row = TreeRow()
+    for tail in ([5, 6, 7], [9, 9, 2, 4], [9, 9, 3]):
+        row.add(make_sample([1, 2, 3, 4] + tail, len(tail)))
+    meta = pack_row(row).attention
+    u = int(meta.cu_seq_q[-1])
+    gen = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(1, 5, u, generator=gen, dtype=torch.float64), torch.randn(5, 4, generator=gen, dtype=torch.float64),
+              torch.randn(5, generator=gen, dtype=torch.float64)]
+    grads = []
+    for fn in (gd.tree_causal_conv1d, gd.tree_causal_conv1d_grouped):
+        xs = [t.clone().requires_grad_() for t in inputs]
+        (fn(xs[0], xs[1], xs[2], meta) ** 2).sum().backward()
+        grads.append([t.grad for t in xs])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
 
 
 def test_conv_window_crosses_into_the_parent_never_the_sibling():

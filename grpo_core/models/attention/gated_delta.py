@@ -146,22 +146,52 @@ def cached(meta: TreeAttentionMetadata, key: tuple, build: Callable[[], object])
 
 
 # ---- the short convolution --------------------------------------------------------------------------
+def _conv_plan(x: torch.Tensor, kernel: int, meta: TreeAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    return cached(
+        meta, ("gdn_conv", kernel, x.device),
+        lambda: tuple(torch.as_tensor(a).to(x.device) for a in conv_indices(meta, kernel)),
+    )
+
+
 def tree_causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, meta: TreeAttentionMetadata
 ) -> torch.Tensor:
     """Depthwise causal convolution of ``x`` ``[1, C, U]`` along every sample's path; ``weight`` ``[C, K]``.
 
-    Returns ``[1, C, U]`` in ``weight``'s dtype (the activation is the caller's).
+    Returns ``[1, C, U]`` in ``weight``'s dtype (the activation is the caller's). Computed channel-last
+    as ``K`` shifted multiply-adds over the gathered ``[E, C]`` rows, accumulated in fp32 (what a
+    convolution kernel does inside): element-wise work that the compiled layer fuses into one pass,
+    where a grouped ``conv1d`` would transpose to channel-first and back and run a depthwise kernel
+    that is slow in backward (``benchmarks/models/qwen35_speed.py`` times both).
     """
     if x.shape[0] != 1:
         raise ValueError(f"a packed row is one sequence (batch 1), got batch {x.shape[0]}")
     kernel = weight.shape[-1]
-    source, keep = cached(
-        meta, ("gdn_conv", kernel, x.device),
-        lambda: tuple(torch.as_tensor(a).to(x.device) for a in conv_indices(meta, kernel)),
-    )
+    source, keep = _conv_plan(x, kernel, meta)
     rows = x[0].t().to(weight.dtype)  # [U, C]
     rows = torch.cat([rows.new_zeros(1, rows.shape[1]), rows])  # row 0: the zeros above a root
+    gathered = gather_rows(rows, source + 1)  # [E, C]
+    valid = gathered.shape[0] - kernel + 1  # output j covers gathered[j : j + kernel]
+    wide = torch.promote_types(weight.dtype, torch.float32)
+    taps = weight.to(wide).t()  # [K, C]
+    out = gathered[:valid].to(wide) * taps[0]
+    for i in range(1, kernel):
+        out = out + gathered[i : i + valid].to(wide) * taps[i]
+    out = out.index_select(0, keep)
+    if bias is not None:
+        out = out + bias.to(wide)
+    return out.to(weight.dtype).t().unsqueeze(0)
+
+
+def tree_causal_conv1d_grouped(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, meta: TreeAttentionMetadata
+) -> torch.Tensor:
+    """``tree_causal_conv1d`` as one grouped ``conv1d`` over the gathered, channel-first rows (the
+    comparison of the tests and of the speed benchmark)."""
+    kernel = weight.shape[-1]
+    source, keep = _conv_plan(x, kernel, meta)
+    rows = x[0].t().to(weight.dtype)
+    rows = torch.cat([rows.new_zeros(1, rows.shape[1]), rows])
     gathered = gather_rows(rows, source + 1).t().unsqueeze(0)  # [1, C, E]
     out = F.conv1d(gathered, weight.unsqueeze(1), bias, groups=weight.shape[0])
     return out.index_select(2, keep)
