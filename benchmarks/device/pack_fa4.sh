@@ -15,7 +15,7 @@ get() {
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$1" "${@:2}"
 }
 rm -rf .fa4a .fa4b && mkdir -p .fa4a/w .fa4b/w "$tmp/cutlass" "$tmp/cw"
-get .fa4a/w flash-attn-4==4.0.0b36 quack-kernels==0.6.5 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 \
+get .fa4a/w flash-attn-4==4.0.0b36 quack-kernels==0.6.5 apache-tvm-ffi==0.1.12 torch-c-dlpack-ext==0.1.5 \
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
 cp .fa4a/w/pydantic* .fa4a/w/annotated_types* .fa4a/w/typing_* .fa4b/w/
 get "$tmp/cw" nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1 \

@@ -101,6 +101,8 @@ def random_routes(rng: np.random.Generator, tokens: int, layers: int, experts: i
 
 def with_routes(samples, model, seed: int):
     config = model.config
+    if not getattr(config, "num_experts", None):  # a dense model: nothing to replay
+        return samples
     rng = np.random.default_rng(seed)
     for s in samples:
         s.routed_experts = random_routes(rng, len(s.token_ids), config.num_hidden_layers, config.num_experts,
@@ -139,9 +141,11 @@ def time_rows(model, moe, rows, num_trained: int, optimizer, args, device) -> tu
         synchronize(device)
         start = time.perf_counter()
         for row in rows:
-            moe.before_forward(row.routes)
+            if moe is not None:
+                moe.before_forward(row.routes)
             row_backward(model, row, num_trained, loss_config)
-            moe.after_backward()
+            if moe is not None:
+                moe.after_backward()
         synchronize(device)
         fb = time.perf_counter() - start
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -154,11 +158,13 @@ def time_rows(model, moe, rows, num_trained: int, optimizer, args, device) -> tu
     return times_fb, times_step
 
 
-def run_shape(args, shape: str, device: torch.device, rank: int, world: int) -> list[dict]:
+def run_shape(args, shape: str, device: torch.device, rank: int, world: int, build=build_model) -> list[dict]:
+    """The shape's rows per workload, flat and tree, timed as the trainer runs them; ``build(shape, layers,
+    device)`` makes the fp32 model (``benchmarks/models/qwen35_speed.py`` passes its dense shapes)."""
     config = AsyncGRPOConfig()
     cuda = device.type == "cuda"
     settings = FSDPSettings.from_config(config, bf16=cuda, device_type=device.type)
-    model = build_model(shape, args.layers, device)
+    model = build(shape, args.layers, device)
     experts_impl = use_grouped_experts(model)
     attention = ta.enable_tree_attention(model, backend=config.attention_backend if cuda else "varlen_emulated",
                                          linear_backend=config.gdn_backend if cuda else "reference",

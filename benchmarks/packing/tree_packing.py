@@ -203,8 +203,9 @@ def time_modes(model, modes: dict, repeats: int, device: torch.device, head: str
     return {m: (statistics.median(t), t, peak.get(m)) for m, t in times.items()}
 
 
-def exactness_check(model, device, dtype, vocab: int, seed: int = 1) -> dict:
-    """Trained-token log-probs: packed row vs alone (batch 1) vs all samples in one padded batch."""
+def exactness_samples(vocab: int, seed: int = 1) -> list[RolloutSample]:
+    """The exactness check's samples: 3 groups of 4, prompts of 200-600 tokens, completions forking off
+    shared stems of random length."""
     rng = np.random.default_rng(seed)
     samples = []
     for g in range(3):
@@ -220,6 +221,12 @@ def exactness_check(model, device, dtype, vocab: int, seed: int = 1) -> dict:
                                          sampler_logprobs=np.zeros(len(tokens), np.float32), advantage=1.0,
                                          reward=0.0, group_id=g, row_index=g, epoch=0, rollout_id=f"x{g}{r}",
                                          policy_version=0))
+    return samples
+
+
+def exactness_check(model, device, dtype, vocab: int, seed: int = 1) -> dict:
+    """Trained-token log-probs: packed row vs alone (batch 1) vs all samples in one padded batch."""
+    samples = exactness_samples(vocab, seed)
     with torch.no_grad():
         out = {}
         for mode in ("tree", "flat"):

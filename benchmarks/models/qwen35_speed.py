@@ -1,0 +1,286 @@
+"""The Qwen3.5 family on one GPU with the trainer's default config: hybrid vs dense per parameter, MoE MFU, log-prob gap.
+
+One run measures, all with random weights and 16k-token rows:
+
+* ``speed``: the dense Qwen3-1.7B shape (28 layers, hidden 2048, 16 / 8 heads of 128, tied 152k vocabulary)
+  and the Qwen3.5-style dense hybrid of ``benchmarks/packing/gdn_tree_packing.py`` (24 layers, 3 Gated DeltaNet
+  to 1 gated attention, untied 248k vocabulary, 2.39B) on tree_packing.py's ``ratio~1`` and ``ratio~3.4``
+  workloads, flat and tree rows, each step as the trainer runs it (``moe_training.run_shape``: fp32 master
+  weights under FSDP2 with bf16 compute, compiled decoder layers, tree attention and Gated DeltaNet backends
+  ``auto``, the trainer's log-prob head and GRPO loss, AdamW). ``per_param`` of a workload = (hybrid trained
+  tokens/s x hybrid parameters) / (dense trained tokens/s x dense parameters), tree rows;
+* ``moe``: MFU (fwd+bwd, active parameters, ``ModelFlops``) of the Qwen3.5-MoE shape (4 layers) and the
+  Qwen3-30B-A3B shape (8 layers) on fsdp_mfu.py's ``mfu`` workload;
+* ``gap``: mean |log-prob| difference of trained tokens, a tree row against each sample forwarded alone
+  through transformers' unpatched path, bf16, for both dense models (tree_packing.py's exactness samples),
+  decomposed: each sample as a row of its own through the same kernels (``single``), and for the hybrid the
+  packed row with the fp32 PyTorch delta rule (``reference``) instead of flash-linear-attention;
+* ``conv``: the tree short convolution at a 16k row of the hybrid's width, fwd+bwd, channel-last
+  multiply-adds (the trainer's) against a grouped ``conv1d``.
+
+``summary`` holds ``hybrid_per_param_vs_dense`` (per workload), ``qwen3_5_moe_mfu``, ``qwen3_30b_a3b_mfu``
+(fractions) and ``hybrid_logprob_gap_vs_dense`` (hybrid gap / dense gap), with the targets.
+
+    python3 -m benchmarks.models.qwen35_speed --out $OUT/qwen35_speed.json
+    python3 -m benchmarks.models.qwen35_speed --parts moe --resume benchmarks/results/qwen35_speed.json --out ...
+    python3 -m benchmarks.models.qwen35_speed --smoke --out /tmp/qwen35_smoke.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+import torch
+
+from grpo_core.models.attention import gated_delta as gd  # noqa: E402
+from grpo_core.models.attention import tree as ta  # noqa: E402
+from grpo_core.packing.collator import pack_row  # noqa: E402
+from grpo_core.packing.planner import plan_step  # noqa: E402
+from grpo_core.training.distributed import DistInfo, init_distributed  # noqa: E402
+from grpo_core.training.perf import device_peak_flops, synchronize  # noqa: E402
+from benchmarks.bench_io import write_report  # noqa: E402
+from benchmarks.models import moe_training  # noqa: E402
+from benchmarks.packing import gdn_tree_packing, tree_packing  # noqa: E402
+
+DENSE = {
+    "qwen3-1.7b": ("qwen3", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)),
+    "qwen3.5-2b-like": ("qwen3_5", gdn_tree_packing.SHAPES["qwen3.5-2b-like"]),
+    "tiny-dense": ("qwen3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True)),
+    "tiny-gdn": ("qwen3_5", gdn_tree_packing.SHAPES["tiny"]),
+}
+PAIRS = {False: ("qwen3-1.7b", "qwen3.5-2b-like"), True: ("tiny-dense", "tiny-gdn")}
+MOE = {False: (("qwen3.5-moe", 4), ("qwen3-30b-a3b", 8)), True: (("tiny-hybrid", 4), ("tiny", 4))}
+TARGETS = {"hybrid_per_param_vs_dense": 1.0, "speedup_over_flop_ideal": 0.97, "qwen3_5_moe_mfu": 0.30,
+           "qwen3_30b_a3b_mfu": 0.40, "hybrid_logprob_gap_vs_dense": 2.0}
+
+
+def build_dense(shape: str, layers: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The fp32 model of a dense shape (every fourth layer full attention in the hybrid); MoE shapes: moe_training's."""
+    if shape not in DENSE:
+        return moe_training.build_model(shape, layers, device)
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
+
+    arch, sizes = DENSE[shape]
+    common = dict(max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    torch.manual_seed(0)
+    with torch.device(device):
+        if arch == "qwen3":
+            model = Qwen3ForCausalLM(Qwen3Config(**sizes, **common))
+        else:
+            kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(sizes["num_hidden_layers"])]
+            model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**sizes, **common, layer_types=kinds))
+    model.config.use_cache = False
+    return model.to(dtype)
+
+
+def run_speed(args, device, info, world) -> list[dict]:
+    results = []
+    for shape in PAIRS[args.smoke]:
+        args.layers = DENSE[shape][1]["num_hidden_layers"]
+        args.workloads = "ratio~1,ratio~3.4" if not args.smoke else "ratio~1,ratio~3"
+        for r in moe_training.run_shape(args, shape, device, info.rank, world, build=build_dense):
+            r.pop("fwd_bwd_times_s", None)
+            results.append(r)
+            print("speed", json.dumps({k: r.get(k) for k in ("model", "workload", "packing", "trained_tokens_per_s",
+                                                               "mfu_fwd_bwd", "speedup_over_flop_ideal", "error")}), flush=True)
+    return results
+
+
+def run_moe(args, device, info, world) -> list[dict]:
+    results = []
+    for shape, layers in MOE[args.smoke]:
+        args.layers, args.workloads = layers, "mfu"
+        for r in moe_training.run_shape(args, shape, device, info.rank, world):
+            results.append(r)
+            print("moe", json.dumps({k: r.get(k) for k in ("model", "mfu_fwd_bwd", "tokens_per_s_fwd_bwd", "error")}), flush=True)
+    return results
+
+
+# ---- the packed-vs-unpacked log-prob gap ------------------------------------------------------------
+def row_logprobs(model, samples, device) -> torch.Tensor:
+    """Trained-token log-probs of ``samples`` packed as one tree row (sample order, as ``exactness_check``)."""
+    plan = plan_step(samples, world_size=1, gradient_accumulation_steps=1, token_budget=10**6)
+    row = pack_row(plan.rows[0]).to(device)
+    logits = model(**row.model_inputs(), logits_to_keep=row.logit_index).logits[0]
+    return torch.log_softmax(logits.float(), -1).gather(-1, row.target_ids[:, None])[:, 0]
+
+
+def alone_logprobs(model, samples, device) -> torch.Tensor:
+    """Each sample alone through transformers' own path (no row metadata: the patches pass it through)."""
+    impl = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    out = []
+    for s in samples:
+        ids = torch.as_tensor(s.token_ids, dtype=torch.long, device=device)
+        t = torch.as_tensor(np.flatnonzero(s.completion_mask), device=device)
+        lg = model(input_ids=ids[None]).logits[0]
+        out.append(torch.log_softmax(lg.float(), -1)[t - 1].gather(-1, ids[t][:, None])[:, 0])
+    model.set_attn_implementation(impl)
+    return torch.cat(out)
+
+
+def gap(a: torch.Tensor, b: torch.Tensor) -> dict:
+    d = (a - b).abs()
+    return {"mean": d.mean().item(), "max": d.max().item()}
+
+
+def logprob_gap(shape: str, device: torch.device, dtype: torch.dtype) -> dict:
+    model = build_dense(shape, 0, device, dtype).eval()
+    attention = ta.enable_tree_attention(model, backend="auto" if device.type == "cuda" else "varlen_emulated",
+                                         linear_backend="auto" if device.type == "cuda" else "reference",
+                                         compute_dtype=dtype)
+    hybrid = any(t == "linear_attention" for t in getattr(model.config, "layer_types", None) or ())
+    samples = tree_packing.exactness_samples(model.config.vocab_size)
+    out = {"model": shape, "dtype": str(dtype), "attention_backend": attention,
+           "gdn_backend": gd.active_gdn_backend().name if hybrid else None}
+    with torch.no_grad():
+        alone = alone_logprobs(model, samples, device)
+        tree = row_logprobs(model, samples, device)
+        single = torch.cat([row_logprobs(model, [s], device) for s in samples])
+        out.update(trained_tokens=int(alone.numel()), tree_vs_alone=gap(tree, alone), single_vs_alone=gap(single, alone),
+                   tree_vs_single=gap(tree, single))
+        if hybrid and gd.active_gdn_backend().name != "reference":
+            kept = gd.active_gdn_backend()
+            gd._active = gd.GDN_BACKENDS["reference"]  # the fp32 PyTorch delta rule, same rows
+            try:
+                ref_tree = row_logprobs(model, samples, device)
+                ref_single = torch.cat([row_logprobs(model, [s], device) for s in samples])
+            finally:
+                gd._active = kept
+            out.update(reference_tree_vs_alone=gap(ref_tree, alone), reference_single_vs_alone=gap(ref_single, alone),
+                       reference_tree_vs_single=gap(ref_tree, ref_single), fla_vs_reference_tree=gap(tree, ref_tree))
+    print("gap", json.dumps(out), flush=True)
+    del model
+    return out
+
+
+# ---- the short convolution --------------------------------------------------------------------------
+def conv_timing(device: torch.device, smoke: bool) -> dict:
+    """fwd+bwd of the tree convolution on one ratio~3.4 row at the hybrid's width (16 + 16 + 16 heads of 128)."""
+    budget, channels = (256, 64) if smoke else (16384, 6144)
+    workload = (tree_packing.SMOKE_WORKLOADS if smoke else tree_packing.WORKLOADS)[-1 if smoke else 2]
+    samples = tree_packing.make_samples(workload, 1000, seed=5)
+    plan = plan_step(samples, world_size=1, gradient_accumulation_steps=10**6, token_budget=budget)
+    meta = pack_row(plan.rows[0]).to(device).attention
+    u = int(meta.cu_seq_q[-1])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x = torch.randn(1, channels, u, device=device, dtype=dtype)
+    w = torch.randn(channels, 4, device=device, dtype=dtype, requires_grad=True)
+    out = {"tokens": u, "channels": channels}
+    for name, fn in (("channel_last", gd.tree_causal_conv1d), ("grouped_conv1d", gd.tree_causal_conv1d_grouped)):
+        xr = x.clone().requires_grad_()
+        times = []
+        for i in range(3 if smoke else 12):
+            synchronize(device)
+            start = time.perf_counter()
+            fn(xr, w, None, meta).float().square().mean().backward()
+            synchronize(device)
+            if i >= 2:
+                times.append(time.perf_counter() - start)
+        out[f"{name}_ms"] = 1e3 * float(np.median(times))
+    print("conv", json.dumps(out), flush=True)
+    return out
+
+
+# ---- summary ----------------------------------------------------------------------------------------
+def find(results: list[dict], **keys) -> dict | None:
+    return next((r for r in results if all(r.get(k) == v for k, v in keys.items()) and "error" not in r), None)
+
+
+def summarize(report: dict, smoke: bool) -> dict:
+    dense, hybrid = PAIRS[smoke]
+    speed, summary = report.get("speed", []), {"targets": TARGETS}
+    per_param, reached = {}, {}
+    for workload in ("ratio~1", "ratio~3" if smoke else "ratio~3.4"):
+        d, h = find(speed, model=dense, workload=workload, packing="tree"), find(speed, model=hybrid, workload=workload, packing="tree")
+        if d and h:
+            per_param[workload] = (h["trained_tokens_per_s"] * h["params"]) / (d["trained_tokens_per_s"] * d["params"])
+            reached[workload] = {"dense": d.get("speedup_over_flop_ideal"), "hybrid": h.get("speedup_over_flop_ideal"),
+                                 "dense_mfu": d["mfu_fwd_bwd"], "hybrid_mfu": h["mfu_fwd_bwd"]}
+    summary["hybrid_per_param_vs_dense"] = per_param
+    summary["tree_speedup_over_flop_ideal"] = reached
+    for key, (shape, _) in zip(("qwen3_5_moe_mfu", "qwen3_30b_a3b_mfu"), MOE[smoke]):
+        r = find(report.get("moe", []), model=shape, workload="mfu")
+        summary[key] = r["mfu_fwd_bwd"] if r else None
+    gaps = {g["model"]: g for g in report.get("gap", [])}
+    if dense in gaps and hybrid in gaps:
+        summary["hybrid_logprob_gap"] = gaps[hybrid]["tree_vs_alone"]["mean"]
+        summary["dense_logprob_gap"] = gaps[dense]["tree_vs_alone"]["mean"]
+        summary["hybrid_logprob_gap_vs_dense"] = summary["hybrid_logprob_gap"] / max(summary["dense_logprob_gap"], 1e-12)
+    met = {}
+    if per_param:
+        met["hybrid_per_param_vs_dense"] = all(v >= TARGETS["hybrid_per_param_vs_dense"] for v in per_param.values())
+    if reached:
+        met["speedup_over_flop_ideal"] = all((v["hybrid"] or 0) >= TARGETS["speedup_over_flop_ideal"] for v in reached.values())
+    for key in ("qwen3_5_moe_mfu", "qwen3_30b_a3b_mfu"):
+        if summary.get(key) is not None:
+            met[key] = summary[key] >= TARGETS[key]
+    if "hybrid_logprob_gap_vs_dense" in summary:
+        met["hybrid_logprob_gap_vs_dense"] = summary["hybrid_logprob_gap_vs_dense"] <= TARGETS["hybrid_logprob_gap_vs_dense"]
+    summary["met"] = met
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", default="conv,gap,speed,moe", help="which of conv, gap, speed, moe to run (in this order)")
+    ap.add_argument("--resume", default=None, help="a report of an earlier run: its parts are kept, the others run")
+    ap.add_argument("--token-budget", type=int, default=16384)
+    ap.add_argument("--rows-per-rank", type=int, default=4, help="micro-batches per step of the MoE mfu workload")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results/qwen35_speed.json")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script only")
+    args = ap.parse_args()
+    args.no_replay = False
+    info = DistInfo.from_env()
+    device = torch.device("cpu") if args.smoke else info.device()
+    init_distributed(info, device, timeout_s=1800)
+    import torch.distributed as dist
+    import transformers
+
+    report: dict = {}
+    if args.resume and os.path.exists(args.resume):
+        with open(args.resume) as f:
+            report = json.load(f)
+    report.setdefault("env", {"torch": torch.__version__, "transformers": transformers.__version__,
+                              "python": platform.python_version(),
+                              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                              "peak_bf16_flops": device_peak_flops(device, True)})
+    for name in ("fla", "tilelang", "flash_attn", "triton"):
+        try:
+            report["env"][name] = getattr(__import__(name), "__version__", "present")
+        except Exception as exc:  # noqa: BLE001 - what is missing is part of the record
+            report["env"][name] = f"absent ({type(exc).__name__})"
+    report.setdefault("commands", []).append(" ".join(sys.argv))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    world = dist.get_world_size()
+    for part in ("conv", "gap", "speed", "moe"):
+        if part not in args.parts.split(",") or part in report:
+            continue
+        if part == "conv":
+            report["conv"] = conv_timing(device, args.smoke)
+        elif part == "gap":
+            report["gap"] = [logprob_gap(shape, device, dtype) for shape in PAIRS[args.smoke]]
+        elif part == "speed":
+            report["speed"] = run_speed(args, device, info, world)
+        else:
+            report["moe"] = run_moe(args, device, info, world)
+        report["summary"] = summarize(report, args.smoke)
+        if info.rank == 0:
+            write_report(args.out, report)  # after each part: a run cut short keeps what it measured
+    if info.rank == 0:
+        print("summary", json.dumps(report.get("summary")), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
