@@ -158,10 +158,12 @@ def time_rows(model, moe, rows, num_trained: int, optimizer, args, device) -> tu
     return times_fb, times_step
 
 
-def run_shape(args, shape: str, device: torch.device, rank: int, world: int, build=build_model) -> list[dict]:
-    """The shape's rows per workload, flat and tree, timed as the trainer runs them; ``build(shape, layers,
-    device)`` makes the fp32 model (``benchmarks/models/qwen35_speed.py`` passes its dense shapes)."""
-    config = AsyncGRPOConfig()
+def run_shape(args, shape: str, device: torch.device, rank: int, world: int, build=build_model,
+              config: AsyncGRPOConfig | None = None) -> list[dict]:
+    """The shape's rows per workload, flat and tree, timed as the trainer runs them (``config``, default
+    ``AsyncGRPOConfig()``); ``build(shape, layers, device)`` makes the fp32 model
+    (``benchmarks/models/qwen35_speed.py`` passes its dense shapes)."""
+    config = config or AsyncGRPOConfig()
     cuda = device.type == "cuda"
     settings = FSDPSettings.from_config(config, bf16=cuda, device_type=device.type)
     model = build(shape, args.layers, device)

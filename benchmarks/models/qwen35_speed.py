@@ -38,6 +38,7 @@ import time
 import numpy as np
 import torch
 
+from grpo_core.config import AsyncGRPOConfig  # noqa: E402
 from grpo_core.models.attention import gated_delta as gd  # noqa: E402
 from grpo_core.models.attention import tree as ta  # noqa: E402
 from grpo_core.packing.collator import pack_row  # noqa: E402
@@ -81,13 +82,26 @@ def build_dense(shape: str, layers: int, device: torch.device, dtype: torch.dtyp
     return model.to(dtype)
 
 
+def shape_results(args, shape: str, device, info, world, build) -> list[dict]:
+    """``moe_training.run_shape`` with the default config; where that fails, the error and a run with layers
+    compiled pointwise only (the error says what the default config could not do)."""
+    try:
+        return moe_training.run_shape(args, shape, device, info.rank, world, build=build)
+    except Exception as exc:  # noqa: BLE001 - recorded, then the fallback runs
+        error = f"{type(exc).__name__}: {str(exc)[:600]}"
+        print("failed", shape, error, flush=True)
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+        config = AsyncGRPOConfig(compile_mode="pointwise")
+        results = moe_training.run_shape(args, shape, device, info.rank, world, build=build, config=config)
+        return [{**r, "compile_mode": "pointwise", "default_config_error": error} for r in results]
+
+
 def run_speed(args, device, info, world) -> list[dict]:
     results = []
     for shape in PAIRS[args.smoke]:
         args.layers = DENSE[shape][1]["num_hidden_layers"]
         args.workloads = "ratio~1,ratio~3.4" if not args.smoke else "ratio~1,ratio~3"
-        for r in moe_training.run_shape(args, shape, device, info.rank, world, build=build_dense):
-            r.pop("fwd_bwd_times_s", None)
+        for r in shape_results(args, shape, device, info, world, build_dense):
             results.append(r)
             print("speed", json.dumps({k: r.get(k) for k in ("model", "workload", "packing", "trained_tokens_per_s",
                                                                "mfu_fwd_bwd", "speedup_over_flop_ideal", "error")}), flush=True)
@@ -98,7 +112,7 @@ def run_moe(args, device, info, world) -> list[dict]:
     results = []
     for shape, layers in MOE[args.smoke]:
         args.layers, args.workloads = layers, "mfu"
-        for r in moe_training.run_shape(args, shape, device, info.rank, world):
+        for r in shape_results(args, shape, device, info, world, moe_training.build_model):
             results.append(r)
             print("moe", json.dumps({k: r.get(k) for k in ("model", "mfu_fwd_bwd", "tokens_per_s_fwd_bwd", "error")}), flush=True)
     return results
