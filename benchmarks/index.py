@@ -107,12 +107,21 @@ def _trainer_loop(d: dict[str, Any]) -> str:
     return f"2 ranks against 1: largest loss difference {max(diffs):.1e} over {len(diffs)} steps"
 
 
+def _qwen35(d: dict[str, Any]) -> str:
+    s = d["summary"]
+    per_param = ", ".join(f"{w} {v:.2f}x" for w, v in s["hybrid_per_param_vs_dense"].items())
+    return (f"hybrid per parameter / dense {per_param}; MoE MFU Qwen3.5 {_pct(s['qwen3_5_moe_mfu'])}, "
+            f"30B-A3B {_pct(s['qwen3_30b_a3b_mfu'])}; log-prob gap {s['hybrid_logprob_gap_vs_dense']:.2f}x dense's")
+
+
 HEADLINES: tuple[Headline, ...] = (
     Headline("Ours ÷ TRL trained tokens/s, Qwen3-1.7B, one H200, by packing ratio", "peer_trl_gpu.json", _peer_ratios),
     Headline("Peak GPU memory, ours against TRL, Qwen3-1.7B", "peer_trl_gpu.json", _peer_memory),
     Headline("Training MFU, default config, Qwen3-1.7B, one H200", "fsdp_mfu_default.json", _mfu_default),
     Headline("Tree packing speed-up over flat rows, Qwen3-1.7B, one H200", "tree_packing_default.json", _tree_speedups),
     Headline("MoE training, Qwen3-30B-A3B shape (8 layers), one H200", "moe_qwen3_30b_a3b.json", _moe_mfu),
+    Headline("Qwen3.5 family, default config, one H200 (hybrid 2.39B against Qwen3-1.7B; MoE shapes of 4 and 8 layers)",
+             "qwen35_speed.json", _qwen35),
     Headline("Sparse (delta) push against dense, Qwen3-1.7B, one H200", "sparse_push_gpu.json", _sparse_bytes),
     Headline("NCCL weight push, Qwen3-1.7B bf16, 2 x H200", "nccl_sync.json", _nccl),
     Headline("Fleet of two CPU servers against one", "fleet_throughput.json", _fleet),

@@ -8,7 +8,8 @@
 #
 # On the device: `source .gdna/setup.sh` in call 1, `source .gdnb/setup.sh` in call 2 (both install into
 # /tmp/site, which outlives the checkout's carried folders on a warm machine). tilelang pins
-# apache-tvm-ffi < 0.1.13, FlashAttention-4 (pack_fa4.sh) 0.1.15: do not source both in one machine's life.
+# apache-tvm-ffi < 0.1.13 and FlashAttention-4 accepts >= 0.1.11, so both scripts pin 0.1.12: .fa4a, .fa4b,
+# .gdna and .gdnb install into one environment (four calls on the same warm machine).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 get() {
