@@ -162,13 +162,13 @@ def logprob_gap(shape: str, device: torch.device, dtype: torch.dtype) -> dict:
         out.update(trained_tokens=int(alone.numel()), tree_vs_alone=gap(tree, alone), single_vs_alone=gap(single, alone),
                    tree_vs_single=gap(tree, single))
         if hybrid and gd.active_gdn_backend().name != "reference":
-            kept = gd.active_gdn_backend()
-            gd._active = gd.GDN_BACKENDS["reference"]  # the fp32 PyTorch delta rule, same rows
+            kept = gd.active_gdn_backend().name
+            gd.register_gdn_backend("reference", device)  # the fp32 PyTorch delta rule, same rows
             try:
                 ref_tree = row_logprobs(model, samples, device)
                 ref_single = torch.cat([row_logprobs(model, [s], device) for s in samples])
             finally:
-                gd._active = kept
+                gd.register_gdn_backend(kept, device)
             out.update(reference_tree_vs_alone=gap(ref_tree, alone), reference_single_vs_alone=gap(ref_single, alone),
                        reference_tree_vs_single=gap(ref_tree, ref_single), fla_vs_reference_tree=gap(tree, ref_tree))
     print("gap", json.dumps(out), flush=True)
