@@ -209,6 +209,21 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
                 torch.cuda.empty_cache()
                 continue
             fb, st = statistics.median(fb_times), statistics.median(step_times)
+            profile = None
+            if cuda and getattr(args, "profile", False) and mode == "tree":
+                loss_config = LossConfig.from_config(config)
+
+                def step() -> None:
+                    for row in rows:
+                        if moe is not None:
+                            moe.before_forward(row.routes)
+                        row_backward(model, row, num_trained, loss_config)
+                        if moe is not None:
+                            moe.after_backward()
+
+                profile = tree_packing.profile_call(step)
+                optimizer.zero_grad(set_to_none=True)
+                tree_packing.print_profile(f"{shape} {workload} {mode}", profile)
             step_flops = flops_model.rows_flops(plan.rows)
             forwarded = int(metrics["batch/forwarded_tokens_per_step"])
             per_mode[mode] = {
@@ -222,6 +237,7 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
                 "mfu_fwd_bwd": step_flops / (fb * world * peak) if peak else None,
                 "mfu_wall_clock": step_flops / (st * world * peak) if peak else None,
                 "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+                **({"profile": profile} if profile else {}),
             }
             del rows
         if set(per_mode) == {"flat", "tree"} and all("error" not in r for r in per_mode.values()):
@@ -248,6 +264,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--no-replay", action="store_true", help="the routers route (no replayed routes)")
+    ap.add_argument("--profile", action="store_true", help="CUDA: profile one step of the tree rows (kernels by kind)")
     ap.add_argument("--out", default="benchmarks/results/moe_training.json")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script only")
     args = ap.parse_args()

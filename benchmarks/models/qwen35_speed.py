@@ -252,6 +252,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--out", default="benchmarks/results/qwen35_speed.json")
+    ap.add_argument("--profile", action="store_true",
+                    help="CUDA: profile one step of each shape's tree rows (top kernels, time per kind of kernel)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script only")
     args = ap.parse_args()
     args.no_replay = False

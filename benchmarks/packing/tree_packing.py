@@ -349,6 +349,9 @@ def regather_check(row, shape: str, device: torch.device, dtype: torch.dtype) ->
 
 
 KERNEL_KINDS = (  # substrings of CUDA kernel names, first match wins
+    ("gated delta rule", ("gated_delta", "delta_rule", "chunk_fwd", "chunk_bwd", "chunk_local", "chunk_scaled", "wy_",
+                          "w_u", "solve_tril", "inverse_kernel", "kkt", "l2norm")),
+    ("grouped matmul (experts)", ("grouped", "moe")),
     ("attention backward", ("flash_bwd", "attn_bwd", "_bwd_")),
     ("attention forward", ("flash_fwd", "attn_fwd", "_fwd_")),
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "sm100_", "cublas")),
@@ -365,13 +368,18 @@ def kernel_kind(name: str) -> str:
 
 def profile_step(model, rows, total_trained: int, head: str, top: int = 15) -> dict:
     """CUDA kernel time of one step: the ``top`` kernels by time, and the time per ``kernel_kind``."""
+    model.zero_grad(set_to_none=True)
+    return profile_call(lambda: run_step(model, rows, total_trained, head), top)
+
+
+def profile_call(step, top: int = 15) -> dict:
+    """``profile_step`` of any ``step()`` (``benchmarks/models/moe_training.py --profile`` profiles the trainer's)."""
     from torch.profiler import ProfilerActivity, profile
 
-    model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        run_step(model, rows, total_trained, head)
+        step()
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3
     per_kernel = collections.defaultdict(lambda: [0, 0.0])
