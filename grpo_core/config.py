@@ -291,7 +291,7 @@ class AsyncGRPOConfig:
     the same model and flags. The rollout worker sends each group to one server (where there is room, by each
     server's own KV-cache usage), every push reaches every server, and a server that is lost (refused, silent or
     stalled for ``server_drain_after_s``: docs/fleet.md) or fails a push is drained (its requests go to the others)
-    until it answers again and has received the current weights (``grpo_core.training.fleet``)."""
+    until it answers again and has received the current weights (``grpo_core.fleet.servers``)."""
     vllm_server_fleet_file: str | None = None
     """A file (any fsspec URL) listing more servers of the fleet, a base URL per line (``#`` starts a comment): read
     at start-up and every few seconds while the run goes on. A server listed there joins the run as a restarted one

@@ -21,18 +21,23 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from grpo_core.data.inputs import check_crossing
+from grpo_core.fleet.servers import ServerFleet, VersionProbe
+from grpo_core.fleet.weight_push import WeightPusher
+from grpo_core.ranks import DistInfo, broadcast_object
 from grpo_core.rollout.tool_calls import ToolRegistry
 from grpo_core.rollout.worker import RolloutWorker, WorkerSpec
 from grpo_core.tracking.run_view import constant_metrics, resolved_tags
 from grpo_core.tracking.tracker import Tracker, make_tracker
 from grpo_core.training.collector import StepCollector, TrainingFrontier, WatchedSource, WeightVersions
-from grpo_core.training.distributed import DistInfo, StepFeed, broadcast_object
-from grpo_core.training.fleet import ServerFleet, VersionProbe
+from grpo_core.training.distributed import StepFeed
+from grpo_core.training.forward import probe_logprobs
+from grpo_core.training.sources import assumed_capabilities, call_if_present, is_source
 from grpo_core.training.step_log import StepLog
 from grpo_core.training.step_metrics import sample_and_queue_metrics
-from grpo_core.training.sources import assumed_capabilities, call_if_present, is_source
-from grpo_core.training.weight_push import WeightPusher
+from grpo_core.vllm_server.checks import check_server, expected_server_dtype, wait_for_server
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +115,6 @@ class RunOrchestrator:
             call_if_present(self.weight_transfer, "attach", policy.model)
         if not self.talks_to_servers:
             return self._start_without_servers(policy, version, on_server)
-        from grpo_core.vllm_server.checks import check_server, wait_for_server
-
         args, cuda = self.args, device.type == "cuda"
         model_name = policy.model_path or "<model>"
         self.fleet = self._make_fleet(policy, peft_config, device, train_dtype)
@@ -175,7 +178,7 @@ class RunOrchestrator:
         setup = SyncSetup(config=self.args, model=policy.model, rank=self.dist.rank,
                           backend=self.args.resolved_weight_transfer_backend(device.type == "cuda"),
                           wire_dtype=wire_dtype(policy.bf16), model_path=policy.model_path, peft_config=peft_config)
-        self.probe = VersionProbe.for_policy(policy.model, device, train_dtype)
+        self.probe = policy_probe(policy.model, device, train_dtype)
         if self.weight_transfer is not None:  # the caller's transport to the one server the rollouts come from
             return ServerFleet.around(self.weight_transfer, self.dist, policy.vocab_size, args=self.args)
         return ServerFleet.for_run(self.args, self.dist, setup, self.probe, policy.vocab_size)
@@ -212,7 +215,7 @@ class RunOrchestrator:
     def push(self, version: int, force: bool = False, only: list[str] | None = None) -> dict[str, float]:
         """Push the policy's weights as ``version`` to every serving server and confirm them (``force``: even if
         that version was pushed already; ``only``: to those servers); a failed push is recovered from, drained or
-        named (``training.fleet``)."""
+        named (``fleet.servers``)."""
         if not force and self.versions.pushed and self.versions.current == version:
             return {}  # this step's weights are already on the servers
         self.model.eval()
@@ -248,7 +251,7 @@ class RunOrchestrator:
     def evaluate(self, dataset: Any) -> dict[str, float]:
         """Sample ``dataset`` from a serving server (which serves the last pushed weights) and score it with the
         reward functions; ``eval/*`` metrics (empty off rank 0)."""
-        from grpo_core.training.evaluation import evaluate_on_server
+        from grpo_core.evaluation.heldout import evaluate_on_server
 
         if not self.dist.is_main:
             return {}
@@ -280,3 +283,14 @@ class RunOrchestrator:
     def close_tracking(self, finished: bool) -> None:
         if self.owns_tracker:
             self.tracker.close("FINISHED" if finished else "FAILED")
+
+
+def policy_probe(model: torch.nn.Module, device: torch.device, train_dtype: str) -> VersionProbe:
+    """The probe of a trainer's policy (``training.forward.probe_logprobs``). An fp32 trainer whose servers must
+    compute in 16 bits (a model's need, checked at start-up on every server) also measures its own 16-bit rounding
+    of the probe at each check: those servers' checks tolerate a multiple of it (``sync.verify.ROUNDING_MARGIN``).
+    Every rank decides this alike, from the model's config and the dtype."""
+    sixteen_bit_server = expected_server_dtype(train_dtype, model.config, device.type == "cuda") != "float32"
+    return VersionProbe(lambda ids: probe_logprobs(model, ids, device),
+                        (lambda ids: probe_logprobs(model, ids, device, torch.bfloat16))
+                        if train_dtype == "float32" and sixteen_bit_server else None)

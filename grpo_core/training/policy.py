@@ -22,7 +22,7 @@ from grpo_core.models.head.lm_head import output_head, vocab_size
 from grpo_core.models.loading import load_policy, load_tokenizer
 from grpo_core.models.moe.experts import use_grouped_experts
 from grpo_core.models.moe.policy import MoEPolicy
-from grpo_core.training.distributed import DistInfo, init_distributed
+from grpo_core.ranks import DistInfo, init_distributed
 from grpo_core.training.perf import PerfMeter
 
 log = logging.getLogger(__name__)

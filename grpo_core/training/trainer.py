@@ -31,10 +31,10 @@ from grpo_core.checkpoint import CheckpointParts, Checkpointer, save_policy
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.data.inputs import check_trainer_inputs
 from grpo_core.data.prompts import is_streaming
+from grpo_core.ranks import DistInfo, shutdown_distributed
 from grpo_core.rollout.stages import AsyncRolloutLoop
 from grpo_core.tracking.tracker import Tracker
 from grpo_core.training.collector import COLLECTION_INTERRUPTED, StepBatch, TrainingFrontier, WeightVersions
-from grpo_core.training.distributed import DistInfo, shutdown_distributed
 from grpo_core.training.host_memory import release_free_heap
 from grpo_core.training.loss import LossConfig
 from grpo_core.training.micro_batch import MicroBatch
@@ -135,7 +135,7 @@ class AsyncGRPOTrainer:
     def tokenizer(self) -> Any:
         return self.processing_class
 
-    fleet = property(lambda self: self.run.fleet, doc="The run's servers (``training.fleet.ServerFleet``).")
+    fleet = property(lambda self: self.run.fleet, doc="The run's servers (``fleet.servers.ServerFleet``).")
     worker = property(lambda self: self.run.worker, doc="The rollout worker (rank 0, while training).")
     feed = property(lambda self: self.run.feed, doc="Where each step's batch comes from (while training).")
     pusher = property(lambda self: self.run.pusher, doc="The first answering server's pusher.")

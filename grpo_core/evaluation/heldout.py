@@ -23,7 +23,7 @@ from grpo_core.rollout.generation import VLLMGenerateClient
 
 PROBLEM_COLUMN = "problem"
 """A data set column naming the problem each prompt asks, when several prompts ask one (the tiny task phrases each
-problem 5 ways): the held-out intervals count problems, not prompts, as independent draws (``training.intervals``)."""
+problem 5 ways): the held-out intervals count problems, not prompts, as independent draws (``evaluation.intervals``)."""
 
 
 def problem_keys(dataset: Any) -> list[Any]:
