@@ -25,6 +25,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
+from grpo_core.config_sections import Section
+
 
 class ConfigError(ValueError):
     """A config value is invalid; the message names the field and how to fix it."""
@@ -419,6 +421,10 @@ class AsyncGRPOConfig:
             low, high = (int(p) for p in self.weight_transfer_port_range.split("-"))
             if not 1 <= low <= high <= 65535:
                 _fail(self, "weight_transfer_port_range", "use LOW-HIGH with 1 <= LOW <= HIGH <= 65535, e.g. 40000-40100")
+
+    # ---- typed sections: the fields each subsystem reads (grpo_core.config_sections) ------------
+    rollout, training, sync, fleet = Section(), Section(), Section(), Section()
+    checkpoint, tracking, evaluation = Section(), Section(), Section()
 
     # ---- values derived from the settings -------------------------------------------------------
     def resolved_max_concurrent_rollouts(self, num_processes: int) -> int:

@@ -156,7 +156,8 @@ def evaluate_rewards(
 def evaluate_on_server(base_url: str, args: Any, tokenizer: Any, dataset: Any, reward_funcs: list[Callable[..., Any]],
                        tokens_endpoint: bool = True) -> dict[str, float]:
     """The trainer's ``evaluate()``: ``dataset`` sampled from the server at ``base_url`` with the run's settings
-    (``args``: reward weights, samples per prompt, temperature, completion length) and scored; ``eval/*`` metrics."""
+    (``args``, the config's evaluation section ``config.evaluation``: reward weights, samples per prompt,
+    temperature, completion length) and scored; ``eval/*`` metrics."""
     start = time.perf_counter()
     result = evaluate_rewards(
         base_url, tokenizer, dataset, reward_funcs,

@@ -114,8 +114,9 @@ class ServerFleet:
 
     @classmethod
     def for_run(cls, args: Any, dist: DistInfo, setup: Any, probe: VersionProbe, vocab_size: int) -> ServerFleet:
-        """A run's servers (``args.vllm_server_base_url``, then those ``args.vllm_server_fleet_file`` lists), one
-        pusher each over ``setup`` (``sync.factory.SyncSetup``), every push checked against ``probe``."""
+        """A run's servers (``args``: the config's fleet section, ``config.fleet``: ``vllm_server_base_url``, then
+        those ``vllm_server_fleet_file`` lists), one pusher each over ``setup`` (``sync.factory.SyncSetup``), every
+        push checked against ``probe``."""
         listing = (lambda: read_fleet_file(args.vllm_server_fleet_file)) if args.vllm_server_fleet_file else None
         urls = args.server_urls()
         urls += [u for u in (listing() if listing else []) if u not in urls]

@@ -76,7 +76,7 @@ class RunOrchestrator:
             self.tracker.set_tags(resolved_tags(settings or {}))
         multi_turn = bool(rollout.tools) or rollout.custom_loop
         # Metrics the settings fix go to MLflow as params or tags, not as flat charts (log_history keeps them).
-        self.step_log = StepLog(args, self.tracker, dist.is_main, log_history if log_history is not None else [],
+        self.step_log = StepLog(args.tracking, self.tracker, dist.is_main, log_history if log_history is not None else [],
                                 constant_metrics(multi_turn=multi_turn, world_size=dist.world_size,
                                                  lr_scheduler_type=args.lr_scheduler_type,
                                                  weight_sync_encoding=args.weight_sync_encoding,
@@ -180,8 +180,8 @@ class RunOrchestrator:
                           wire_dtype=wire_dtype(policy.bf16), model_path=policy.model_path, peft_config=peft_config)
         self.probe = policy_probe(policy.model, device, train_dtype)
         if self.weight_transfer is not None:  # the caller's transport to the one server the rollouts come from
-            return ServerFleet.around(self.weight_transfer, self.dist, policy.vocab_size, args=self.args)
-        return ServerFleet.for_run(self.args, self.dist, setup, self.probe, policy.vocab_size)
+            return ServerFleet.around(self.weight_transfer, self.dist, policy.vocab_size, args=self.args.fleet)
+        return ServerFleet.for_run(self.args.fleet, self.dist, setup, self.probe, policy.vocab_size)
 
     def _start_worker(self) -> Any:
         if is_source(self.rollout_worker):  # the caller's source (``rollout_worker=``): no rollout process
@@ -257,7 +257,7 @@ class RunOrchestrator:
             return {}
         # While running: a server that serves; before or after (no fleet is held then): the first one configured.
         serving = [url for url in self.fleet.serving_urls() if url] if self.fleet is not None else []
-        return evaluate_on_server(serving[0] if serving else self.args.server_urls()[0], self.args,
+        return evaluate_on_server(serving[0] if serving else self.args.server_urls()[0], self.args.evaluation,
                                   self.rollout.tokenizer, dataset, self.rollout.reward_funcs,
                                   tokens_endpoint=self.server.tokens_endpoint if self.server else True)
 

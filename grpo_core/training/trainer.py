@@ -106,8 +106,8 @@ class AsyncGRPOTrainer:
         self.bf16, self.compute_dtype, self.compile_mode = p.bf16, p.compute_dtype, p.compile_mode
         self.attention_backend, self.experts_implementation, self.moe = p.attention_backend, p.experts_implementation, p.moe
         self.vocab_size, self.perf = p.vocab_size, p.perf
-        self.loss_config = LossConfig.from_config(self.args)
-        self.micro_batch = MicroBatch(self.model, self.args, self.loss_config, self.vocab_size, self.moe, self.grad_scaler)
+        self.loss_config = LossConfig.from_config(self.args.training)
+        self.micro_batch = MicroBatch(self.model, self.args.training, self.loss_config, self.vocab_size, self.moe, self.grad_scaler)
         self.state = TrainerState()
         self.frontier = TrainingFrontier()
         self.versions = WeightVersions()
@@ -118,7 +118,7 @@ class AsyncGRPOTrainer:
                                    rollout_worker=rollout_worker, weight_transfer=weight_transfer, tracker=tracker,
                                    settings=self._resolved_settings(), log_history=self.state.log_history)
         self.tracker, self.step_log = self.run.tracker, self.run.step_log  # the metric sink
-        self.checkpointer = Checkpointer(self.args, self.dist, self._checkpoint_parts(), self.tracker)
+        self.checkpointer = Checkpointer(self.args.checkpoint, self.dist, self._checkpoint_parts(), self.tracker)
         self.server: Any = None  # ServerCapabilities, once checked
 
     # TRL's names for what this trainer holds under its own, and the run's parts the orchestrator holds.
