@@ -1,18 +1,19 @@
 """``AsyncGRPOTrainer``: the training loop, readable top to bottom.
 
-    setup    check the inputs, load the policy, wait for and check the servers (one, or a fleet: every one
-             checked, and against the others), open the weight transport, push the current weights, spawn
-             the rollout worker
+    setup    check the inputs, build the policy (``training.policy``), restore a checkpoint; the orchestrator
+             (``training.orchestrator.RunOrchestrator``) waits for and checks the servers, pushes the current
+             weights and starts the rollout worker
     loop     collect one step of samples (stale ones dropped, rows packed)
              → forward/backward every micro-batch → optimizer step → record the prompts consumed
              → push weights every ``weight_sync_steps`` → evaluate every ``eval_steps`` → log
              → checkpoint every ``save_steps``
     teardown stop the worker, close the transport and the tracker
 
-Rank 0 owns the rollout worker and talks to vLLM; every rank trains its own row of each micro-batch.
-Each weight push reaches every serving server, is confirmed there, and a failed one is recovered from, drained
-(a fleet) or named (``fleet.ServerFleet``); before each step's collection the fleet is tended. The rollout
-worker and the weight transfer can be replaced through the constructor (``training.sources``). The public
+The loop works against three seams the orchestrator holds: the feed it collects each step from, ``push`` (the
+weight publisher: every serving server, confirmed there, a failed one recovered from, drained or named,
+``fleet.ServerFleet``) and the step log (the metric sink). Rank 0 owns the rollout worker and talks to vLLM; every
+rank trains its own row of each micro-batch. The rollout worker and the weight transfer can be replaced through
+the constructor (``training.sources``). The public
 surface follows TRL's trainer: ``args``, ``model``, ``processing_class``, ``state`` (``global_step``,
 ``log_history``), ``train(resume_from_checkpoint=...)``, ``training_step``, ``evaluate()``, ``save_model(dir)``.
 """
