@@ -7,7 +7,7 @@ A thread looks at every server every ``poll_s``: one whose process ended (killed
 whose job failed, is started again from its spec at the same URL (``Provisioner.restart_server``), one at a time.
 The trainers drained it as lost (a dead process refuses connections: the fleet's rule,
 ``grpo_core.vllm_server.health``, takes that at once); they see it answer again, run the start-up checks on it
-and push it the current weights before the rollout worker sends it anything (``grpo_core.training.fleet``), so
+and push it the current weights before the rollout worker sends it anything (``grpo_core.fleet.servers``), so
 nothing here talks to the trainers. ``on_event(url, what, seconds)`` reports ``"left"`` and ``"back"`` (the flow
 tags the MLflow run with them). A server that cannot be started again is reported (``"failed"``) and tried again
 at the next look: the run goes on on the others.

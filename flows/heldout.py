@@ -6,7 +6,7 @@
     print(heldout_line(summary))
 
 The intervals are Student-t intervals over per-problem means, and the gain's over per-problem paired
-differences (``grpo_core.training.intervals``): a problem asked in several phrasings counts once.
+differences (``grpo_core.evaluation.intervals``): a problem asked in several phrasings counts once.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from grpo_core.training.intervals import Interval, cluster_means, interval, paired_gain
+from grpo_core.evaluation.intervals import Interval, cluster_means, interval, paired_gain
 
 
 def heldout_scores(result: Any, problems: Sequence[Any]) -> dict[str, Any]:
-    """One evaluation (``training.evaluation.EvalResult``) as plain data: the accuracy, sample counts and the mean
+    """One evaluation (``evaluation.heldout.EvalResult``) as plain data: the accuracy, sample counts and the mean
     accuracy per problem (keys as text, so the result survives JSON)."""
     means = cluster_means(result.prompt_scores, [str(p) for p in problems])
     return {"accuracy": result.accuracy, "num_prompts": result.num_prompts, "num_samples": result.num_samples,

@@ -126,7 +126,7 @@ def evaluate(job: JobConfig, model_path: str, server_url: str, label: str) -> di
     from transformers import AutoTokenizer
 
     from grpo_core.data.inputs import first_rows
-    from grpo_core.training.evaluation import evaluate_rewards, problem_keys
+    from grpo_core.evaluation.heldout import evaluate_rewards, problem_keys
 
     data = resolve_dataset(job.dataset, trainer.seed)
     if "eval" not in data:

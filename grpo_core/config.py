@@ -25,6 +25,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
+from grpo_core.config_sections import Section
+
 
 class ConfigError(ValueError):
     """A config value is invalid; the message names the field and how to fix it."""
@@ -291,7 +293,7 @@ class AsyncGRPOConfig:
     the same model and flags. The rollout worker sends each group to one server (where there is room, by each
     server's own KV-cache usage), every push reaches every server, and a server that is lost (refused, silent or
     stalled for ``server_drain_after_s``: docs/fleet.md) or fails a push is drained (its requests go to the others)
-    until it answers again and has received the current weights (``grpo_core.training.fleet``)."""
+    until it answers again and has received the current weights (``grpo_core.fleet.servers``)."""
     vllm_server_fleet_file: str | None = None
     """A file (any fsspec URL) listing more servers of the fleet, a base URL per line (``#`` starts a comment): read
     at start-up and every few seconds while the run goes on. A server listed there joins the run as a restarted one
@@ -419,6 +421,10 @@ class AsyncGRPOConfig:
             low, high = (int(p) for p in self.weight_transfer_port_range.split("-"))
             if not 1 <= low <= high <= 65535:
                 _fail(self, "weight_transfer_port_range", "use LOW-HIGH with 1 <= LOW <= HIGH <= 65535, e.g. 40000-40100")
+
+    # ---- typed sections: the fields each subsystem reads (grpo_core.config_sections) ------------
+    rollout, training, sync, fleet = Section(), Section(), Section(), Section()
+    checkpoint, tracking, evaluation = Section(), Section(), Section()
 
     # ---- values derived from the settings -------------------------------------------------------
     def resolved_max_concurrent_rollouts(self, num_processes: int) -> int:

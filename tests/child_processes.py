@@ -17,7 +17,7 @@ import torch.multiprocessing
 
 # Imported in the forkserver before it forks anything; what the children import beyond these they import themselves.
 PRELOAD = ["torch", "torch.distributed", "transformers", "peft", "grpo_core.training.trainer",
-           "grpo_core.sync.gated_store", "grpo_core.checkpoint.checkpointer"]
+           "grpo_core.sync.wire.gated_store", "grpo_core.checkpoint.checkpointer"]
 
 
 def context() -> multiprocessing.context.ForkServerContext:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from grpo_core.config import AsyncGRPOConfig
+from grpo_core.evaluation.heldout import EvalResult
 from grpo_core.launch.job import JobConfig
 from grpo_core.rewards import accuracy_reward, format_reward
-from grpo_core.training.evaluation import EvalResult
 
 
 @pytest.mark.parametrize("key,value,field", [
@@ -37,7 +37,7 @@ def flow_evaluation(monkeypatch):
     import transformers
 
     from flows import train_flow
-    from grpo_core.training import evaluation
+    from grpo_core.evaluation import heldout as evaluation
 
     calls: list[dict] = []
 

@@ -206,7 +206,8 @@ class _ListSource:
 
 def _two_rank_checks(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
-    from grpo_core.training.distributed import DistInfo, StepFeed, gather_step_results, init_distributed
+    from grpo_core.ranks import DistInfo, init_distributed
+    from grpo_core.training.distributed import StepFeed, gather_step_results
 
     torch.set_num_threads(1)
     info = DistInfo.from_env()

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_core.sync import gated_store
-from grpo_core.sync.gated_store import StoreDialer, StoreGate, gloo_group, member_store, new_secret, trainer_store
+from grpo_core.sync.wire import gated_store
+from grpo_core.sync.wire.gated_store import StoreDialer, StoreGate, gloo_group, member_store, new_secret, trainer_store
 from tests import child_processes
 
 TIMEOUT = timedelta(seconds=60)
@@ -105,7 +105,7 @@ def test_rendezvous_refuses_a_process_without_the_secret(tmp_path, monkeypatch, 
 
 
 def test_rendezvous_is_not_reachable_on_other_interfaces():
-    from grpo_core.sync.address import local_address_towards
+    from grpo_core.sync.wire.address import local_address_towards
 
     try:
         other = local_address_towards("192.0.2.1")  # the interface a route outward uses (nothing is sent)

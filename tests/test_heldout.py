@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from flows.heldout import heldout_line, heldout_scores, heldout_summary, prompts_digest
-from grpo_core.training.evaluation import EvalResult, _per_prompt, problem_keys
-from grpo_core.training.intervals import cluster_means, interval, paired_gain, t_quantile
+from grpo_core.evaluation.heldout import EvalResult, _per_prompt, problem_keys
+from grpo_core.evaluation.intervals import cluster_means, interval, paired_gain, t_quantile
 from grpo_core.waiting import announced_wait, heartbeat_line, wait_notice
 
 

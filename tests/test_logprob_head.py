@@ -327,7 +327,7 @@ def _two_rank_chunked_steps(rank: int, port: int, out_dir: str) -> None:
 
     from grpo_core.models.fsdp import FSDPSettings, shard_policy
     from grpo_core.packing.planner import plan_step
-    from grpo_core.training.distributed import DistInfo, init_distributed
+    from grpo_core.ranks import DistInfo, init_distributed
     from tests.test_fsdp import full, make_samples, tiny_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))

@@ -32,8 +32,8 @@ from grpo_core.training.collector import (
     WatchedSource,
     WeightVersions,
 )
-from grpo_core.training.distributed import DistInfo
-from grpo_core.training.fleet import ServerFleet
+from grpo_core.fleet.servers import ServerFleet
+from grpo_core.ranks import DistInfo
 from grpo_core.vllm_server.watch import ServerUnavailableError, ServerWatch
 
 REPLY = {"choices": [{"token_ids": [7], "logprobs": {"content": [{"logprob": -0.25}]}, "finish_reason": "stop",

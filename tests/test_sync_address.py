@@ -1,4 +1,4 @@
-"""The weight-transfer rendezvous address and port (``grpo_core.sync.address``), on loopback."""
+"""The weight-transfer rendezvous address and port (``grpo_core.sync.wire.address``), on loopback."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from grpo_core.sync.address import choose_port, local_address_towards, parse_port_range, rendezvous_address
+from grpo_core.sync.wire.address import choose_port, local_address_towards, parse_port_range, rendezvous_address
 
 
 def _loopback_server(host: str) -> tuple[socket.socket, int]:

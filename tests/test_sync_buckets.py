@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_core.sync.bucket_stream import local_tensors, send_buckets
-from grpo_core.sync.buckets import plan_buckets, tensor_nbytes, update_info
+from grpo_core.sync.wire.buckets import plan_buckets, tensor_nbytes, update_info
 from grpo_core.vllm_server.process import free_port
 from tests.child_processes import run_ranks
 
@@ -116,7 +116,7 @@ class _Receiver:
     registers it, loading into a dict."""
 
     def __init__(self, base_url: str):
-        from grpo_core.sync.gloo_engine import GlooWeightTransferEngine
+        from grpo_core.vllm_plugin.gloo_engine import GlooWeightTransferEngine
 
         self.base_url = base_url
         self.received: dict[str, torch.Tensor] = {}

@@ -1,4 +1,4 @@
-"""Delta encoding of buckets (``grpo_core.sync.delta``) and the tensor digest both ends compute."""
+"""Delta encoding of buckets (``grpo_core.sync.wire.delta``) and the tensor digest both ends compute."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from grpo_core.sync.buckets import plan_buckets
-from grpo_core.sync.delta import DENSE, apply_bucket, encode_bucket, payload_nbytes, sparse_pays
-from grpo_core.sync.digest import tensor_digest
+from grpo_core.sync.wire.buckets import plan_buckets
+from grpo_core.sync.wire.delta import DENSE, apply_bucket, encode_bucket, payload_nbytes, sparse_pays
+from grpo_core.sync.wire.digest import tensor_digest
 
 
 @dataclass(frozen=True)

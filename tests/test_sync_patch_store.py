@@ -1,4 +1,4 @@
-"""Weight patches on storage (``grpo_core.sync.patch_store``): chains, keyframes, checksums, retention."""
+"""Weight patches on storage (``grpo_core.sync.wire.patch_store``): chains, keyframes, checksums, retention."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from grpo_core.storage.store import Storage
-from grpo_core.sync.buckets import plan_buckets
-from grpo_core.sync.delta import encode_bucket
-from grpo_core.sync.digest import digests
-from grpo_core.sync.patch_store import PatchReader, PatchWriter, apply_patch, manifest_name, patch_name, plan_chain
+from grpo_core.sync.wire.buckets import plan_buckets
+from grpo_core.sync.wire.delta import encode_bucket
+from grpo_core.sync.wire.digest import digests
+from grpo_core.sync.wire.patch_store import PatchReader, PatchWriter, apply_patch, manifest_name, patch_name, plan_chain
 
 
 @dataclass(frozen=True)

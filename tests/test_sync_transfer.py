@@ -23,7 +23,7 @@ class FakeServer:
     base_url = "http://127.0.0.1:9"
 
     def __init__(self):
-        from grpo_core.sync.gloo_engine import GlooWeightTransferEngine
+        from grpo_core.vllm_plugin.gloo_engine import GlooWeightTransferEngine
 
         self.loaded: dict[str, torch.Tensor] = {}
         model = SimpleNamespace(load_weights=lambda weights: self.loaded.update((n, t.clone()) for n, t in weights))

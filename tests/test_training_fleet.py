@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
+from grpo_core.fleet.servers import ServerFleet, VersionProbe
+from grpo_core.fleet.weight_push import PushOutcome
+from grpo_core.ranks import DistInfo
 from grpo_core.sync.base import SyncStats
 from grpo_core.sync.errors import WeightSyncError
-from grpo_core.training import fleet as fleet_module
-from grpo_core.training.distributed import DistInfo
-from grpo_core.training.fleet import ServerFleet, VersionProbe
-from grpo_core.training.weight_push import PushOutcome
+from grpo_core.fleet import servers as fleet_module
 from grpo_core.vllm_server.checks import ServerCapabilities, ServerConfigError
 from grpo_core.vllm_server.watch import ServerWatch
 
@@ -348,7 +348,7 @@ def test_the_probe_runs_once_per_version_for_all_servers():
 
 
 def test_a_server_listed_in_the_fleet_file_joins_once_checked_and_caught_up(tmp_path):
-    from grpo_core.training.fleet import read_fleet_file
+    from grpo_core.fleet.servers import read_fleet_file
 
     listing = tmp_path / "fleet.txt"
     listing.write_text("# the run's servers\nhttp://s0:8000\n\n")

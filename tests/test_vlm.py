@@ -194,7 +194,7 @@ class _Receiver:
     """The vLLM side of the gloo transfer in this process: the worker engine with a recording model."""
 
     def __init__(self):
-        from grpo_core.sync.gloo_engine import GlooWeightTransferEngine
+        from grpo_core.vllm_plugin.gloo_engine import GlooWeightTransferEngine
 
         self.received: dict[str, torch.Tensor] = {}
         model = SimpleNamespace(load_weights=lambda weights: self.received.update(weights))

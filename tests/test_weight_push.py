@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from grpo_core.fleet.weight_push import WeightPusher
+from grpo_core.ranks import DistInfo
 from grpo_core.sync.base import SyncStats, WeightSync
 from grpo_core.sync.errors import ServedWeightsMismatch, WeightSyncTimeout
 from grpo_core.sync.verify import VerifyConfig
-from grpo_core.training.distributed import DistInfo
-from grpo_core.training.weight_push import WeightPusher
 from grpo_core.vllm_server.control import VLLMRequestError
 
 URL = "http://server:8000"
@@ -218,7 +218,7 @@ def test_a_16_bit_servers_tolerance_follows_the_trainers_own_rounding() -> None:
 def test_the_pusher_hands_the_probes_rounding_to_the_check_on_every_rank() -> None:
     """The rounding is a forward, so every rank computes it at each checked push (not only rank 0, which asks the
     server), once per version however many servers check it."""
-    from grpo_core.training.fleet import VersionProbe
+    from grpo_core.fleet.servers import VersionProbe
 
     forwards = []
     probe = VersionProbe(lambda ids: forwards.append("fp32") or torch.full((len(ids) - 1,), -1.0),

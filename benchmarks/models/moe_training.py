@@ -50,7 +50,7 @@ from grpo_core.models.moe.experts import active_expert_params, use_grouped_exper
 from grpo_core.models.moe.policy import MoEPolicy  # noqa: E402
 from grpo_core.packing.collator import pack_row  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
-from grpo_core.training.distributed import DistInfo, init_distributed  # noqa: E402
+from grpo_core.ranks import DistInfo, init_distributed  # noqa: E402
 from grpo_core.training.forward import row_logprobs  # noqa: E402
 from grpo_core.training.loss import LossConfig, LossInputs, grpo_loss  # noqa: E402
 from grpo_core.training.perf import ModelFlops, device_peak_flops, synchronize  # noqa: E402

@@ -4,7 +4,7 @@ The trainer (this process, rank 0) sends ``--mb`` MiB to two receiver processes 
 workers), over loopback, in alternating rounds of
 
     per_server_seq   a group of two (trainer + one server) per server, the servers one after the other: what a
-                     run does (``grpo_core.training.fleet``: one session per server, pushed in turn)
+                     run does (``grpo_core.fleet.servers``: one session per server, pushed in turn)
     per_server_par   the same groups, both broadcasts in flight at once
     spanning         one group of three (trainer + both servers), one broadcast
 

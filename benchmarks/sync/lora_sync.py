@@ -42,8 +42,8 @@ import torch
 from grpo_core.config import AsyncGRPOConfig  # noqa: E402
 from grpo_core.models.loading import load_policy  # noqa: E402
 from grpo_core.models.lora import adapter_state, apply_lora  # noqa: E402
+from grpo_core.ranks import DistInfo  # noqa: E402
 from grpo_core.sync.factory import SyncSetup, make_weight_sync  # noqa: E402
-from grpo_core.training.distributed import DistInfo  # noqa: E402
 from grpo_core.vllm_server.control import VLLMControlClient  # noqa: E402
 from benchmarks.bench_io import write_report  # noqa: E402
 

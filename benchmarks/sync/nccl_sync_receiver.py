@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 
-from grpo_core.sync.buckets import plan_buckets  # noqa: E402
+from grpo_core.sync.wire.buckets import plan_buckets  # noqa: E402
 
 SHAPES = {  # Qwen3 dense shapes (config.json of the public checkpoints)
     "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,

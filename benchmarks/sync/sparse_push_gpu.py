@@ -62,10 +62,10 @@ from benchmarks.sync.sparse_push_gpu_receiver import (  # noqa: E402
 )
 
 from grpo_core.sync.bucket_stream import send_buckets  # noqa: E402
-from grpo_core.sync.buckets import DEFAULT_BUCKET_BYTES, Bucket, plan_buckets, update_info  # noqa: E402
-from grpo_core.sync.delta import encode_bucket  # noqa: E402
-from grpo_core.sync.digest import tensor_digest  # noqa: E402
-from grpo_core.sync.gated_store import StoreGate, gloo_group, trainer_store  # noqa: E402
+from grpo_core.sync.wire.buckets import DEFAULT_BUCKET_BYTES, Bucket, plan_buckets, update_info  # noqa: E402
+from grpo_core.sync.wire.delta import encode_bucket  # noqa: E402
+from grpo_core.sync.wire.digest import tensor_digest  # noqa: E402
+from grpo_core.sync.wire.gated_store import StoreGate, gloo_group, trainer_store  # noqa: E402
 
 LEARNING_RATES = (1e-6, 3e-6, 1e-5)
 DENSE_LANE, DELTA_LANE = 0, 1

@@ -29,10 +29,10 @@ from datetime import timedelta
 import torch
 
 
-from grpo_core.sync.buckets import Bucket, plan_from_sizes  # noqa: E402
-from grpo_core.sync.delta import apply_bucket, payload_nbytes  # noqa: E402
-from grpo_core.sync.digest import tensor_digest  # noqa: E402
-from grpo_core.sync.gated_store import StoreDialer, gloo_group, member_store  # noqa: E402
+from grpo_core.sync.wire.buckets import Bucket, plan_from_sizes  # noqa: E402
+from grpo_core.sync.wire.delta import apply_bucket, payload_nbytes  # noqa: E402
+from grpo_core.sync.wire.digest import tensor_digest  # noqa: E402
+from grpo_core.sync.wire.gated_store import StoreDialer, gloo_group, member_store  # noqa: E402
 
 PUSH_DENSE, PUSH_DELTA, DIGEST, COMPARE, STOP = range(5)
 LANES = ("dense", "delta")

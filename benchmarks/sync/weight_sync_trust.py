@@ -126,13 +126,13 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from grpo_core.sync.delta import encode_bucket
-    from grpo_core.sync.buckets import plan_buckets
-    from grpo_core.sync.digest import tensor_digest
     from grpo_core.sync.protocol import ProtocolWeightSync
     from grpo_core.sync.source import ModelWeightSource
     from grpo_core.sync.storage_sync import PatchPublisher, StoragePatchSync
     from grpo_core.sync.verify import PushVerifier, VerifyConfig
+    from grpo_core.sync.wire.buckets import plan_buckets
+    from grpo_core.sync.wire.delta import encode_bucket
+    from grpo_core.sync.wire.digest import tensor_digest
     from grpo_core.tiny import build_tiny_model
     from grpo_core.vllm_server.control import VLLMControlClient
     from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec

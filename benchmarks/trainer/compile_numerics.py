@@ -52,7 +52,7 @@ from grpo_core.models.attention import tree as ta  # noqa: E402
 from grpo_core.models.fsdp import FSDPSettings, full_value, shard_policy  # noqa: E402
 from grpo_core.packing.collator import pack_row  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
-from grpo_core.training.distributed import DistInfo, init_distributed  # noqa: E402
+from grpo_core.ranks import DistInfo, init_distributed  # noqa: E402
 from grpo_core.training.forward import row_logprobs  # noqa: E402
 from grpo_core.training.loss import LossConfig, LossInputs, grpo_loss  # noqa: E402
 from grpo_core.training.perf import synchronize  # noqa: E402

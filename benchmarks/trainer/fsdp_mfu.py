@@ -45,8 +45,8 @@ from grpo_core.models.head.lm_head import vocab_size  # noqa: E402
 from grpo_core.models.head.reference import token_logprobs  # noqa: E402
 from grpo_core.packing.collator import pack_row  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
+from grpo_core.ranks import DistInfo, init_distributed  # noqa: E402
 from grpo_core.rollout.types import RolloutSample  # noqa: E402
-from grpo_core.training.distributed import DistInfo, init_distributed  # noqa: E402
 from grpo_core.training.forward import row_logprobs  # noqa: E402
 from grpo_core.training.loss import LossConfig, LossInputs, grpo_loss  # noqa: E402
 from grpo_core.training.perf import ModelFlops, device_peak_flops, synchronize  # noqa: E402

@@ -118,7 +118,7 @@ class ReceiverSync:
         self.checks: list[dict[str, Any]] = []
 
     def attach(self, model: torch.nn.Module) -> None:
-        from grpo_core.sync.address import parse_port_range
+        from grpo_core.sync.wire.address import parse_port_range
         from grpo_core.vllm_server.control import VLLMControlClient
         from benchmarks.sync.nccl_sync import HarnessSource, TorchSender
 

@@ -48,6 +48,7 @@ from grpo_core.checkpoint.folders import (
     verify_local,
 )
 from grpo_core.checkpoint.ledger import RunLedger, ledger_summary, read_ledger, surviving_steps
+from grpo_core.checkpoint.state import save_policy
 from grpo_core.storage.retry import StorageError
 from grpo_core.storage.store import Storage
 
@@ -65,6 +66,7 @@ __all__ = [
     "list_checkpoints",
     "read_ledger",
     "read_manifest",
+    "save_policy",
     "saved_run_id",
     "surviving_steps",
     "verify_local",

@@ -102,6 +102,7 @@ class Checkpointer:
     """
 
     def __init__(self, args: Any, dist: Any, parts: CheckpointParts, tracker: Any):
+        """``args``: the config's checkpoint section (``config.checkpoint``)."""
         self.args = args
         self.dist = dist
         self.parts = parts

@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("httpx", "httpcore", "urllib3", "vllm"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
+    from grpo_core.ranks import DistInfo
     from grpo_core.tracking.tracker import MLflowTracker, NullTracker
-    from grpo_core.training.distributed import DistInfo
     from grpo_core.training.trainer import AsyncGRPOTrainer
 
     urls = [u for u in args.server_url.split(",") if u]

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from grpo_core.sync.buckets import Bucket, largest_bucket_bytes
 from grpo_core.sync.flat_gather import BucketGather
+from grpo_core.sync.wire.buckets import Bucket, largest_bucket_bytes
 
 Send = Callable[[torch.Tensor], None]
 """Puts one flat uint8 buffer on the wire; on CUDA it must enqueue on the current stream."""

@@ -92,7 +92,7 @@ def make_weight_sync(setup: SyncSetup, control: Any) -> WeightSync:
     from grpo_core.sync.protocol import ProtocolWeightSync
     from grpo_core.sync.source import ModelWeightSource
 
-    from grpo_core.sync.address import parse_port_range
+    from grpo_core.sync.wire.address import parse_port_range
 
     config, model = setup.config, setup.model
     if config.weight_sync_transport == "storage":

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from grpo_core.sync.buckets import Bucket, Slot
+from grpo_core.sync.wire.buckets import Bucket, Slot
 
 _ALIGN = 16  # shard regions in the gather buffer start aligned, so typed views of them are legal
 

@@ -29,12 +29,12 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from grpo_core.sync.bucket_stream import TransferStats, local_tensors, send_buckets, source_device
-from grpo_core.sync.buckets import DEFAULT_BUCKET_BYTES, Bucket, plan_buckets, update_info
 from grpo_core.sync.deadline import DeadlineConfig, Deadlines, PhaseClock
 from grpo_core.sync.errors import WeightSyncError
-from grpo_core.sync.delta import encode_bucket
-from grpo_core.sync.gloo_engine import RENDEZVOUS_TIMEOUT, GlooWeightTransferInitInfo
 from grpo_core.sync.timed import TimedControl
+from grpo_core.sync.wire.buckets import DEFAULT_BUCKET_BYTES, Bucket, plan_buckets, update_info
+from grpo_core.sync.wire.delta import encode_bucket
+from grpo_core.sync.wire.gloo_messages import RENDEZVOUS_TIMEOUT, GlooWeightTransferInitInfo
 
 ENCODINGS = ("dense", "delta")
 _POLL_S = 0.25
@@ -97,7 +97,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                      encoding=init_info.encoding)
         if not engine.is_sender:
             return engine
-        from grpo_core.sync.gated_store import StoreGate, gloo_group, new_secret, trainer_store
+        from grpo_core.sync.wire.gated_store import StoreGate, gloo_group, new_secret, trainer_store
 
         secret = new_secret()
         worker_info = GlooWeightTransferInitInfo(master_address=init_info.master_address,

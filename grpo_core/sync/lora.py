@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpo_core.staleness import versions_in_flight
 from grpo_core.sync.base import SyncStats, WeightSync
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ class LoraAdapterSync(WeightSync):
         # A fresh tag per trainer: a restarted run must not collide with names an earlier
         # process left registered on a long-lived server.
         self.run_tag = run_tag or f"grpo-{uuid.uuid4().hex[:8]}"
-        self.window = AdapterWindow(size=max_staleness + 1, delete_grace_s=delete_grace_s)
+        self.window = AdapterWindow(size=versions_in_flight(max_staleness), delete_grace_s=delete_grace_s)
         self.pointer = AdapterPointer()
         if self.control is not None:
             self._forget_earlier_runs()

@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.weight_transfer.base import WeightSource
 
-from grpo_core.sync.address import PortRange, choose_port, rendezvous_address
 from grpo_core.sync.base import SyncStats, WeightSync
 from grpo_core.sync.bucket_stream import TransferStats
-from grpo_core.sync.buckets import DEFAULT_BUCKET_BYTES
 from grpo_core.sync.deadline import DeadlineConfig, Deadlines
 from grpo_core.sync.errors import WeightSyncError
 from grpo_core.sync.timed import TimedControl
-from grpo_core.sync.vllm_plugin import GLOO_BACKEND, register
+from grpo_core.sync.wire.address import PortRange, choose_port, rendezvous_address
+from grpo_core.sync.wire.buckets import DEFAULT_BUCKET_BYTES
+from grpo_core.sync.wire.gloo_messages import GLOO_BACKEND
 
 if TYPE_CHECKING:
     from grpo_core.vllm_server.control import VLLMControlClient
@@ -83,7 +83,6 @@ class ProtocolWeightSync(WeightSync):
         encoding: str = "dense",
         deadline: DeadlineConfig | None = None,
     ):
-        register()  # the server's gloo engine is vLLM's plugin; the trainer side is built here
         if rank == 0 and control is None:
             raise ValueError("trainer rank 0 needs a VLLMControlClient to drive the weight transfer")
         self.control = control if rank == 0 else None

@@ -25,14 +25,14 @@ import torch
 
 from grpo_core.sync.base import SyncStats, WeightSync
 from grpo_core.sync.bucket_stream import local_tensors, send_buckets, source_device
-from grpo_core.sync.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from grpo_core.sync.deadline import DeadlineConfig, Deadlines
-from grpo_core.sync.delta import encode_bucket
-from grpo_core.sync.digest import tensor_digest
 from grpo_core.sync.errors import ServedWeightsMismatch
-from grpo_core.sync.gloo_engine import STORAGE_TRANSPORT
-from grpo_core.sync.patch_store import RECEIPTS, PatchManifest, PatchWriter, receipt_name
 from grpo_core.sync.timed import TimedControl
+from grpo_core.sync.wire.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
+from grpo_core.sync.wire.delta import encode_bucket
+from grpo_core.sync.wire.digest import tensor_digest
+from grpo_core.sync.wire.gloo_messages import STORAGE_TRANSPORT
+from grpo_core.sync.wire.patch_store import RECEIPTS, PatchManifest, PatchWriter, receipt_name
 
 
 class PatchPublisher:
@@ -81,9 +81,6 @@ class StoragePatchSync(WeightSync):
 
     def __init__(self, control: Any | None, publisher: PatchPublisher, rank: int = 0,
                  deadline: DeadlineConfig | None = None, receipt_key: str | None = None, mode: str = "full"):
-        from grpo_core.sync.vllm_plugin import register
-
-        register()
         if rank == 0 and control is None:
             raise ValueError("trainer rank 0 needs a VLLMControlClient to tell the server which patches to apply")
         self.control = control if rank == 0 else None

@@ -90,7 +90,7 @@ def probe_logprobs(model: torch.nn.Module, token_ids: list[int], device: torch.d
     same packed forward as training (a weight push's check compares it with the server's; every rank
     calls it, since a sharded forward is collective). float64 on the host, ``len(token_ids) - 1`` values.
     ``autocast_dtype`` runs the forward under autocast to that dtype: the trainer's own rounding in 16 bits,
-    which sets the check's tolerance for a 16-bit server (``training.fleet.VersionProbe.rounding_gap``)."""
+    which sets the check's tolerance for a 16-bit server (``fleet.servers.VersionProbe.rounding_gap``)."""
     import numpy as np
 
     from grpo_core.packing.collator import pack_row

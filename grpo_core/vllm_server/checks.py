@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from grpo_core.config import AsyncGRPOConfig
+from grpo_core.staleness import resident_adapters
 from grpo_core.vllm_server import process as flags
 from grpo_core.vllm_server.control import VLLMControlClient
 from grpo_core.vllm_server.model_needs import is_mixture_of_experts, model_server_options, server_needs
@@ -381,7 +382,7 @@ def smallest_lora_rank(rank: int) -> int:
 def lora_command(config: AsyncGRPOConfig, adapter_rank: int, model: str = "<model>", cuda: bool = False) -> str:
     """The server command adapter sync needs: runtime LoRA routes and big enough limits."""
     return recommended_command(
-        config, model, cuda, enable_lora=True, max_lora_rank=smallest_lora_rank(adapter_rank), max_loras=config.max_staleness + 2
+        config, model, cuda, enable_lora=True, max_lora_rank=smallest_lora_rank(adapter_rank), max_loras=resident_adapters(config.max_staleness)
     )
 
 
@@ -437,7 +438,7 @@ def check_lora_limits(serving: LoraServing, config: AsyncGRPOConfig, adapter_ran
             f"{flags.MAX_LORA_RANK} {serving.max_lora_rank} is below the adapter's rank {adapter_rank} "
             f"(use {smallest_lora_rank(adapter_rank)}: one of 1, 8, 16, 32, 64, 128, 256, 320, 512)"
         )
-    needed = config.max_staleness + 2
+    needed = resident_adapters(config.max_staleness)
     if serving.max_loras is not None and serving.max_loras < needed:
         problems.append(
             f"{flags.MAX_LORAS} {serving.max_loras} is below max_staleness + 2 = {needed} (max_staleness + 1 versions stay "

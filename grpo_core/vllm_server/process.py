@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field
 
 from grpo_core.config import LoraRank, check_fields
+from grpo_core.staleness import resident_adapters
 from grpo_core.vllm_server.cpu_placement import CpuPlacement, forked_on, format_cpus
 from grpo_core.waiting import announced_wait
 
@@ -105,7 +106,7 @@ class ServerOptions:
     max_lora_rank: LoraRank = 16
     """Largest adapter rank the server accepts (one of 1, 8, 16, 32, 64, 128, 256, 320, 512)."""
     max_loras: Annotated[int, Field(ge=1)] | None = None
-    """Adapters resident at once; None: the trainer's window, ``max_staleness + 2``."""
+    """Adapters resident at once; None: the trainer's window (``grpo_core.staleness.resident_adapters``)."""
     api_server_count: Annotated[int, Field(ge=1)] = 1
     """API server processes (vLLM serialises top log-probs there; 8 on GPU servers)."""
     language_model_only: bool = False
@@ -168,7 +169,7 @@ class VLLMServerSpec(ServerOptions):
         options = options or ServerOptions()
         own = {f.name: getattr(options, f.name) for f in dataclasses.fields(ServerOptions)}
         if own["enable_lora"] and own["max_loras"] is None:
-            own["max_loras"] = config.max_staleness + 2
+            own["max_loras"] = resident_adapters(config.max_staleness)
         if own["dtype"] is None:
             own["dtype"] = training_dtype(config, cuda)
         return cls(

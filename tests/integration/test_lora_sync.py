@@ -23,8 +23,8 @@ from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dic
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.models.loading import load_policy
 from grpo_core.models.lora import apply_lora
+from grpo_core.ranks import DistInfo
 from grpo_core.sync.factory import SyncSetup, make_weight_sync
-from grpo_core.training.distributed import DistInfo
 from grpo_core.vllm_server.checks import ServerConfigError
 from grpo_core.vllm_server.control import VLLMControlClient
 from tests.conftest import SHARED_MAX_LORA_RANK, SHARED_MAX_LORAS

@@ -89,7 +89,7 @@ def test_server_options_come_from_the_model(check_servers: dict[str, Served], va
 
 # ---- weight sync: fused expert tensors under the trainer's names ------------------------------------------------
 # The CPU experts kernel packs its weights on the first load only; the gloo engine packs them again after every
-# reload (grpo_core/sync/expert_repack.py). Without that, a push of the loaded weights moved the server's log-probs by
+# reload (grpo_core/vllm_plugin/expert_repack.py). Without that, a push of the loaded weights moved the server's log-probs by
 # 8.96 nats. The experts are moved far enough (3x their RMS) that a push that did not land could not pass the check.
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_sync_follows_the_trainer(check_servers: dict[str, Served], variant: str) -> None:

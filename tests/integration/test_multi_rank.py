@@ -78,7 +78,7 @@ class CountedReplay(ReplayRollouts):
 def replay_main(argv: list[str] | None = None) -> None:
     """One torchrun rank: train on the recorded stream, then gather the final weights onto rank 0."""
     from grpo_core.models.fsdp import full_state_dict
-    from grpo_core.training.distributed import DistInfo, init_distributed, shutdown_distributed
+    from grpo_core.ranks import DistInfo, init_distributed, shutdown_distributed
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)

@@ -29,10 +29,10 @@ import torch
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rewards import accuracy_reward, format_reward
 from grpo_core.storage.store import Storage
-from grpo_core.sync.digest import tensor_digest
 from grpo_core.sync.errors import ServedVersionMismatch, ServedWeightsMismatch, WeightSyncTimeout
-from grpo_core.sync.patch_store import PatchReader, apply_patch, plan_chain
 from grpo_core.sync.source import checkpoint_name
+from grpo_core.sync.wire.digest import tensor_digest
+from grpo_core.sync.wire.patch_store import PatchReader, apply_patch, plan_chain
 from grpo_core.tiny import arithmetic_dataset
 from grpo_core.training.trainer import AsyncGRPOTrainer
 from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec

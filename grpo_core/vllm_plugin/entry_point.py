@@ -33,7 +33,7 @@ def register() -> None:
     # Registering a name twice raises, and vLLM may call plugins more than once per process.
     if GLOO_BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
-            GLOO_BACKEND, "grpo_core.sync.gloo_engine", "GlooWeightTransferEngine"
+            GLOO_BACKEND, "grpo_core.vllm_plugin.gloo_engine", "GlooWeightTransferEngine"
         )
     if GLOO_BACKEND not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(

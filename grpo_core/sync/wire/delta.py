@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_core.sync.buckets import Bucket, Slot
+from grpo_core.sync.wire.buckets import Bucket, Slot
 
 DENSE = -1
 """Header value of a tensor sent whole."""

@@ -4,8 +4,8 @@ vLLM ships NCCL and CUDA-IPC transports only; both need a GPU. This module imple
 four-phase protocol (init → start → update → finish) over a gloo process group, so a CPU vLLM
 server receives weights exactly as a GPU server does over NCCL:
 
-* ``GlooWeightTransferEngine`` runs inside each vLLM worker (registered by ``vllm_plugin``);
-* ``gloo_trainer.GlooTrainerWeightTransferEngine`` runs in the trainer; only trainer rank 0 talks to vLLM.
+* ``GlooWeightTransferEngine`` runs inside each vLLM worker (registered by ``entry_point``);
+* ``grpo_core.sync.gloo_trainer.GlooTrainerWeightTransferEngine`` runs in the trainer; only trainer rank 0 talks to vLLM.
 
 Wire format: one ``/update_weights`` call per sync carries every parameter's name, dtype and shape
 plus ``group_sizes``, the number of parameters in each broadcast. The sender cuts the model into
@@ -22,74 +22,21 @@ rendezvous is needed for those.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    ParamMeta,
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+from grpo_core.sync.wire.delta import apply_bucket, payload_nbytes
+from grpo_core.sync.wire.gloo_messages import (
+    RENDEZVOUS_TIMEOUT,
+    STORAGE_TRANSPORT,
+    GlooWeightTransferInitInfo,
+    GlooWeightTransferUpdateInfo,
 )
-
-from grpo_core.sync.buckets import Bucket, plan_from_sizes
-from grpo_core.sync.delta import apply_bucket, payload_nbytes
-from grpo_core.sync.expert_repack import repack_cpu_experts
-from grpo_core.sync.receiver import HeldWeights, apply_storage_update
-
-RENDEZVOUS_TIMEOUT = timedelta(seconds=300)
-STORAGE_TRANSPORT = "storage"
-"""``update_info['transport']`` of an update read from weight patches on storage (``receiver.apply_storage_update``)."""
-
-
-@dataclass
-class GlooWeightTransferInitInfo(WeightTransferInitInfo):
-    """Worker-side rendezvous: the trainer (rank 0) hosts the TCP store."""
-
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    secret: str = ""  # presented at the trainer's gate (``gated_store``); fresh per rendezvous
-
-
-@dataclass
-class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
-    """One sync: every parameter's metadata, how many parameters each broadcast carries, and how.
-
-    ``encoding``: ``dense`` (each bucket's flat bytes) or ``delta`` (per bucket a header broadcast, then
-    the payload of ``delta.encode_bucket``, applied to the weights of ``base_version``). ``keep``: the
-    receiver keeps what it loads, for the deltas that follow. ``deadline_s``: how long the receiver
-    waits for the whole transfer before it gives up (None: the group's timeout).
-    """
-
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-    group_sizes: list[int] = field(default_factory=list)
-    encoding: str = "dense"
-    version: str | None = None
-    base_version: str | None = None
-    keep: bool = False
-    deadline_s: float | None = None
-
-    def __post_init__(self) -> None:
-        n = len(self.names)
-        if len(self.dtype_names) != n or len(self.shapes) != n:
-            raise ValueError("update_info names, dtype_names and shapes must have equal lengths")
-        if not self.group_sizes:
-            self.group_sizes = [n]
-        if sum(self.group_sizes) != n:
-            raise ValueError(f"group_sizes sum to {sum(self.group_sizes)}, expected {n}")
-        if self.encoding not in ("dense", "delta"):
-            raise ValueError(f"update_info encoding={self.encoding!r}: use 'dense' or 'delta'")
-
-    def plan(self) -> list[Bucket]:
-        meta = [ParamMeta(n, getattr(torch, d), tuple(s)) for n, d, s in zip(self.names, self.dtype_names, self.shapes)]
-        return plan_from_sizes(meta, self.group_sizes)
-
+from grpo_core.vllm_plugin.expert_repack import repack_cpu_experts
+from grpo_core.vllm_plugin.receiver import HeldWeights, apply_storage_update
 
 def _retie_word_embeddings(model: torch.nn.Module, model_config: Any) -> None:
     """Refresh a tied LM head from the embedding after a reload.
@@ -138,8 +85,8 @@ class GlooWeightTransferEngine(
         return pc.data_parallel_index * pc.world_size + pc.rank
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
-        from grpo_core.sync.address import local_address_towards
-        from grpo_core.sync.gated_store import StoreDialer, gloo_group, member_store
+        from grpo_core.sync.wire.address import local_address_towards
+        from grpo_core.sync.wire.gated_store import StoreDialer, gloo_group, member_store
 
         if not init_info.secret:
             raise ValueError("init_info carries no rendezvous secret; this plugin joins only a gated rendezvous")

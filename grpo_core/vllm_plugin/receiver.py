@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from grpo_core.sync.buckets import Bucket
-from grpo_core.sync.digest import tensor_digest
+from grpo_core.sync.wire.buckets import Bucket
+from grpo_core.sync.wire.digest import tensor_digest
 
 Load = Callable[[list[tuple[str, torch.Tensor]]], Any]
 """The model's ``load_weights`` (inside the layerwise reload the engine's start/finish drive)."""
@@ -89,7 +89,7 @@ def apply_storage_update(held: HeldWeights, info: dict[str, Any], load: Load, wo
     key under which to write what the worker now holds, for the trainer to check). Returns the receipt.
     """
     from grpo_core.storage.store import Storage
-    from grpo_core.sync.patch_store import RECEIPTS, PatchReader, apply_patch, plan_chain, receipt_name
+    from grpo_core.sync.wire.patch_store import RECEIPTS, PatchReader, apply_patch, plan_chain, receipt_name
 
     url, target = str(info["url"]), int(info["target"])
     storage = Storage(url)

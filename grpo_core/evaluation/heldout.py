@@ -23,7 +23,7 @@ from grpo_core.rollout.generation import VLLMGenerateClient
 
 PROBLEM_COLUMN = "problem"
 """A data set column naming the problem each prompt asks, when several prompts ask one (the tiny task phrases each
-problem 5 ways): the held-out intervals count problems, not prompts, as independent draws (``training.intervals``)."""
+problem 5 ways): the held-out intervals count problems, not prompts, as independent draws (``evaluation.intervals``)."""
 
 
 def problem_keys(dataset: Any) -> list[Any]:
@@ -156,7 +156,8 @@ def evaluate_rewards(
 def evaluate_on_server(base_url: str, args: Any, tokenizer: Any, dataset: Any, reward_funcs: list[Callable[..., Any]],
                        tokens_endpoint: bool = True) -> dict[str, float]:
     """The trainer's ``evaluate()``: ``dataset`` sampled from the server at ``base_url`` with the run's settings
-    (``args``: reward weights, samples per prompt, temperature, completion length) and scored; ``eval/*`` metrics."""
+    (``args``, the config's evaluation section ``config.evaluation``: reward weights, samples per prompt,
+    temperature, completion length) and scored; ``eval/*`` metrics."""
     start = time.perf_counter()
     result = evaluate_rewards(
         base_url, tokenizer, dataset, reward_funcs,

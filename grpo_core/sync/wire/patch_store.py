@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from grpo_core.sync.buckets import Bucket, plan_from_sizes
-from grpo_core.sync.delta import EncodedBucket, apply_bucket, payload_nbytes
+from grpo_core.sync.wire.buckets import Bucket, plan_from_sizes
+from grpo_core.sync.wire.delta import EncodedBucket, apply_bucket, payload_nbytes
 
 PATCH_FORMAT = "grpo-core-weight-patch/1"
 RECEIPTS = "receipts"

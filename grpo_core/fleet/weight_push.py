@@ -12,7 +12,7 @@
                 ``weight_sync_attempts`` pushes of a version in all, then the run fails with the
                 last named error (the flow resumes it)
 
-One ``WeightPusher`` per server (``training.fleet`` makes one for each server of the run); nothing here is
+One ``WeightPusher`` per server (``fleet.servers`` makes one for each server of the run); nothing here is
 specific to one transport.
 """
 
@@ -27,10 +27,10 @@ from typing import Any
 import httpx
 import torch
 
+from grpo_core.ranks import DistInfo, broadcast_object
 from grpo_core.sync.base import SyncStats, WeightSync
 from grpo_core.sync.errors import WeightSyncError
 from grpo_core.sync.verify import PushVerifier, VerifyConfig, VerifyReport, check_version
-from grpo_core.training.distributed import DistInfo, broadcast_object
 from grpo_core.vllm_server.control import VLLMRequestError
 from grpo_core.vllm_server.watch import close_open_weight_update
 

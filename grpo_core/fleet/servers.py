@@ -37,13 +37,12 @@ from typing import Any
 
 import torch
 
+from grpo_core.fleet.weight_push import PUSH_FAILURES, PushOutcome, WeightPusher
+from grpo_core.ranks import DistInfo, broadcast_object
 from grpo_core.rollout.fleet import FleetView, server_name
-from grpo_core.training.distributed import DistInfo, broadcast_object
-from grpo_core.training.forward import probe_logprobs
 from grpo_core.sync.verify import VerifyConfig
-from grpo_core.training.weight_push import PUSH_FAILURES, PushOutcome, WeightPusher
 from grpo_core.vllm_server.checks import (
-    ServerCapabilities, ServerConfigError, check_fleet_alike, expected_server_dtype, server_fingerprint)
+    ServerCapabilities, ServerConfigError, check_fleet_alike, server_fingerprint)
 from grpo_core.vllm_server.control import VLLMControlClient
 from grpo_core.vllm_server.health import ServerHealth, Verdict
 from grpo_core.vllm_server.watch import (
@@ -107,7 +106,7 @@ class ServerFleet:
         self.capabilities: ServerCapabilities | None = None
         self.check_one: Callable[[Any], ServerCapabilities] | None = None  # the start-up checks of one server
         self.unavailable_timeout_s = unavailable_timeout_s
-        self.probe: Any = None  # training.fleet.VersionProbe, told each push's version
+        self.probe: Any = None  # VersionProbe, told each push's version
         self.reference: dict[str, tuple[ServerCapabilities, dict[str, Any]]] = {}  # the first checked server's
         self.rejoins = 0
         self.publish: Callable[[FleetView], None] = lambda view: None  # to the rollout worker, once it runs
@@ -115,8 +114,9 @@ class ServerFleet:
 
     @classmethod
     def for_run(cls, args: Any, dist: DistInfo, setup: Any, probe: VersionProbe, vocab_size: int) -> ServerFleet:
-        """A run's servers (``args.vllm_server_base_url``, then those ``args.vllm_server_fleet_file`` lists), one
-        pusher each over ``setup`` (``sync.factory.SyncSetup``), every push checked against ``probe``."""
+        """A run's servers (``args``: the config's fleet section, ``config.fleet``: ``vllm_server_base_url``, then
+        those ``vllm_server_fleet_file`` lists), one pusher each over ``setup`` (``sync.factory.SyncSetup``), every
+        push checked against ``probe``."""
         listing = (lambda: read_fleet_file(args.vllm_server_fleet_file)) if args.vllm_server_fleet_file else None
         urls = args.server_urls()
         urls += [u for u in (listing() if listing else []) if u not in urls]
@@ -498,7 +498,7 @@ class VersionProbe:
     pushes to the same servers in the same order, so the forward stays collective). The fleet sets ``version``
     before each push; None computes every time.
 
-    ``low_precision`` is the same probe computed in 16 bits (``training.forward.probe_logprobs`` under autocast);
+    ``low_precision`` is the same probe computed in 16 bits (``grpo_core.training.orchestrator.policy_probe``);
     ``rounding_gap`` compares the two for the version being checked: how far the trainer's own rounding moves these
     weights' probe on average, which a 16-bit server's check allows a multiple of (``sync.verify.PushVerifier``).
     It is measured at every checked version, since training changes it."""
@@ -509,17 +509,6 @@ class VersionProbe:
         self.low_precision = low_precision
         self.version: int | None = None
         self._cached: dict[str, tuple[int, list[int], Any]] = {}  # per quantity: (version, token ids, value)
-
-    @classmethod
-    def for_policy(cls, model: torch.nn.Module, device: torch.device, train_dtype: str) -> "VersionProbe":
-        """The probe of a trainer's policy. An fp32 trainer whose servers must compute in 16 bits (a model's need,
-        checked at start-up on every server) also measures its own 16-bit rounding of the probe at each check: those
-        servers' checks tolerate a multiple of it (``sync.verify.ROUNDING_MARGIN``). Every rank decides this alike,
-        from the model's config and the dtype."""
-        sixteen_bit_server = expected_server_dtype(train_dtype, model.config, device.type == "cuda") != "float32"
-        return cls(lambda ids: probe_logprobs(model, ids, device),
-                   (lambda ids: probe_logprobs(model, ids, device, torch.bfloat16))
-                   if train_dtype == "float32" and sixteen_bit_server else None)
 
     def _once_per_version(self, name: str, token_ids: list[int], compute: Callable[[], Any]) -> Any:
         cached = self._cached.get(name)

@@ -1,0 +1,296 @@
+"""``RunOrchestrator``: what supervises a run around the trainer's step loop.
+
+    start    rank 0 waits for the servers (one, or a fleet: every one checked, and against the others), the
+             weight transport opens, the current weights are pushed, the rollout worker starts; every rank gets
+             the feed of steps (``training.distributed.StepFeed``)
+    tend     before each step's collection: servers the worker drained or that stopped answering leave service;
+             one that restarted or came back passes the checks and gets the current weights (``fleet.ServerFleet``)
+    push     a version to every serving server, confirmed there; the worker is told what was consumed
+    evaluate held-out rewards from a serving server
+    close    stop the worker, close the transport and the tracker
+
+The trainer (``training.trainer``) runs the step loop against three seams: the feed it collects each step
+from, ``push`` (the weight publisher) and ``step_log`` (the metric sink). The rollout worker and the weight
+transfer can be the caller's (``training.sources``); with both given, no vLLM server is talked to at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grpo_core.data.inputs import check_crossing
+from grpo_core.fleet.servers import ServerFleet, VersionProbe
+from grpo_core.fleet.weight_push import WeightPusher
+from grpo_core.ranks import DistInfo, broadcast_object
+from grpo_core.rollout.tool_calls import ToolRegistry
+from grpo_core.rollout.worker import RolloutWorker, WorkerSpec
+from grpo_core.tracking.run_view import constant_metrics, resolved_tags
+from grpo_core.tracking.tracker import Tracker, make_tracker
+from grpo_core.training.collector import StepCollector, TrainingFrontier, WatchedSource, WeightVersions
+from grpo_core.training.distributed import StepFeed
+from grpo_core.training.forward import probe_logprobs
+from grpo_core.training.sources import assumed_capabilities, call_if_present, is_source
+from grpo_core.training.step_log import StepLog
+from grpo_core.training.step_metrics import sample_and_queue_metrics
+from grpo_core.vllm_server.checks import check_server, expected_server_dtype, wait_for_server
+
+log = logging.getLogger(__name__)
+
+
+class ServerRestartError(RuntimeError):
+    """The server restarted and this trainer cannot bring it back to its weights by itself."""
+
+
+@dataclass
+class RolloutInputs:
+    """What the rollout worker is built from: the trainer's arguments of the same names."""
+
+    loop_cls: type
+    tokenizer: Any
+    dataset: Any
+    reward_funcs: list[Any]
+    tools: list[Any]
+    environment_factory: Any
+    custom_loop: bool  # an environment or a loop class of the caller's scores the rollouts
+
+
+class RunOrchestrator:
+    """Supervises one trainer's run (module docstring). ``versions`` and ``frontier`` are the trainer's: what was
+    pushed, and the first prompt position not yet trained (a checkpoint keeps it)."""
+
+    def __init__(self, args: Any, dist: DistInfo, rollout: RolloutInputs, versions: WeightVersions,
+                 frontier: TrainingFrontier, *, rollout_worker: Any = None, weight_transfer: Any = None,
+                 tracker: Tracker | None = None, settings: dict[str, Any] | None = None,
+                 log_history: list[dict[str, float]] | None = None):
+        self.args, self.dist, self.rollout = args, dist, rollout
+        self.rollout_worker, self.weight_transfer = rollout_worker, weight_transfer
+        self.versions, self.frontier = versions, frontier
+        self.owns_tracker = tracker is None  # one made here (report_to) is closed when the run ends
+        self.tracker: Tracker = tracker or make_tracker(args, is_main=dist.is_main)
+        if dist.is_main:
+            self.tracker.set_tags(resolved_tags(settings or {}))
+        multi_turn = bool(rollout.tools) or rollout.custom_loop
+        # Metrics the settings fix go to MLflow as params or tags, not as flat charts (log_history keeps them).
+        self.step_log = StepLog(args.tracking, self.tracker, dist.is_main, log_history if log_history is not None else [],
+                                constant_metrics(multi_turn=multi_turn, world_size=dist.world_size,
+                                                 lr_scheduler_type=args.lr_scheduler_type,
+                                                 weight_sync_encoding=args.weight_sync_encoding,
+                                                 weight_sync_transport=args.weight_sync_transport))
+        self.model: Any = None
+        self.worker: Any = None
+        self.fleet: ServerFleet | None = None  # the servers: one pusher each, their checks and restarts (rank 0 talks)
+        self.server: Any = None  # ServerCapabilities, once checked
+        self.feed: StepFeed | None = None
+        self.probe: VersionProbe | None = None  # the trainer's probe log-probs, once per pushed version
+        self.server_restarts = 0  # servers that came back (restarted, or lost and answering again) and got the weights
+
+    def check_crossing(self) -> None:
+        """What the rollout process is handed must cross to it: fail here, not in the worker."""
+        rollout = self.rollout
+        check_crossing({"reward_funcs": rollout.reward_funcs, "tools": rollout.tools,
+                        "environment_factory": rollout.environment_factory, "loop_cls": rollout.loop_cls,
+                        "args": self.args, "train_dataset": rollout.dataset})
+        # Signatures too (typed parameters, module-level, unique names).
+        ToolRegistry(rollout.tools)
+
+    @property
+    def talks_to_servers(self) -> bool:
+        """Whether the trainer itself talks to vLLM servers: not when both the samples' source and the weight
+        transfer are the caller's (``rollout_worker=`` a source, ``weight_transfer=`` given)."""
+        return not (is_source(self.rollout_worker) and self.weight_transfer is not None)
+
+    # ------------------------------------------------------------------------------------------ start
+    def start(self, policy: Any, version: int, peft_config: Any, device: Any, train_dtype: str,
+              on_server: Any) -> StepFeed:
+        """Bring the servers to the policy's weights as ``version`` and start sampling (``policy``:
+        ``training.policy.Policy``); ``on_server(capabilities)`` is called on every rank once the server's
+        capabilities are known (what the loss computes depends on them)."""
+        self.model = policy.model
+        if self.weight_transfer is not None:
+            call_if_present(self.weight_transfer, "attach", policy.model)
+        if not self.talks_to_servers:
+            return self._start_without_servers(policy, version, on_server)
+        args, cuda = self.args, device.type == "cuda"
+        model_name = policy.model_path or "<model>"
+        self.fleet = self._make_fleet(policy, peft_config, device, train_dtype)
+        if self.dist.is_main:
+            self.fleet.connect(lambda control: wait_for_server(control, args, model_name, cuda))
+        if broadcast_object(self.dist.is_main and self.fleet.left_paused()):
+            # A trainer killed during a weight sync (preemption) left a server paused with half-loaded
+            # weights, on which the next request would crash it: complete a push (it resumes) first.
+            self.push(version)
+        if self.dist.is_main:
+            self.server = self.fleet.check(lambda control: check_server(
+                control, args, model_name, policy.model.config, cuda, train_dtype=train_dtype))
+        self.server = broadcast_object(self.server)  # every rank must compute the same loss
+        on_server(self.server)
+        if self.dist.is_main:
+            self.tracker.set_tags({"sync/mode": self.pusher.open().mode,
+                                   **{f"fleet/{m.name}": m.url for m in self.fleet.members.values()}})
+        return self._start_sampling(version, WatchedSource)
+
+    def _start_without_servers(self, policy: Any, version: int, on_server: Any) -> StepFeed:
+        """Both replaceable parts are the caller's: push the starting weights through theirs, collect from theirs."""
+        self.server = getattr(self.rollout_worker, "server_capabilities", None) or assumed_capabilities(
+            self.args.token_budget)
+        on_server(self.server)
+        self.fleet = ServerFleet.around(self.weight_transfer, self.dist, policy.vocab_size)
+        return self._start_sampling(version, None)
+
+    def _start_sampling(self, version: int, watched: Any) -> StepFeed:
+        """Push the current weights (the server may hold others: another revision, a resumed run; a replaced
+        source counts its samples' staleness from them), start the worker (rank 0) and make the feed."""
+        self.push(version)
+        self.worker = self._start_worker() if self.dist.is_main else None
+        source = self.worker if watched is None or self.worker is None else watched(self.worker, self.fleet)
+        self.feed = self._make_feed(source if self.dist.is_main else None)
+        return self.feed
+
+    def _make_feed(self, source: Any) -> StepFeed:
+        """Each step's batch from ``source`` (rank 0's; None on the other ranks, which receive rank 0's
+        plan by broadcast and rebuild the same rows)."""
+        args = self.args
+        collector = StepCollector(
+            source=source, world_size=self.dist.world_size,
+            gradient_accumulation_steps=args.gradient_accumulation_steps, token_budget=args.token_budget,
+            max_samples_per_step=args.per_device_train_batch_size * args.gradient_accumulation_steps * self.dist.world_size,
+            max_staleness=args.max_staleness, flat=args.packing == "flat", frontier=self.frontier,
+            timeout_s=args.request_timeout)
+        return StepFeed(collector, self.dist.rank, self.dist.world_size)
+
+    @property
+    def pusher(self) -> WeightPusher | None:
+        """The first answering server's pusher (None before start and after close)."""
+        if self.fleet is None:
+            return None
+        members = list(self.fleet.members.values())
+        return next((m.pusher for m in members if m.state != "lost"), members[0].pusher)
+
+    def _make_fleet(self, policy: Any, peft_config: Any, device: Any, train_dtype: str) -> ServerFleet:
+        """The run's servers, one pusher each, the probe computed once per version."""
+        from grpo_core.sync.factory import SyncSetup, wire_dtype
+
+        setup = SyncSetup(config=self.args, model=policy.model, rank=self.dist.rank,
+                          backend=self.args.resolved_weight_transfer_backend(device.type == "cuda"),
+                          wire_dtype=wire_dtype(policy.bf16), model_path=policy.model_path, peft_config=peft_config)
+        self.probe = policy_probe(policy.model, device, train_dtype)
+        if self.weight_transfer is not None:  # the caller's transport to the one server the rollouts come from
+            return ServerFleet.around(self.weight_transfer, self.dist, policy.vocab_size, args=self.args.fleet)
+        return ServerFleet.for_run(self.args.fleet, self.dist, setup, self.probe, policy.vocab_size)
+
+    def _start_worker(self) -> Any:
+        if is_source(self.rollout_worker):  # the caller's source (``rollout_worker=``): no rollout process
+            call_if_present(self.rollout_worker, "start")
+            call_if_present(self.rollout_worker, "publish_version", self.versions.current, consumed=0)
+            return self.rollout_worker
+        rollout = self.rollout
+        loop_kwargs = dict(
+            config=self.args, tokenizer=rollout.tokenizer, dataset=rollout.dataset, reward_funcs=rollout.reward_funcs,
+            base_url=[m.url for m in self.fleet.members.values()], start_position=self.frontier.position,
+            num_processes=self.dist.world_size, tools=rollout.tools, environment_factory=rollout.environment_factory,
+            tokens_endpoint=self.server.tokens_endpoint,
+        )
+        pointer = getattr(self.pusher.open(), "adapter_pointer", lambda: None)()
+        # Adapter sync: requests name the newest registered adapter version, read from shared memory.
+        shared = {"adapter": pointer} if pointer is not None else {}
+        worker = RolloutWorker(
+            WorkerSpec(loop_cls=rollout.loop_cls, loop_kwargs=loop_kwargs, shared_kwargs=shared),
+            queue_maxsize=self.args.queue_maxsize, heartbeat_timeout_s=self.args.worker_heartbeat_timeout_s,
+            initial_version=self.versions.current,
+        )
+        # The worker sends only to the servers the fleet says serve, and tells it which ones it drained.
+        worker.publish_fleet(self.fleet.view())
+        self.fleet.publish = worker.publish_fleet
+        self.fleet.drained_by_worker = worker.drained_servers
+        worker.start()
+        # A wrapper of the caller's (``rollout_worker=`` a function) around the started worker: collect from it.
+        return self.rollout_worker(worker) if callable(self.rollout_worker) else worker
+
+    # ------------------------------------------------------------------------------------------ during the loop
+    def push(self, version: int, force: bool = False, only: list[str] | None = None) -> dict[str, float]:
+        """Push the policy's weights as ``version`` to every serving server and confirm them (``force``: even if
+        that version was pushed already; ``only``: to those servers); a failed push is recovered from, drained or
+        named (``fleet.servers``)."""
+        if not force and self.versions.pushed and self.versions.current == version:
+            return {}  # this step's weights are already on the servers
+        self.model.eval()
+        metrics = self.fleet.push(version, only=only)
+        self.versions.record(version)
+        if self.worker is not None:
+            # With what the trainer consumed so far: the worker keeps its lead within max_staleness.
+            call_if_present(self.worker, "publish_version", version,
+                            consumed=self.feed.collector.consumed_total if self.feed else 0)
+        return metrics
+
+    def tend(self, version: int) -> None:
+        """Before each step's collection: servers the worker drained or that stopped answering leave service; a
+        server that restarted, or answers again after it was lost, passes the start-up checks and gets ``version``'s
+        weights before the rollout worker sends it anything (``fleet.ServerFleet.tend``)."""
+        ready = self.fleet.tend()
+        if not ready:
+            return
+        if self.pusher.open().mode == "adapter":
+            raise ServerRestartError(
+                f"the vLLM server restarted ({', '.join(ready)}); adapter-only LoRA sync cannot register its adapters "
+                "on the new server from here: resume the run (the flow does) or use lora_sync_mode='merged'"
+            )
+        start = time.perf_counter()
+        caught_up = self.versions.pushed and self.versions.current == version
+        # The others hold this version already: only the returning servers need it. Otherwise everyone does.
+        self.push(version, force=True, only=ready if caught_up else None)
+        self.server_restarts = self.fleet.rejoins
+        where = "the restarted server" if self.fleet.single else ", ".join(ready) + ", back in service,"
+        log.warning("re-pushed weight version %d to %s in %.1f s (server restart %d of this attempt)",
+                    version, where, time.perf_counter() - start, self.server_restarts)
+
+    def evaluate(self, dataset: Any) -> dict[str, float]:
+        """Sample ``dataset`` from a serving server (which serves the last pushed weights) and score it with the
+        reward functions; ``eval/*`` metrics (empty off rank 0)."""
+        from grpo_core.evaluation.heldout import evaluate_on_server
+
+        if not self.dist.is_main:
+            return {}
+        # While running: a server that serves; before or after (no fleet is held then): the first one configured.
+        serving = [url for url in self.fleet.serving_urls() if url] if self.fleet is not None else []
+        return evaluate_on_server(serving[0] if serving else self.args.server_urls()[0], self.args.evaluation,
+                                  self.rollout.tokenizer, dataset, self.rollout.reward_funcs,
+                                  tokens_endpoint=self.server.tokens_endpoint if self.server else True)
+
+    def step_metrics(self, batch: Any, step_s: float) -> dict[str, float]:
+        """The step's samples, its queue and, on rank 0, how the servers serve."""
+        metrics = sample_and_queue_metrics(
+            batch, step_s, stale_dropped_total=self.feed.stale_dropped_total, server_restarts=self.server_restarts,
+            frontier=self.frontier.position, queue_size=self.worker.queue_size() if self.worker is not None else 0)
+        if self.dist.is_main and self.talks_to_servers:
+            metrics.update(self.fleet.serving_metrics())
+        return metrics
+
+    # ------------------------------------------------------------------------------------------ close
+    def close(self) -> None:
+        """Stop the worker and close the servers' transports (the tracker stays open: ``close_tracking``)."""
+        if self.worker is not None:
+            call_if_present(self.worker, "stop")
+            self.worker = None
+        if self.fleet is not None:
+            self.fleet.close()
+            self.fleet = None
+
+    def close_tracking(self, finished: bool) -> None:
+        if self.owns_tracker:
+            self.tracker.close("FINISHED" if finished else "FAILED")
+
+
+def policy_probe(model: torch.nn.Module, device: torch.device, train_dtype: str) -> VersionProbe:
+    """The probe of a trainer's policy (``training.forward.probe_logprobs``). An fp32 trainer whose servers must
+    compute in 16 bits (a model's need, checked at start-up on every server) also measures its own 16-bit rounding
+    of the probe at each check: those servers' checks tolerate a multiple of it (``sync.verify.ROUNDING_MARGIN``).
+    Every rank decides this alike, from the model's config and the dtype."""
+    sixteen_bit_server = expected_server_dtype(train_dtype, model.config, device.type == "cuda") != "float32"
+    return VersionProbe(lambda ids: probe_logprobs(model, ids, device),
+                        (lambda ids: probe_logprobs(model, ids, device, torch.bfloat16))
+                        if train_dtype == "float32" and sixteen_bit_server else None)
