@@ -208,6 +208,13 @@ class AsyncGRPOConfig:
     """Per-call timeout of a tool; a timed-out call returns its error to the model."""
     fork_threshold_tokens: Annotated[int, Field(ge=1)] = 1024
     """Multi-turn re-tokenisation drift (tokens) above which a turn forks a new sequence instead of realigning."""
+    multi_turn_prompts: Literal["tokens", "messages"] = "tokens"
+    """How a multi-turn rollout builds the prompt of each turn after the first. ``"tokens"``: the previous prompt's
+    and answer's token ids as the server returned them, extended by the tokenised new messages only, so trained
+    tokens are exactly the sampled ones (``grpo_core.rollout.token_prompts``; a turn the template or the answer's
+    end does not allow falls back to ``"messages"`` and counts in ``rollout/token_path_fallbacks``).
+    ``"messages"``: re-render and re-tokenise the whole conversation, then reconcile with the held tokens
+    (CLEAN / REALIGN / FORK, ``fork_threshold_tokens``)."""
 
     # ---- rewards and advantages -----------------------------------------------------------------
     reward_weights: list[float] | None = None
