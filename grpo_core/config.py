@@ -216,6 +216,15 @@ class AsyncGRPOConfig:
     ``"messages"``: re-render and re-tokenise the whole conversation, then reconcile with the held tokens
     (CLEAN / REALIGN / FORK, ``fork_threshold_tokens``)."""
 
+    environment: str | None = None
+    """An environment users already have, as the run's data set and reward functions (``grpo_core.environments``):
+    ``"verifiers:<taskset id>"`` (an installed verifiers taskset package: its tasks, its rubric's reward functions
+    and weights) or ``"reasoning_gym:<generator name>"`` (its questions, its own scoring). The trainer then takes
+    neither ``reward_funcs`` nor ``train_dataset``. Needs the ``environments`` extra."""
+    environment_args: dict[str, Any] | None = None
+    """Keyword arguments of ``environment``: the taskset config's fields (verifiers) or the generator's configuration
+    plus ``size``, ``eval_size``, ``system_prompt`` and ``answer_format`` (reasoning-gym)."""
+
     # ---- rewards and advantages -----------------------------------------------------------------
     reward_weights: list[float] | None = None
     """Weight of each reward function in the summed reward (default: all 1)."""
@@ -418,6 +427,13 @@ class AsyncGRPOConfig:
         if len(urls) > 1 and self.lora_sync_mode == "adapter":
             _fail(self, "lora_sync_mode", "a fleet of servers takes merged LoRA pushes (adapters are registered by name "
                   "on one server); use 'merged' or 'auto'")
+        if self.environment is not None:
+            ecosystem, _, name = self.environment.partition(":")
+            if ecosystem not in ("verifiers", "reasoning_gym") or not name.strip():
+                _fail(self, "environment", "write 'verifiers:<taskset id>' (an installed verifiers taskset package) or "
+                      "'reasoning_gym:<generator name>'")
+        if self.environment_args is not None and self.environment is None:
+            _fail(self, "environment_args", "it has no environment to go to: set environment too, or drop environment_args")
         if self.server_drain_after_s > self.server_unavailable_timeout_s:
             _fail(self, "server_drain_after_s", f"a server is waited for at most server_unavailable_timeout_s="
                   f"{self.server_unavailable_timeout_s:g} s, so the drain window must not be longer: set "

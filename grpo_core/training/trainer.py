@@ -119,6 +119,11 @@ class AsyncGRPOTrainer:
         ``WeightTransfer`` both given, the trainer talks to no vLLM server at all."""
         self.args = args if args is not None else AsyncGRPOConfig(output_dir=f"{_model_name(model)}-AsyncGRPO")
         self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [f for f in [reward_funcs] if f]
+        if self.args.environment is not None:  # an existing environment gives the data and the rewards
+            from grpo_core.environments import environment_inputs
+
+            self.args, self.reward_funcs, train_dataset, eval_dataset = environment_inputs(
+                self.args, self.reward_funcs, train_dataset, eval_dataset)
         # Bad input named here, in the main process, before anything is loaded or spawned.
         check_trainer_inputs(self.args, model, self.reward_funcs, train_dataset, eval_dataset,
                              scored_elsewhere=environment_factory is not None or self.loop_cls is not AsyncRolloutLoop)
