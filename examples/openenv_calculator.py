@@ -20,6 +20,7 @@ the vLLM server at ``--server-url`` and stops the environment server. Needs the 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -178,9 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         proc.terminate()
         proc.wait(timeout=20)
-    for h in history:
-        print({k: round(v, 3) for k, v in h.items() if k in ("step", "reward", "env/reward", "env/scored_frac",
-                                                             "tools/calculator/calls")})
+    for step, h in enumerate(history, start=1):
+        shown = {k: round(v, 3) for k, v in h.items() if k in ("reward", "env/reward", "env/scored_frac", "tools/calculator/calls")}
+        print(json.dumps({"step": step, **shown}))
     return 0
 
 

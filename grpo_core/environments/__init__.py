@@ -9,7 +9,7 @@
                                  questions become the prompts, its own ``score_answer`` the reward
 
 OpenEnv environments plug in through ``environment_factory`` instead (they are tools and a reward per rollout);
-``examples/openenv_echo.py`` shows one. The ecosystems are optional: ``pip install grpo-core[environments]``,
+``examples/openenv_calculator.py`` shows one. The ecosystems are optional: ``pip install grpo-core[environments]``,
 or ``GRPO_CORE_EXTRAS=environments bash scripts/setup.sh`` for the tested set.
 """
 
