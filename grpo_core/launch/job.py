@@ -171,7 +171,9 @@ class JobConfig(_Strict):
 
     @model_validator(mode="after")
     def _environment_gives_data_and_rewards(self) -> "JobConfig":
-        taken = [k for k in ("dataset", "reward_funcs") if k in self.model_fields_set]
+        # Compared with the defaults, not the keys given: the flow writes a job back whole (resume_job.json).
+        taken = [k for k in ("dataset", "reward_funcs") if getattr(self, k) != JobConfig.model_fields[k].get_default(
+            call_default_factory=True)]
         if self.trainer.environment is not None and taken:
             raise ConfigError(f"JobConfig.{taken[0]} is set, but trainer.environment={self.trainer.environment!r} gives "
                               "the data set and the reward functions; drop JobConfig.dataset and JobConfig.reward_funcs")
