@@ -222,8 +222,7 @@ class AsyncGRPOConfig:
     and weights) or ``"reasoning_gym:<generator name>"`` (its questions, its own scoring). The trainer then takes
     neither ``reward_funcs`` nor ``train_dataset``. Needs the ``environments`` extra."""
     environment_args: dict[str, Any] | None = None
-    """Keyword arguments of ``environment``: the taskset config's fields (verifiers) or the generator's configuration
-    plus ``size``, ``eval_size``, ``system_prompt`` and ``answer_format`` (reasoning-gym)."""
+    """Keyword arguments of ``environment``: the taskset config's fields, or the generator's (``grpo_core.environments``)."""
 
     # ---- rewards and advantages -----------------------------------------------------------------
     reward_weights: list[float] | None = None
@@ -430,8 +429,7 @@ class AsyncGRPOConfig:
         if self.environment is not None:
             ecosystem, _, name = self.environment.partition(":")
             if ecosystem not in ("verifiers", "reasoning_gym") or not name.strip():
-                _fail(self, "environment", "write 'verifiers:<taskset id>' (an installed verifiers taskset package) or "
-                      "'reasoning_gym:<generator name>'")
+                _fail(self, "environment", "write 'verifiers:<taskset id>' (an installed verifiers taskset) or 'reasoning_gym:<generator name>'")
         if self.environment_args is not None and self.environment is None:
             _fail(self, "environment_args", "it has no environment to go to: set environment too, or drop environment_args")
         if self.server_drain_after_s > self.server_unavailable_timeout_s:
