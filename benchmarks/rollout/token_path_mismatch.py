@@ -18,6 +18,8 @@ and turns where the token path fell back to re-rendering.
     .venv/bin/python -m benchmarks.rollout.token_path_mismatch                      # 100 episodes, own server
     .venv/bin/python -m benchmarks.rollout.token_path_mismatch --episodes 20 --server-url URL   # a server that
         # already serves the tools model's weights (tests/integration/test_token_path.py pushes them first)
+    .venv/bin/python -m benchmarks.rollout.token_path_mismatch --smoke --server-url URL --out /tmp/t.json
+        # the script runs: 2 episodes of one template, at most 64 rollouts per path (tests/test_benchmarks.py)
 """
 
 from __future__ import annotations
@@ -87,14 +89,16 @@ async def count(server_url: str, tokenizer: Any, path: str, episodes: int, seed:
     return found
 
 
-def measure(server_url: str, model_path: str, episodes: int, templates: tuple[str, ...], seed: int) -> dict[str, Any]:
+def measure(server_url: str, model_path: str, episodes: int, templates: tuple[str, ...], seed: int,
+            max_rollouts: int = 20000) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     base = AutoTokenizer.from_pretrained(model_path)
     report: dict[str, Any] = {}
     for name in templates:
         for path in PATHS:
-            found = asyncio.run(count(server_url, template_tokenizer(base, name), path, episodes, seed))
+            found = asyncio.run(count(server_url, template_tokenizer(base, name), path, episodes, seed,
+                                      max_rollouts=max_rollouts))
             report[f"{name}/{path}"] = found
             print(f"{name:15s} {path:9s} episodes {int(found['episodes']):4d}  differing {int(found['differing']):4d}  "
                   f"non-clean {int(found['not_clean']):4d}  token-path fallbacks {int(found['fallback_turns']):3d}  "
@@ -109,18 +113,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-url", default=None, help="a server serving the tools model (else one is started)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="also write the counts as JSON here")
+    parser.add_argument("--smoke", action="store_true", help="2 episodes of compact_args, at most 64 rollouts per path")
     args = parser.parse_args(argv)
     model = str(build_tiny_model(variant="tools"))
     templates = tuple(t for t in args.templates.split(",") if t)
+    max_rollouts = 20000
+    if args.smoke:
+        args.episodes, templates, max_rollouts = 2, ("compact_args",), 64
     if args.server_url:
-        report = measure(args.server_url, model, args.episodes, templates, args.seed)
+        report = measure(args.server_url, model, args.episodes, templates, args.seed, max_rollouts)
     else:
         from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec
 
         with tempfile.TemporaryDirectory() as logs:
             server = VLLMServer(VLLMServerSpec(model=model, max_model_len=512, max_logprobs=20), Path(logs)).start(timeout_s=900)
             try:
-                report = measure(server.base_url, model, args.episodes, templates, args.seed)
+                report = measure(server.base_url, model, args.episodes, templates, args.seed, max_rollouts)
             finally:
                 server.stop()
     if args.out:
