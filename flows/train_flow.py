@@ -53,7 +53,7 @@ from flows.fleet_keeper import FleetKeeper
 from flows.heldout import heldout_scores, heldout_summary, log_heldout, prompts_digest
 from flows.progress import TrainingProgress, stage
 from flows.provision import LocalProvisioner, Provisioner, TrainingLaunch
-from grpo_core.launch.job import JobConfig, import_string, resolve_dataset, resolve_model
+from grpo_core.launch.job import JobConfig, import_string, resolve_dataset, resolve_job_inputs, resolve_model
 from grpo_core.tracking.run_view import experiment_url, run_url, ui_command
 from grpo_core.tracking.tracker import system_metrics
 from grpo_core.vllm_server.model_needs import model_server_options
@@ -128,15 +128,19 @@ def evaluate(job: JobConfig, model_path: str, server_url: str, label: str) -> di
     from grpo_core.data.inputs import first_rows
     from grpo_core.evaluation.heldout import evaluate_rewards, problem_keys
 
-    data = resolve_dataset(job.dataset, trainer.seed)
+    if trainer.environment is None:
+        data = resolve_dataset(job.dataset, trainer.seed)
+        reward_funcs, weights = [import_string(name) for name in job.reward_funcs], trainer.reward_weights
+    else:  # the environment's held-out split and rubric
+        data, reward_funcs, weights = resolve_job_inputs(job)
     if "eval" not in data:
         return None
     result = evaluate_rewards(
         server_url,
         AutoTokenizer.from_pretrained(model_path),
         data["eval"],
-        [import_string(name) for name in job.reward_funcs],
-        weights=trainer.reward_weights,
+        reward_funcs,
+        weights=weights,
         samples_per_prompt=trainer.num_eval_generations(),
         temperature=trainer.temperature,
         max_tokens=trainer.max_completion_length,

@@ -210,6 +210,18 @@ class AsyncGRPOConfig:
     """Per-call timeout of a tool; a timed-out call returns its error to the model."""
     fork_threshold_tokens: Annotated[int, Field(ge=1)] = 1024
     """Multi-turn re-tokenisation drift (tokens) above which a turn forks a new sequence instead of realigning."""
+    multi_turn_prompts: Literal["tokens", "messages"] = "tokens"
+    """How each later turn of a multi-turn rollout gets its prompt. ``"tokens"``: the token ids the server returned,
+    extended by the new messages only, so trained tokens are the sampled ones (``grpo_core.rollout.token_prompts``;
+    a turn that cannot falls back and counts in ``rollout/token_path_fallbacks``). ``"messages"``: re-render the
+    conversation and reconcile (CLEAN / REALIGN / FORK, ``fork_threshold_tokens``)."""
+
+    environment: str | None = None
+    """An existing environment as the run's data and rewards (``grpo_core.environments``, ``environments`` extra):
+    ``"verifiers:<taskset id>"`` (an installed taskset: its tasks, rubric functions and weights) or
+    ``"reasoning_gym:<generator name>"``; the trainer then takes neither ``reward_funcs`` nor ``train_dataset``."""
+    environment_args: dict[str, Any] | None = None
+    """Keyword arguments of ``environment``: the taskset config's fields, or the generator's (``grpo_core.environments``)."""
 
     # ---- rewards and advantages -----------------------------------------------------------------
     reward_weights: list[float] | None = None
@@ -413,6 +425,12 @@ class AsyncGRPOConfig:
         if len(urls) > 1 and self.lora_sync_mode == "adapter":
             _fail(self, "lora_sync_mode", "a fleet of servers takes merged LoRA pushes (adapters are registered by name "
                   "on one server); use 'merged' or 'auto'")
+        if self.environment is not None:
+            ecosystem, _, name = self.environment.partition(":")
+            if ecosystem not in ("verifiers", "reasoning_gym") or not name.strip():
+                _fail(self, "environment", "write 'verifiers:<taskset id>' (an installed verifiers taskset) or 'reasoning_gym:<generator name>'")
+        if self.environment_args is not None and self.environment is None:
+            _fail(self, "environment_args", "it has no environment to go to: set environment too, or drop environment_args")
         if self.server_drain_after_s > self.server_unavailable_timeout_s:
             _fail(self, "server_drain_after_s", f"a server is waited for at most server_unavailable_timeout_s="
                   f"{self.server_unavailable_timeout_s:g} s, so the drain window must not be longer: set "

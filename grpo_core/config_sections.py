@@ -19,7 +19,8 @@ SECTIONS: dict[str, frozenset[str]] = {
         "num_sampler_logprobs", "max_staleness", "max_concurrent_rollouts", "queue_maxsize", "weight_sync_steps",
         "worker_heartbeat_timeout_s", "num_train_epochs", "seed", "vllm_server_base_url", "request_timeout",
         "server_drain_after_s", "server_unavailable_timeout_s", "per_device_train_batch_size",
-        "gradient_accumulation_steps", "resolved_max_concurrent_rollouts", "server_urls", "needs_candidate_sets"}),
+        "gradient_accumulation_steps", "resolved_max_concurrent_rollouts", "server_urls", "needs_candidate_sets",
+        "multi_turn_prompts", "environment", "environment_args"}),
     "training": frozenset({
         "max_steps", "seed", "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "adam_beta1",
         "adam_beta2", "adam_epsilon", "max_grad_norm", "per_device_train_batch_size", "gradient_accumulation_steps",

@@ -10,7 +10,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-want=$(cat requirements.lock pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+# GRPO_CORE_EXTRAS=environments installs requirements-environments.lock instead: the same set plus verifiers,
+# reasoning-gym and openenv-core (pyproject.toml's `environments` extra), resolved together with it.
+case "${GRPO_CORE_EXTRAS:-}" in
+  "") lock=requirements.lock ;;
+  environments) lock=requirements-environments.lock ;;
+  *) echo "setup: GRPO_CORE_EXTRAS=${GRPO_CORE_EXTRAS} is not known; leave it unset or set it to 'environments'" >&2; exit 1 ;;
+esac
+want=$(cat "$lock" pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 stamp=.venv/.installed-from
 if [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   exit 0
@@ -73,7 +80,7 @@ fi
 "$uv" venv .venv --python "$python" --allow-existing --quiet
 # `sync` installs exactly the lock: vLLM's torchvision/torchaudio/torchcodec stay out on purpose
 # (their PyPI builds break `import transformers` beside CPU torch).
-"$uv" pip sync requirements.lock --python .venv/bin/python --index-strategy unsafe-best-match "${extra[@]}"
+"$uv" pip sync "$lock" --python .venv/bin/python --index-strategy unsafe-best-match "${extra[@]}"
 "$uv" pip install --python .venv/bin/python --no-deps -e . --quiet
 echo "$want" > "$stamp"
 echo "environment ready: $(pwd)/.venv" >&2

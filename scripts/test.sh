@@ -7,7 +7,15 @@
 #     bash scripts/test.sh -k packing   # any pytest arguments
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The tests of grpo_core.environments need the ecosystems' packages: the suite runs on the environments set
+# (requirements-environments.lock: the base set plus verifiers, reasoning-gym and openenv-core), and on a verifiers
+# taskset package written for the tests (tests/environments/vf_tiny_sums). GRPO_CORE_EXTRAS= (empty) runs on the
+# base set, where those tests are skipped.
+export GRPO_CORE_EXTRAS=${GRPO_CORE_EXTRAS-environments}
 bash scripts/setup.sh
+if [ "$GRPO_CORE_EXTRAS" = environments ] && ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vf_tiny_sums') is None)"; then
+  .venv/bin/uv pip install --quiet --python .venv/bin/python --no-deps -e tests/environments/vf_tiny_sums
+fi
 if [ "${1:-}" = "--fast" ]; then
   shift
   set -- -m "not startup and not pending and not soak and not long" "$@"

@@ -103,6 +103,7 @@ SMOKES: dict[str, Smoke] = {
     "benchmarks.rollout.rollout_throughput": Smoke(server=True),
     "benchmarks.rollout.sampler_logprobs": Smoke(server=True),
     "benchmarks.rollout.server_start": Smoke(server=True),
+    "benchmarks.rollout.token_path_mismatch": Smoke(server=True),
     # TRL's contenders need benchmarks/.venv-trl (TRL is not in the project's lock): ours only in the suite.
     "benchmarks.peers.peer_trl": Smoke(("--smoke", "--contenders", "ours_async,ours_sync"), server=True,
                                        failures=runs_with_steps),

@@ -17,6 +17,7 @@ import pytest
 
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rollout.stages import AsyncRolloutLoop, reconcile_metrics
+from grpo_core.rollout.token_prompts import sampled_exactly
 from grpo_core.rollout.types import RolloutGroup, merge_counters
 from grpo_core.training.step_metrics import derived_rollout_metrics
 from grpo_core.vllm_server.replies import GeneratedChoice
@@ -433,7 +434,8 @@ def test_score_sums_weighted_functions_and_rollout_reward(tokenizer) -> None:  #
 
 
 def test_compact_arguments_template_realigns_in_the_loop(tokenizer) -> None:  # noqa: ANN001
-    loop = make_loop(with_template(tokenizer, COMPACT_ARGS_TEMPLATE), calc_then_answer, tools=[calculator])
+    loop = make_loop(with_template(tokenizer, COMPACT_ARGS_TEMPLATE), calc_then_answer, tools=[calculator],
+                     multi_turn_prompts="messages")
     rollout = run(loop.generate_one(0, ROW, 0))
     result = loop.reconcile(rollout)
     assert result.turn_kinds == [None, "realign"] and len(result.sequences) == 1
@@ -446,7 +448,8 @@ def test_compact_arguments_template_realigns_in_the_loop(tokenizer) -> None:  # 
 
 
 def test_no_think_template_forks_in_the_loop(tokenizer) -> None:  # noqa: ANN001
-    loop = make_loop(with_template(tokenizer, NO_THINK_TEMPLATE), calc_then_answer, tools=[calculator])
+    loop = make_loop(with_template(tokenizer, NO_THINK_TEMPLATE), calc_then_answer, tools=[calculator],
+                     multi_turn_prompts="messages")
     rollout = run(loop.generate_one(0, ROW, 0))
     result = loop.reconcile(rollout)
     assert result.turn_kinds == [None, "fork"] and len(result.sequences) == 2
@@ -471,3 +474,51 @@ def test_sequence_without_trained_tokens_is_dropped(tokenizer) -> None:  # noqa:
     rollout.turns[0].output_ids, rollout.turns[0].output_logprobs = [], []
     result = loop.reconcile(rollout)
     assert result.sequences == [] and result.stats.dropped_sequences == 1
+
+
+@pytest.mark.parametrize("template", [None, COMPACT_ARGS_TEMPLATE, NO_THINK_TEMPLATE], ids=["tiny", "compact_args", "no_think"])
+def test_token_path_trains_exactly_the_sampled_tokens(tokenizer, template) -> None:  # noqa: ANN001
+    """The templates that realign or fork on the message path reconcile CLEAN on the token path: turn 1's prompt is
+    turn 0's prompt and answer as sampled, then the tool result and the generation prompt."""
+    loop = make_loop(with_template(tokenizer, template) if template else tokenizer, calc_then_answer, tools=[calculator])
+    rollout = run(loop.generate_one(0, ROW, 0))
+    result = loop.reconcile(rollout)
+    t0, t1 = rollout.turns
+    assert t1.prompt_ids[: len(t0.prompt_ids) + len(t0.output_ids)] == t0.prompt_ids + t0.output_ids
+    assert result.turn_kinds == [None, "clean"] and len(result.sequences) == 1
+    (seq,) = result.sequences
+    assert seq.token_ids.tolist() == t1.prompt_ids + t1.output_ids
+    assert seq.num_trained == len(t0.output_ids) + len(t1.output_ids)
+    assert sampled_exactly(result.sequences, rollout.turns)
+    assert "rollout/token_path_fallbacks" not in rollout.metrics
+    # The continuation is what the template puts between the answer and the next generation prompt, and the
+    # message path renders the same tool result (the tiny template re-renders the history byte for byte).
+    text = tokenizer.decode(t1.prompt_ids[len(t0.prompt_ids) + len(t0.output_ids):], skip_special_tokens=False)
+    assert text.startswith("\n<|im_start|>user\n<tool_response>\n12\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_message_path_realign_is_not_sampled_exactly(tokenizer) -> None:  # noqa: ANN001
+    """The check the mismatch count uses tells a realigned rollout from an exact one."""
+    loop = make_loop(with_template(tokenizer, COMPACT_ARGS_TEMPLATE), calc_then_answer, tools=[calculator],
+                     multi_turn_prompts="messages")
+    rollout = run(loop.generate_one(0, ROW, 0))
+    assert not sampled_exactly(loop.reconcile(rollout).sequences, rollout.turns)
+
+
+def test_token_path_falls_back_when_the_answer_has_no_end_of_turn(tokenizer) -> None:  # noqa: ANN001
+    """An answer stopped without a special token leaves the token path nothing to close; that turn is re-rendered."""
+    loop = make_loop(tokenizer, calc_then_answer, tools=[calculator])
+    original = loop.client.generate
+
+    async def without_end(*args: Any, **kwargs: Any):  # noqa: ANN202
+        choices = await original(*args, **kwargs)
+        for c in choices:
+            if c.token_ids and c.token_ids[-1] in tokenizer.all_special_ids:
+                c.token_ids, c.logprobs = c.token_ids[:-1], c.logprobs[:-1]
+                if c.top_ids is not None:
+                    c.top_ids, c.top_logprobs = c.top_ids[:-1], c.top_logprobs[:-1]
+        return choices
+
+    loop.client.generate = without_end
+    rollout = run(loop.generate_one(0, ROW, 0))
+    assert len(rollout.turns) == 2 and rollout.metrics["rollout/token_path_fallbacks"] == 1.0

@@ -256,3 +256,14 @@ def check_trainer_inputs(args: Any, model: Any, reward_funcs: list[Callable[...,
         if eval_dataset is None:
             raise ValueError("AsyncGRPOConfig.eval_strategy='steps' needs eval_dataset=...; pass one or set eval_strategy='no'")
         check_train_dataset(eval_dataset, reward_funcs)
+
+
+def environment_inputs(args: Any, reward_funcs: list[Callable[..., Any]], train_dataset: Any,
+                       eval_dataset: Any) -> tuple[Any, list[Callable[..., Any]], Any, Any]:
+    """The run's config, reward functions and datasets, taken from ``args.environment`` where one is named
+    (``grpo_core.environments``; its packages are imported only then), else returned as given."""
+    if getattr(args, "environment", None) is None:
+        return args, reward_funcs, train_dataset, eval_dataset
+    from grpo_core.environments import environment_inputs as from_environment
+
+    return from_environment(args, reward_funcs, train_dataset, eval_dataset)

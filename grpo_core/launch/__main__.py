@@ -44,9 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     urls = [u for u in args.server_url.split(",") if u]
     config = job.trainer_config(vllm_server_base_url=urls[0] if len(urls) == 1 else urls)
     model_path = args.model_path or resolve_model(job.model)
-    data = resolve_dataset(job.dataset, job.trainer.seed)
-    train_dataset = data["train"] if "train" in data else data
-    eval_dataset = data["eval"] if config.eval_strategy != "no" and "eval" in data else None
+    if job.trainer.environment is None:
+        data = resolve_dataset(job.dataset, job.trainer.seed)
+        train_dataset = data["train"] if "train" in data else data
+        eval_dataset = data["eval"] if config.eval_strategy != "no" and "eval" in data else None
+        reward_funcs = [import_string(name) for name in job.reward_funcs]
+    else:  # the trainer builds both from the environment the config names
+        train_dataset = eval_dataset = None
+        reward_funcs = []
     dist = DistInfo.from_env()
     tracker = NullTracker()
     if dist.is_main and config.report_to == "mlflow":
@@ -64,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer_cls = type("JobTrainer", (AsyncGRPOTrainer,), {"loop_cls": import_string(job.loop_cls)})
     trainer = trainer_cls(
         model=model_path,
-        reward_funcs=[import_string(name) for name in job.reward_funcs],
+        reward_funcs=reward_funcs,
         args=config,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,

@@ -169,6 +169,16 @@ class JobConfig(_Strict):
             lora_config(value)  # peft's own checks, with our message for unknown keys
         return value
 
+    @model_validator(mode="after")
+    def _environment_gives_data_and_rewards(self) -> "JobConfig":
+        # Compared with the defaults, not the keys given: the flow writes a job back whole (resume_job.json).
+        taken = [k for k in ("dataset", "reward_funcs") if getattr(self, k) != JobConfig.model_fields[k].get_default(
+            call_default_factory=True)]
+        if self.trainer.environment is not None and taken:
+            raise ConfigError(f"JobConfig.{taken[0]} is set, but trainer.environment={self.trainer.environment!r} gives "
+                              "the data set and the reward functions; drop JobConfig.dataset and JobConfig.reward_funcs")
+        return self
+
     def trainer_config(self, **overrides: Any) -> AsyncGRPOConfig:
         """The trainer part (with ``overrides`` applied and checked)."""
         return self.trainer.replace(**overrides) if overrides else self.trainer
@@ -218,3 +228,18 @@ def resolve_dataset(spec: str, seed: int = 0) -> Any:
             raise ValueError(f"dataset {spec!r}: unknown tiny task; use one of {sorted(builders)}")
         return builders[task](seed=seed)
     return import_string(spec)()
+
+
+def resolve_job_inputs(job: JobConfig) -> tuple[Any, list[Any], list[float] | None]:
+    """The job's data (a ``DatasetDict`` with ``train``, maybe ``eval``), reward functions and their weights: the
+    trainer's ``environment`` when it names one (``grpo_core.environments``), else ``dataset`` and ``reward_funcs``."""
+    trainer = job.trainer
+    if trainer.environment is None:
+        return resolve_dataset(job.dataset, trainer.seed), [import_string(n) for n in job.reward_funcs], trainer.reward_weights
+    from datasets import DatasetDict
+
+    from grpo_core.environments import load_environment
+
+    inputs = load_environment(trainer.environment, trainer.environment_args, seed=trainer.seed)
+    splits = {"train": inputs.train_dataset, **({"eval": inputs.eval_dataset} if inputs.eval_dataset is not None else {})}
+    return DatasetDict(splits), inputs.reward_funcs, trainer.reward_weights or inputs.reward_weights

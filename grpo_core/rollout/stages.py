@@ -41,6 +41,7 @@ from grpo_core.rollout.agent import (
 from grpo_core.rollout.fleet import FleetClient, FleetView
 from grpo_core.rollout.reconcile import ReconcileResult, gather_sampling_masks, gather_top_logprobs, reconcile_turns
 from grpo_core.rollout.routes import sequence_routes
+from grpo_core.rollout.token_prompts import continuation_ids, extended_prompt
 from grpo_core.rollout.tool_calls import ParsedToolCalls, parse_tool_calls
 from grpo_core.rollout.types import Rollout, RolloutGroup, RolloutSample, TurnRecord
 from grpo_core.vllm_server.control import VLLMRequestError
@@ -223,7 +224,7 @@ class AsyncRolloutLoop:
         turns: list[TurnRecord] = []
         tool_rounds = 0
         while True:
-            prompt_ids = self.prompt_ids(messages, schemas)
+            prompt_ids = self.next_prompt_ids(messages, schemas, turns, metrics)
             if turns and len(prompt_ids) >= self.max_model_len:
                 # The conversation outgrew the context; the first turn raises instead (a config error).
                 metrics["rollout/context_exhausted"] = 1.0
@@ -253,6 +254,19 @@ class AsyncRolloutLoop:
             messages.extend(tool_messages(results))
         metrics["rollout/turns"] = float(len(turns))
         return turns
+
+    def next_prompt_ids(self, messages: list[dict[str, Any]], schemas: list[dict[str, Any]] | None,
+                        turns: list[TurnRecord], metrics: dict[str, float]) -> list[int]:
+        """The prompt of the next turn: extended from the sampled tokens (``multi_turn_prompts="tokens"``), or the
+        conversation re-rendered (the first turn, ``"messages"``, or a turn the token path cannot take)."""
+        if turns and self.config.multi_turn_prompts == "tokens":
+            answer_at = max(i for i, m in enumerate(messages) if m.get("role") == "assistant")
+            continuation = continuation_ids(self.tokenizer, messages[answer_at], turns[-1].output_ids,
+                                            messages[answer_at + 1:], schemas, self.config.chat_template_kwargs)
+            if continuation is not None:
+                return extended_prompt(turns[-1].prompt_ids, turns[-1].output_ids, continuation)
+            metrics["rollout/token_path_fallbacks"] = metrics.get("rollout/token_path_fallbacks", 0.0) + 1.0
+        return self.prompt_ids(messages, schemas)
 
     def sampling_adapter(self) -> tuple[str, int] | None:
         """LoRA adapter sync: ``(name, version)`` of the newest registered adapter; None samples the base."""

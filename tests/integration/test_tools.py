@@ -144,7 +144,9 @@ def test_tool_rollouts_reach_the_trainer(vllm_server, tools_model_path, tools_to
     data = arithmetic_dataset(num_train=64, num_eval=4)["train"]
     trainer = RecordingTrainer(
         tools_model_path, [called_calculator, accuracy_reward], train_dataset=data,
-        args=config(vllm_server.base_url, tmp_path, fork_threshold_tokens=2 if kind == "fork" else 1024),
+        args=config(vllm_server.base_url, tmp_path, fork_threshold_tokens=2 if kind == "fork" else 1024,
+                    # the message path: the token path turns every one of these CLEAN (test_token_path.py)
+                    multi_turn_prompts="tokens" if kind == "clean" else "messages"),
         processing_class=tokenizer, **tool_kwargs,
     )
     history = trainer.train()
