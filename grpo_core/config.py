@@ -309,9 +309,8 @@ class AsyncGRPOConfig:
     vllm_server_fleet_file: str | None = None
     """A file (any fsspec URL) listing more servers of the fleet, a base URL per line (``#`` starts a comment): read
     at start-up and every few seconds while the run goes on. A server listed there joins the run as a restarted one
-    does: once it answers and passes the start-up checks it gets the current weights, and only then the rollout
-    worker sends it groups. A server taken off the list is not drained by that (stop it: it is drained once it stops
-    answering)."""
+    does: once it answers and passes the start-up checks it gets the current weights, then groups. A server taken
+    off the list is not drained by that (stop it: it is drained once it stops answering)."""
     server_drain_after_s: Annotated[float, Field(gt=0)] = 10.0
     """The window of the fleet's rule for taking a server out of service (``grpo_core.vllm_server.health``,
     docs/fleet.md): a server is out when a connection to it is refused, when nothing asked of it (``/metrics``,
@@ -347,9 +346,8 @@ class AsyncGRPOConfig:
     the server needs this package's vLLM plugin (its ``gloo`` engine applies patches), not a group."""
     weight_sync_encoding: Literal["dense", "delta"] = "dense"
     """``dense``: every push sends every weight. ``delta``: after the first push, each tensor travels as the
-    elements that changed since the last push (indices and values) where that is smaller, else whole (gloo
-    and storage; the server keeps a copy of what it loaded to apply them to). Storage patches are always
-    deltas after a keyframe."""
+    elements that changed since the last push (indices and values) where that is smaller, else whole (gloo and
+    storage; the server keeps a copy of what it loaded to apply them to). Storage patches are always deltas."""
     weight_patch_url: str | None = None
     """``weight_sync_transport="storage"``: where the patches go, any fsspec URL; None: ``<output_dir>/weight_patches``."""
     weight_patch_keyframe_every: Annotated[int, Field(ge=1)] = 20
