@@ -161,8 +161,7 @@ def tree_causal_conv1d(
     Returns ``[1, C, U]`` in ``weight``'s dtype (the activation is the caller's). Computed channel-last
     as ``K`` shifted multiply-adds over the gathered ``[E, C]`` rows, accumulated in fp32 (what a
     convolution kernel does inside): element-wise work, which a compiled layer can fuse. Run eagerly it
-    is slower than ``tree_causal_conv1d_grouped`` (one H200, 14k tokens x 6144 channels, fwd+bwd:
-    12.5 ms against 8.7 ms; ``benchmarks/models/qwen35_speed.py``, part ``conv``).
+    is slower than ``tree_causal_conv1d_grouped`` (benchmarks/README.md, "Qwen3.5 family").
     """
     if x.shape[0] != 1:
         raise ValueError(f"a packed row is one sequence (batch 1), got batch {x.shape[0]}")
