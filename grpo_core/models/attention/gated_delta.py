@@ -161,7 +161,8 @@ def tree_causal_conv1d(
     Returns ``[1, C, U]`` in ``weight``'s dtype (the activation is the caller's). Computed channel-last
     as ``K`` shifted multiply-adds over the gathered ``[E, C]`` rows, accumulated in fp32 (what a
     convolution kernel does inside): element-wise work, which a compiled layer can fuse. Run eagerly it
-    is slower than ``tree_causal_conv1d_grouped`` (benchmarks/README.md, "Qwen3.5 family").
+    is slower than ``tree_causal_conv1d_grouped`` (benchmarks/README.md, "The Qwen3.5 family: hybrid against
+    dense, MoE MFU, packed log-prob gap").
     """
     if x.shape[0] != 1:
         raise ValueError(f"a packed row is one sequence (batch 1), got batch {x.shape[0]}")
