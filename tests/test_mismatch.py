@@ -17,7 +17,16 @@ import torch
 from grpo_core.packing.collator import pack_row
 from grpo_core.packing.trie import TreeRow
 from grpo_core.training.loss import LossConfig, LossInputs, _centering_weights, finalize_metrics, grpo_loss
-from grpo_core.training.mismatch import Correction, correction_factors
+from grpo_core.training.mismatch import (
+    SEQ_SUMS,
+    STALENESS_BUCKETS_MAX,
+    TOKEN_SUMS,
+    Correction,
+    correction_factors,
+    finalize_mismatch,
+    mismatch_parts,
+    staleness_buckets,
+)
 from tests.test_packing_trie import make_sample
 
 F64 = torch.float64
@@ -376,3 +385,20 @@ def test_loss_is_linear_in_each_advantage(mode):
     loss.backward()
     values, _ = EXPECTED[mode]
     np.testing.assert_allclose(adv.grad.numpy(), np.array(values) / np.array(ADV) / N, rtol=REL, atol=1e-15)
+
+
+def test_an_unbounded_max_staleness_keeps_a_bounded_number_of_buckets():
+    """A run may allow any staleness (10^6 in the fleet tests); the metric parts stay a few per bucket, the oldest
+    bucket holding every older sample."""
+    assert staleness_buckets(0) == 1
+    assert staleness_buckets(3) == 4
+    assert staleness_buckets(1_000_000) == STALENESS_BUCKETS_MAX
+    log_ratio = torch.tensor([0.1, -0.2, 0.05, 0.0])
+    correction = Correction(enabled=True, mode="token_mask", clip_min=0.5, clip_max=2.0, cap=2.0)
+    factors = correction_factors(log_ratio, torch.zeros(4), correction, torch.tensor([0, 0, 1, 1]), 2)
+    parts = mismatch_parts(log_ratio, factors, torch.tensor([0, 0, 1, 1]), torch.tensor([0, 50]),
+                           staleness_buckets(1_000_000))
+    assert len(parts) == STALENESS_BUCKETS_MAX * (len(TOKEN_SUMS) + len(SEQ_SUMS) + 1)
+    published = finalize_mismatch({k: float(v) for k, v in parts.items()})
+    assert published["mismatch/tokens/staleness_0"] == 2
+    assert published[f"mismatch/tokens/staleness_{STALENESS_BUCKETS_MAX - 1}"] == 2  # staleness 50 counts there

@@ -21,7 +21,6 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from grpo_core.staleness import versions_in_flight
 from grpo_core.training.mismatch import (
     VLLM_NEG_INF,
     Correction,
@@ -29,6 +28,7 @@ from grpo_core.training.mismatch import (
     correction_factors,
     finalize_mismatch,
     mismatch_parts,
+    staleness_buckets,
 )
 
 __all__ = ["VLLM_NEG_INF", "LossConfig", "LossInputs", "finalize_metrics", "grpo_loss", "reduce_metric_parts"]
@@ -318,7 +318,7 @@ def grpo_loss(
     parts = _metric_parts(log_ratio, ratio, keep, low, high, inputs)
     staleness = inputs.sample_staleness if inputs.sample_staleness is not None \
         else torch.zeros(num_samples, dtype=torch.int64, device=log_ratio.device)
-    parts.update(mismatch_parts(log_ratio, factors, sample_index, staleness, versions_in_flight(config.max_staleness),
+    parts.update(mismatch_parts(log_ratio, factors, sample_index, staleness, staleness_buckets(config.max_staleness),
                                 inputs.route_differs, inputs.route_known))
     return loss, parts
 

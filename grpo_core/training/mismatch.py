@@ -40,6 +40,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from grpo_core.staleness import versions_in_flight
+
 CorrectionMode = Literal["token_mask", "token_truncate", "sequence_mask", "sequence_truncate"]
 CORRECTION_MODES: tuple[str, ...] = ("token_mask", "token_truncate", "sequence_mask", "sequence_truncate")
 
@@ -147,6 +149,17 @@ def correction_factors(
 # Per-staleness sums, one scalar part each (the step's reduction calls .item() on every part):
 # ``mismatch/s<k>/<name>_sum`` and ``mismatch/s<k>/gap_max``. Token sums are over trained tokens, sequence
 # sums over samples with at least one trained token.
+STALENESS_BUCKETS_MAX = 8
+"""Most staleness buckets of the ``mismatch/*`` metrics: staleness 0..6 each their own, the last holds 7 and older.
+A bound, not one per version in flight: the parts are a handful of tensors per bucket and micro-batch, and a run with
+an unbounded ``max_staleness`` (10^6) would otherwise build millions of them every step."""
+
+
+def staleness_buckets(max_staleness: int) -> int:
+    """How many staleness buckets the metrics keep for a run allowing ``max_staleness``."""
+    return min(versions_in_flight(max_staleness), STALENESS_BUCKETS_MAX)  # one per staleness a sample can have
+
+
 TOKEN_SUMS = ("tokens", "measured", "k1", "k3", "masked", "truncated", "routed", "route_differs")
 SEQ_SUMS = ("seqs", "k1_seq", "k3_seq", "masked_seq", "truncated_seq")
 
