@@ -17,6 +17,7 @@ At the end of the run the table is printed, and written as JSON to ``--suite-tim
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -45,6 +46,10 @@ class FileTimes:
     server_start_s: float = 0.0
     model_builds: int = 0
     model_build_s: float = 0.0
+    rss_start_mib: float = 0.0
+    rss_end_mib: float = 0.0
+    rss_peak_mib: float = 0.0
+    lowest_available_mib: float = 0.0
 
     @property
     def total(self) -> float:
@@ -97,6 +102,26 @@ def _wrap_start_and_build() -> None:
     tiny_build._build_into = timed_build
 
 
+def _memory_mib() -> tuple[float, float]:
+    """This process's resident memory and the machine's available memory, in MiB (0 where /proc is absent)."""
+    rss = available = 0.0
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) / 1024
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return rss, available
+
+
+# Memory is recorded per test because a suite that grows is killed by the machine, not by pytest, and the
+# kill names no test: GRPO_TEST_MEMORY_LOG=PATH appends one line per test as it ends, to read while it runs.
+MEMORY_LOG = os.environ.get("GRPO_TEST_MEMORY_LOG")
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--suite-times", default=None, help="write where the suite's time went as JSON to this path")
 
@@ -107,6 +132,20 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
     TIMES.current_file = nodeid.split("::", 1)[0]
+    entry = TIMES.files[TIMES.current_file]
+    if not entry.rss_start_mib:
+        entry.rss_start_mib, entry.lowest_available_mib = _memory_mib()
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    rss, available = _memory_mib()
+    entry = TIMES.files[nodeid.split("::", 1)[0]]
+    entry.rss_end_mib = rss
+    entry.rss_peak_mib = max(entry.rss_peak_mib, rss)
+    entry.lowest_available_mib = min(entry.lowest_available_mib or available, available)
+    if MEMORY_LOG:
+        with open(MEMORY_LOG, "a") as log:
+            log.write(f"{time.strftime('%H:%M:%S')} rss {rss:8.0f} MiB  available {available:8.0f} MiB  {nodeid}\n")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -163,6 +202,16 @@ def table(times: SuiteTimes) -> str:
     return "\n".join(lines)
 
 
+def memory_table(times: SuiteTimes, rows: int = 12) -> str:
+    """The test files that grew this process the most, with the lowest memory the machine had left during each."""
+    grown = sorted(times.files.items(), key=lambda kv: -(kv[1].rss_end_mib - kv[1].rss_start_mib))
+    lines = [f"{'file':58} {'grew MiB':>9} {'rss after':>10} {'peak':>7} {'machine min free':>17}"]
+    for name, t in grown[:rows]:
+        lines.append(f"{name[-58:]:58} {t.rss_end_mib - t.rss_start_mib:9.0f} {t.rss_end_mib:10.0f} "
+                     f"{t.rss_peak_mib:7.0f} {t.lowest_available_mib:17.0f}")
+    return "\n".join(lines)
+
+
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:  # noqa: ANN001
     from grpo_core.tiny.build import cache_root
 
@@ -171,6 +220,8 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:  #
     TIMES.child_model_builds = model_builds(cache_root() / "tiny")
     terminalreporter.write_sep("-", "where the time went (seconds per test file; servers and builds timed in this process)")
     terminalreporter.write_line(table(TIMES))
+    terminalreporter.write_sep("-", "memory: this process's growth per test file (MiB)")
+    terminalreporter.write_line(memory_table(TIMES))
     starts = [s["seconds"] for s in TIMES.child_server_starts if s["seconds"] is not None]
     terminalreporter.write_line(f"vLLM server starts found in logs: {len(starts)}, {sum(starts):.0f} s from first log line to ready")
     for build in TIMES.child_model_builds:
