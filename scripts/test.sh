@@ -14,7 +14,8 @@ cd "$(dirname "$0")/.."
 export GRPO_CORE_EXTRAS=${GRPO_CORE_EXTRAS-environments}
 bash scripts/setup.sh
 if [ "$GRPO_CORE_EXTRAS" = environments ] && ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vf_tiny_sums') is None)"; then
-  .venv/bin/uv pip install --quiet --python .venv/bin/python --no-deps -e tests/environments/vf_tiny_sums
+  # built with the setuptools of the lock: no build environment fetched from an index
+  .venv/bin/uv pip install --quiet --python .venv/bin/python --no-deps --no-build-isolation -e tests/environments/vf_tiny_sums
 fi
 if [ "${1:-}" = "--fast" ]; then
   shift
