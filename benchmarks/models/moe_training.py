@@ -133,6 +133,16 @@ def row_backward(model, row, num_trained: int, loss_config: LossConfig) -> None:
     grpo_loss(inputs, loss_config, num_trained)[0].backward()
 
 
+def rows_backward(model, moe, rows, num_trained: int, loss_config: LossConfig) -> None:
+    """Forward and backward over every row of a step, with the expert routes replayed where the model has them."""
+    for row in rows:
+        if moe is not None:
+            moe.before_forward(row.routes)
+        row_backward(model, row, num_trained, loss_config)
+        if moe is not None:
+            moe.after_backward()
+
+
 def time_rows(model, moe, rows, num_trained: int, optimizer, args, device) -> tuple[list[float], list[float]]:
     loss_config = LossConfig.from_config(AsyncGRPOConfig())
     times_fb, times_step = [], []
@@ -140,12 +150,7 @@ def time_rows(model, moe, rows, num_trained: int, optimizer, args, device) -> tu
         model.train()
         synchronize(device)
         start = time.perf_counter()
-        for row in rows:
-            if moe is not None:
-                moe.before_forward(row.routes)
-            row_backward(model, row, num_trained, loss_config)
-            if moe is not None:
-                moe.after_backward()
+        rows_backward(model, moe, rows, num_trained, loss_config)
         synchronize(device)
         fb = time.perf_counter() - start
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -212,16 +217,8 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
             profile = None
             if cuda and getattr(args, "profile", False) and mode == "tree":
                 loss_config = LossConfig.from_config(config)
-
-                def step() -> None:
-                    for row in rows:
-                        if moe is not None:
-                            moe.before_forward(row.routes)
-                        row_backward(model, row, num_trained, loss_config)
-                        if moe is not None:
-                            moe.after_backward()
-
-                profile = tree_packing.profile_call(step)
+                profile = tree_packing.profile_call(
+                    lambda: rows_backward(model, moe, rows, num_trained, loss_config))
                 optimizer.zero_grad(set_to_none=True)
                 tree_packing.print_profile(f"{shape} {workload} {mode}", profile)
             step_flops = flops_model.rows_flops(plan.rows)

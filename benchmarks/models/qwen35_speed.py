@@ -43,7 +43,7 @@ from grpo_core.models.attention import gated_delta as gd  # noqa: E402
 from grpo_core.models.attention import tree as ta  # noqa: E402
 from grpo_core.packing.collator import pack_row  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
-from grpo_core.training.distributed import DistInfo, init_distributed  # noqa: E402
+from grpo_core.ranks import DistInfo, init_distributed  # noqa: E402
 from grpo_core.training.perf import device_peak_flops, synchronize  # noqa: E402
 from benchmarks.bench_io import write_report  # noqa: E402
 from benchmarks.models import moe_training  # noqa: E402

@@ -94,7 +94,7 @@ def needs_fsdp(settings: FSDPSettings, world_size: int) -> bool:
 def shard_policy(model: torch.nn.Module, settings: FSDPSettings, device: torch.device) -> torch.nn.Module:
     """Apply activation checkpointing and (where ``needs_fsdp``) FSDP2 in place; returns ``model``.
 
-    Needs the default process group when FSDP2 applies (``grpo_core.training.distributed.init_distributed``).
+    Needs the default process group when FSDP2 applies (``grpo_core.ranks.init_distributed``).
     Call before the optimizer is built: FSDP2 replaces the parameters with sharded DTensors.
     """
     if settings.compile != "none":
@@ -112,7 +112,7 @@ def shard_policy(model: torch.nn.Module, settings: FSDPSettings, device: torch.d
             "(bf16=False, fsdp_cpu_offload=False)"
         )
     if not dist.is_initialized():
-        raise RuntimeError("FSDP2 needs the default process group: call grpo_core.training.distributed.init_distributed first")
+        raise RuntimeError("FSDP2 needs the default process group: call grpo_core.ranks.init_distributed first")
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
