@@ -381,3 +381,26 @@ def test_a_push_that_waits_on_its_server_is_counted_as_waited_for_that_server():
     fleet.push(1)
     metrics = fleet.serving_metrics()
     assert metrics["fleet/s1-8000/waited_s"] == 60.0 and metrics["fleet/s0-8000/waited_s"] == 0.0  # 1 s: no wait
+
+
+def test_a_lone_server_that_a_push_waited_for_counts_as_back_once(caplog):
+    """A fleet of one waits for its server inside the push (the pusher recovers on a new session): when that push
+    gets through, the server came back holding the weights, as one tend() lets back in; later pushes count nothing."""
+    fleet, _, _ = make_fleet(1)
+    member = fleet.members["s0-8000"]
+    fleet.push(1)
+    assert fleet.rejoins == 0
+    real_push = member.pusher.push
+
+    def push_after_a_recovery(version: int, attempts: int | None = None) -> PushOutcome:
+        member.pusher.recoveries += 1  # what WeightPusher._recover counts once the server answers again
+        return real_push(version, attempts)
+
+    member.pusher.push = push_after_a_recovery
+    with caplog.at_level(logging.WARNING, logger=fleet_module.__name__):
+        fleet.push(2)
+    assert fleet.rejoins == 1 and member.state == "serving"
+    assert "answers again and took weight version 2" in caplog.text
+    member.pusher.push = real_push
+    fleet.push(3)
+    assert fleet.rejoins == 1

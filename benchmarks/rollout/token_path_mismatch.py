@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench_io import write_report
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rollout.stages import AsyncRolloutLoop
 from grpo_core.rollout.token_prompts import sampled_exactly
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 server.stop()
     if args.out:
-        args.out.write_text(json.dumps(report, indent=2))
+        write_report(args.out, report)
     return 0
 
 

@@ -272,7 +272,7 @@ class ServerFleet:
             member = self.members[name]
             # While another server holds (or will hold) this version, a failed server is drained, not waited for.
             others = not self.single and len(outcomes) + (len(targets) - i - 1) + others_serving > 0
-            push_started = self.clock()
+            push_started, recoveries = self.clock(), member.pusher.recoveries
             try:
                 with announced_wait(
                         f"fleet server {member.name} ({member.url}) to take weight version {version}", None,
@@ -291,6 +291,11 @@ class ServerFleet:
             self._count_push_wait(member, push_started)
             if member.state == "joining":
                 self._admit(member)
+            elif member.pusher.recoveries > recoveries:
+                # The push waited for the server (a lone one, waited for rather than drained) and got through on a
+                # new session: it came back and holds the weights, as a server tend() lets back in does.
+                self.rejoins += 1
+                log.warning("fleet: %s (%s) answers again and took weight version %d", member.name, member.url, version)
             if member.watch is not None:
                 # What the server reads back: this version, or under adapter-only LoRA sync its base weights' version.
                 member.watch.after_push([member.pusher.served_version(version)])

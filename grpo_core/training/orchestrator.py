@@ -220,6 +220,7 @@ class RunOrchestrator:
             return {}  # this step's weights are already on the servers
         self.model.eval()
         metrics = self.fleet.push(version, only=only)
+        self.server_restarts = self.fleet.rejoins  # a push can be what brought a server back
         self.versions.record(version)
         if self.worker is not None:
             # With what the trainer consumed so far: the worker keeps its lead within max_staleness.
