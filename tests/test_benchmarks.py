@@ -103,7 +103,11 @@ SMOKES: dict[str, Smoke] = {
     "benchmarks.rollout.rollout_throughput": Smoke(server=True),
     "benchmarks.rollout.sampler_logprobs": Smoke(server=True),
     "benchmarks.rollout.server_start": Smoke(server=True),
-    "benchmarks.rollout.token_path_mismatch": Smoke(server=True),
+    # The session server serves the arithmetic weights, which call no tool: the smoke shows the rollout loop runs on
+    # both paths; tests/integration/test_token_path.py counts episodes on the tools model's weights.
+    "benchmarks.rollout.token_path_mismatch": Smoke(server=True, failures=lambda report: [
+        f"{name}: no rollout drawn" for name, found in report.items()
+        if name != "provenance" and not found.get("rollouts")]),
     # TRL's contenders need benchmarks/.venv-trl (TRL is not in the project's lock): ours only in the suite.
     "benchmarks.peers.peer_trl": Smoke(("--smoke", "--contenders", "ours_async,ours_sync"), server=True,
                                        failures=runs_with_steps),

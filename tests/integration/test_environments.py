@@ -23,6 +23,7 @@ import yaml
 
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.training.trainer import AsyncGRPOTrainer
+from tests.integration.grpo_cli import grpo_train
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -82,12 +83,7 @@ def test_reasoning_gym_generator_trains_from_a_job_file(vllm_server, prefect, tm
     path.write_text(yaml.safe_dump(job))
     out = tmp_path / "run"
     tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "train", str(path), "--output-dir", str(out), "--server-url", vllm_server.base_url],
-        cwd=REPO, env={**env, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": tracking_uri}, capture_output=True, text=True,
-        timeout=1200,
-    )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    grpo_train(path, out, vllm_server.base_url, env, tracking_uri)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2
     metrics = mlflow.MlflowClient(tracking_uri).get_run(summary["mlflow_run_id"]).data.metrics

@@ -8,14 +8,13 @@ and show, in the metrics, the feature it exists for.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from grpo_core.launch.job import JobConfig
+from tests.integration.grpo_cli import grpo_train
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -48,12 +47,7 @@ def test_example_runs_through_grpo_train(path, vllm_server, prefect, tmp_path):
     # The jobs name no tracking store: the flow takes MLFLOW_TRACKING_URI, as MLflow's own clients do.
     tracking_uri = f"sqlite:///{tmp_path / 'tracking' / 'mlflow.db'}"
     (tmp_path / "tracking").mkdir()
-    done = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "train", str(path), "--output-dir", str(out), "--server-url", vllm_server.base_url],
-        cwd=REPO, env={**env, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": tracking_uri}, capture_output=True, text=True,
-        timeout=1200,
-    )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    grpo_train(path, out, vllm_server.base_url, env, tracking_uri)
     summary = json.loads((out / "summary.json").read_text())
     job = JobConfig.model_validate(yaml.safe_load(path.read_text()))
     assert job.tracking.tracking_uri is None and summary["mlflow_tracking_uri"] == tracking_uri
