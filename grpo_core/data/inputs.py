@@ -258,8 +258,8 @@ def check_trainer_inputs(args: Any, model: Any, reward_funcs: list[Callable[...,
         check_train_dataset(eval_dataset, reward_funcs)
 
 
-def environment_inputs(args: Any, reward_funcs: list[Callable[..., Any]], train_dataset: Any,
-                       eval_dataset: Any) -> tuple[Any, list[Callable[..., Any]], Any, Any]:
+def inputs_with_environment(args: Any, reward_funcs: list[Callable[..., Any]], train_dataset: Any,
+                            eval_dataset: Any) -> tuple[Any, list[Callable[..., Any]], Any, Any]:
     """The run's config, reward functions and datasets, taken from ``args.environment`` where one is named
     (``grpo_core.environments``; its packages are imported only then), else returned as given."""
     if getattr(args, "environment", None) is None:

@@ -30,7 +30,7 @@ import torch
 
 from grpo_core.checkpoint import CheckpointParts, Checkpointer, save_policy
 from grpo_core.config import AsyncGRPOConfig
-from grpo_core.data.inputs import check_trainer_inputs, environment_inputs
+from grpo_core.data.inputs import check_trainer_inputs, inputs_with_environment
 from grpo_core.data.prompts import is_streaming
 from grpo_core.ranks import DistInfo, shutdown_distributed
 from grpo_core.rollout.stages import AsyncRolloutLoop
@@ -88,7 +88,7 @@ class AsyncGRPOTrainer:
         self.args = args if args is not None else AsyncGRPOConfig(output_dir=f"{_model_name(model)}-AsyncGRPO")
         self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [f for f in [reward_funcs] if f]
         # An existing environment (``args.environment``) gives the data and the rewards.
-        self.args, self.reward_funcs, train_dataset, eval_dataset = environment_inputs(
+        self.args, self.reward_funcs, train_dataset, eval_dataset = inputs_with_environment(
             self.args, self.reward_funcs, train_dataset, eval_dataset)
         custom_loop = environment_factory is not None or self.loop_cls is not AsyncRolloutLoop
         # Bad input named here, in the main process, before anything is loaded or spawned.
