@@ -95,7 +95,7 @@ SMOKES: dict[str, Smoke] = {
     "benchmarks.sync.weight_sync_trust": Smoke(server=True),
     # Eager against the fp64 reference: each compiled mode costs a minute or two of CPU to compile (129 s for layers).
     "benchmarks.trainer.compile_numerics": Smoke(("--smoke", "--modes", "eager")),
-    "benchmarks.trainer.fsdp_mfu": Smoke(("--smoke", "--configs", "16384:ac")),
+    "benchmarks.trainer.fsdp_mfu": Smoke(("--smoke", "--configs", "16384:ac", "--mismatch-metrics", "both")),
     "benchmarks.trainer.trainer_loop": Smoke(("launch", "--smoke"), failures=run_errors()),
     "benchmarks.trainer.mismatch_cost": Smoke(),
     "benchmarks.trainer.cpu_share": Smoke(server=True, failures=run_errors()),

@@ -402,3 +402,19 @@ def test_an_unbounded_max_staleness_keeps_a_bounded_number_of_buckets():
     published = finalize_mismatch({k: float(v) for k, v in parts.items()})
     assert published["mismatch/tokens/staleness_0"] == 2
     assert published[f"mismatch/tokens/staleness_{STALENESS_BUCKETS_MAX - 1}"] == 2  # staleness 50 counts there
+
+
+@pytest.mark.parametrize("mode", list(EXPECTED))
+def test_leaving_the_metrics_out_changes_neither_loss_nor_gradient(mode):
+    """``mismatch_metrics=False`` (a benchmark's way to time them) drops the ``mismatch/*`` parts and nothing else."""
+    with_metrics, without = hand_inputs(), hand_inputs()
+    loss_on, parts_on = grpo_loss(with_metrics, mode_config(mode), N)
+    loss_off, parts_off = grpo_loss(without, mode_config(mode, mismatch_metrics=False), N)
+    loss_on.backward()
+    loss_off.backward()
+    assert loss_off.item() == loss_on.item()
+    assert torch.equal(without.logprobs.grad, with_metrics.logprobs.grad)
+    published_on, published_off = finalize_metrics([parts_on]), finalize_metrics([parts_off])
+    assert any(k.startswith("mismatch/") for k in published_on)
+    assert not any(k.startswith("mismatch/") for k in published_off)
+    assert published_off == {k: v for k, v in published_on.items() if not k.startswith("mismatch/")}

@@ -400,7 +400,7 @@ def test_a_lone_server_that_a_push_waited_for_counts_as_back_once(caplog):
     with caplog.at_level(logging.WARNING, logger=fleet_module.__name__):
         fleet.push(2)
     assert fleet.rejoins == 1 and member.state == "serving"
-    assert "answers again and took weight version 2" in caplog.text
+    assert "re-pushed weight version 2 to the restarted server" in caplog.text
     member.pusher.push = real_push
     fleet.push(3)
     assert fleet.rejoins == 1

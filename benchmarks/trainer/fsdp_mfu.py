@@ -25,6 +25,7 @@ One GPU or many (same script under torchrun)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -48,7 +49,7 @@ from grpo_core.packing.planner import plan_step  # noqa: E402
 from grpo_core.ranks import DistInfo, init_distributed  # noqa: E402
 from grpo_core.rollout.types import RolloutSample  # noqa: E402
 from grpo_core.training.forward import row_logprobs  # noqa: E402
-from grpo_core.training.loss import LossConfig, LossInputs, grpo_loss  # noqa: E402
+from grpo_core.training.loss import LossConfig, LossInputs, finalize_metrics, grpo_loss  # noqa: E402
 from grpo_core.training.perf import ModelFlops, device_peak_flops, synchronize  # noqa: E402
 from benchmarks.bench_io import percent, print_table, record, write_report  # noqa: E402
 
@@ -105,21 +106,22 @@ def lengths(args, budget: int) -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 def row_backward(model, row, num_tokens: int, loss_config: LossConfig, chunk: int | str | None,
-                 fused: bool | None = None) -> None:
+                 fused: bool | None = None) -> dict:
     """The trainer's micro-batch: tree-attention forward, the trainer's log-prob head (``row_logprobs``;
     ``chunk`` is ``AsyncGRPOConfig.logprob_chunk_size``; ``fused=False``: the reference head, else the trainer's), GRPO loss on
-    trained tokens, backward."""
+    trained tokens, backward. Returns the loss's metric parts (none for a row without trained tokens)."""
     chunk_size = AsyncGRPOConfig(logprob_chunk_size=chunk).resolved_logprob_chunk_size(row.num_trained, vocab_size(model))
     head = row_logprobs(model, row, 1.0, top_ids=row.sampler_top_ids.clamp(min=0), chunk_size=chunk_size, fused=fused)
     if row.num_trained == 0:
         head.anchor.backward()
-        return
+        return {}
     inputs = LossInputs(logprobs=head.logprobs, sampler_logprobs=row.sampler_logprobs, advantages=row.advantages,
                         top_logprobs=head.top_logprobs, sampler_top_logprobs=row.sampler_top_logprobs,
                         top_valid=row.top_valid, sample_index=row.sample_index,
                         sample_staleness=row.sample_staleness)  # as the trainer: per-sample weights and metrics
-    loss, _ = grpo_loss(inputs, loss_config, num_tokens)
+    loss, parts = grpo_loss(inputs, loss_config, num_tokens)
     loss.backward()
+    return parts
 
 
 def max_over_ranks(value: float, device: torch.device) -> float:
@@ -161,26 +163,34 @@ def run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, 
     metrics = plan.metrics()
     if args.same_rows:
         metrics["batch/forwarded_tokens_per_step"] *= world
-    loss_config = LossConfig.from_config(AsyncGRPOConfig())
+    # The default objective (AsyncGRPOConfig's defaults), with its mismatch/* metrics; --mismatch-metrics both
+    # alternates steps with and without them, so that drift over the run falls on both alike.
+    with_metrics = LossConfig.from_config(AsyncGRPOConfig())
+    variants = {"on": [True], "off": [False], "both": [True, False]}[args.mismatch_metrics]
     times_fb, times_step = [], []
+    times_by_variant: dict[bool, list[float]] = {v: [] for v in variants}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    for step in range(args.warmup + args.steps):
+    for step in range(args.warmup * len(variants) + args.steps * len(variants)):
+        metrics_on = variants[step % len(variants)]
+        loss_config = dataclasses.replace(with_metrics, mismatch_metrics=metrics_on)
         model.train()
         synchronize(device)
         start = time.perf_counter()
-        for row in rows:
-            row_backward(model, row, num_trained, loss_config, chunk, fused)
+        parts = [row_backward(model, row, num_trained, loss_config, chunk, fused) for row in rows]
         synchronize(device)
         fb = time.perf_counter() - start
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        finalize_metrics([p for p in parts if p])  # the step's one host copy of its metrics, as the trainer's
         synchronize(device)
         full = time.perf_counter() - start
-        if step >= args.warmup:
-            times_fb.append(max_over_ranks(fb, device))
-            times_step.append(max_over_ranks(full, device))
+        if step >= args.warmup * len(variants):
+            times_by_variant[metrics_on].append(max_over_ranks(full, device))
+            if metrics_on == variants[0]:
+                times_fb.append(max_over_ranks(fb, device))
+                times_step.append(times_by_variant[metrics_on][-1])
     peak = device_peak_flops(device, settings.bf16)
     fb, st = statistics.median(times_fb), statistics.median(times_step)
     result = {
@@ -200,6 +210,13 @@ def run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, 
         "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None,
     }
+    if args.mismatch_metrics == "both":
+        without = statistics.median(times_by_variant[False])
+        result.update({"mismatch_metrics": "both", "step_s_without_mismatch_metrics": without,
+                       "step_times_s_without_mismatch_metrics": times_by_variant[False],
+                       "mismatch_metrics_step_cost": st / without - 1.0})
+    else:
+        result["mismatch_metrics"] = args.mismatch_metrics
     if args.gather:
         result["weight_gather"] = time_gathers(model, device)
     del model, optimizer, rows
@@ -319,6 +336,9 @@ def main() -> None:
     ap.add_argument("--gather", action="store_true", help="time one full weight-sync gather after the first config")
     ap.add_argument("--check-compile", default="", help="pointwise|layers: compare one row's loss and "
                     "gradients with eager first")
+    ap.add_argument("--mismatch-metrics", choices=("on", "off", "both"), default="on",
+                    help="the loss's mismatch/* metrics (LossConfig.mismatch_metrics; the trainer computes them): "
+                         "both alternates steps with and without them and reports the step's cost of them")
     ap.add_argument("--out", default="benchmarks/results/fsdp_mfu.json")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script only")
     ap.add_argument("--feed-cost", type=int, default=0, metavar="WORLD",
@@ -381,6 +401,10 @@ def main() -> None:
                               f"{str(r['logprob_chunk']):>5} {r['tokens_per_s_fwd_bwd']:8.0f} {percent(r['mfu_fwd_bwd'])} "
                               f"{percent(r['mfu_wall_clock']):>8} {r['peak_allocated_gib'] or 0:8.1f}",
                     lambda r: f"{r['token_budget']:>7} {r['activation_checkpointing']!s:>3}")
+        for r in report["results"]:
+            if "mismatch_metrics_step_cost" in r:
+                print(f"budget {r['token_budget']}: the step with the mismatch/* metrics ÷ without = "
+                      f"{1 + r['mismatch_metrics_step_cost']:.4f} (median of {args.steps} steps each, alternated)")
     dist.destroy_process_group()
 
 

@@ -17,22 +17,20 @@ import json
 import os
 import sys
 import time
-from unittest import mock
 
 import torch
 
-from grpo_core.training import loss as loss_module  # noqa: E402
 from grpo_core.training.loss import LossConfig, LossInputs, finalize_metrics, grpo_loss  # noqa: E402
 from benchmarks.bench_io import write_report  # noqa: E402
 
 MODES = ("token_mask", "token_truncate", "sequence_mask", "sequence_truncate")
 
 
-def config(mode: str) -> LossConfig:
+def config(mode: str, metrics: bool = True) -> LossConfig:
     return LossConfig(epsilon=0.2, epsilon_high=0.28, score_centering=True, score_centering_weights="importance",
                       vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0,
                       vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=mode,
-                      vllm_importance_sampling_cap=2.0, max_staleness=4)
+                      vllm_importance_sampling_cap=2.0, max_staleness=4, mismatch_metrics=metrics)
 
 
 def row_inputs(tokens: int, samples: int, top: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -96,8 +94,8 @@ def main() -> None:
                                  "top": args.top, "loss_ms": {}}
     for mode in MODES:
         report["loss_ms"][mode] = time_loss(t, config(mode), device, args.iters, args.tokens)  # type: ignore[index]
-    with mock.patch.object(loss_module, "mismatch_parts", lambda *a, **k: {}):
-        report["loss_ms_default_without_metrics"] = time_loss(t, config("token_mask"), device, args.iters, args.tokens)
+    report["loss_ms_default_without_metrics"] = time_loss(t, config("token_mask", metrics=False), device, args.iters,
+                                                          args.tokens)
     parts = [grpo_loss(make_inputs(t), config("token_mask"), args.tokens)[1] for _ in range(args.rows)]
     times = []
     for _ in range(20):

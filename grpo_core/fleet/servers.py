@@ -295,7 +295,9 @@ class ServerFleet:
                 # The push waited for the server (a lone one, waited for rather than drained) and got through on a
                 # new session: it came back and holds the weights, as a server tend() lets back in does.
                 self.rejoins += 1
-                log.warning("fleet: %s (%s) answers again and took weight version %d", member.name, member.url, version)
+                where = "the restarted server" if self.single else f"{member.name} ({member.url}), back in service,"
+                log.warning("re-pushed weight version %d to %s after its push waited for it (server restart %d of "
+                            "this attempt)", version, where, self.rejoins)
             if member.watch is not None:
                 # What the server reads back: this version, or under adapter-only LoRA sync its base weights' version.
                 member.watch.after_push([member.pusher.served_version(version)])

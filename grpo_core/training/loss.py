@@ -70,6 +70,10 @@ class LossConfig:
     """The ``*_truncate`` modes' largest weight."""
     max_staleness: int
     """Samples are at most this stale: the mismatch metrics keep one bucket per staleness 0..max_staleness."""
+    mismatch_metrics: bool = True
+    """Whether ``grpo_loss`` returns the ``mismatch/*`` metric parts. The trainer always asks for them; False
+    serves a benchmark that measures what they cost a step (``benchmarks/trainer/fsdp_mfu.py --mismatch-metrics
+    both``)."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.epsilon < 1.0:
@@ -316,10 +320,11 @@ def grpo_loss(
     loss = per_token.sum() / num_tokens_in_step
 
     parts = _metric_parts(log_ratio, ratio, keep, low, high, inputs)
-    staleness = inputs.sample_staleness if inputs.sample_staleness is not None \
-        else torch.zeros(num_samples, dtype=torch.int64, device=log_ratio.device)
-    parts.update(mismatch_parts(log_ratio, factors, sample_index, staleness, staleness_buckets(config.max_staleness),
-                                inputs.route_differs, inputs.route_known))
+    if config.mismatch_metrics:
+        staleness = inputs.sample_staleness if inputs.sample_staleness is not None \
+            else torch.zeros(num_samples, dtype=torch.int64, device=log_ratio.device)
+        parts.update(mismatch_parts(log_ratio, factors, sample_index, staleness,
+                                    staleness_buckets(config.max_staleness), inputs.route_differs, inputs.route_known))
     return loss, parts
 
 

@@ -73,6 +73,7 @@ class VersionPoller:
 
 @dataclass
 class Restart:
+    fresh_at_step: int = 0
     kill_after_step: int = 0
     killed_at: float = 0.0
     serving_again_at: float = 0.0
@@ -93,6 +94,7 @@ def kill_and_restart(server: VLLMServer, trainer: AsyncGRPOTrainer, out: Restart
     try:
         while not fresh_samples_trained(trainer.args.output_dir):
             time.sleep(0.2)
+        out.fresh_at_step = len(trainer.state.log_history)
         # After that step's push and log line, so the kill finds the trainer collecting (a kill during a
         # push is the other way a restart is noticed: the push fails).
         logged = len(trainer.state.log_history)
@@ -145,7 +147,9 @@ def test_trainer_repushes_to_a_restarted_external_server(vllm_server, tiny_model
     assert restart.error is None, f"the restart from outside failed: {restart.error}"
     print(f"trained {len(history)} steps in {train_s:.0f} s; killed after step {restart.kill_after_step}; the server "
           f"was down {restart.serving_again_at - restart.killed_at:.0f} s")
-    assert restart.kill_after_step <= MAX_STEPS - STEPS_AFTER_KILL, "the kill came too late to test what follows"
+    assert restart.kill_after_step <= MAX_STEPS - STEPS_AFTER_KILL, (
+        f"the kill came too late to test what follows (samples after the first push were trained by step "
+        f"{restart.fresh_at_step})")
 
     # ---- the run finished, and the trainer counted one restart
     assert len(history) == MAX_STEPS and trainer.global_step == MAX_STEPS
