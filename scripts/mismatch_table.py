@@ -1,0 +1,163 @@
+"""The correction-mode table (docs/mismatch.md), read from the MLflow experiment that ``scripts/mismatch_runs.py``
+logs to, as a user compares runs.
+
+One row per finished run tagged ``mismatch.*``, in the order variant, routing replay, setting, mode:
+
+- reward: the mean reward of the first and last 10% of logged steps, and their difference (the gain);
+- held-out: ``heldout_accuracy`` at step 0 and at the last step (the flow evaluates before and after), and the gain;
+- k3: ``mismatch/k3_token``, the per-token KL estimate sampler ‖ trainer, averaged over steps (staleness 0 alone in
+  ``k3@0``: the engines' gap without the policy's drift);
+- masked, truncated: ``mismatch/masked_token_share`` and ``mismatch/truncated_token_share`` averaged over steps;
+- max gap: the largest ``mismatch/max_token_gap`` of the run, in nats;
+- route diff: ``mismatch/route_mismatch_share`` averaged over steps (MoE runs with sampler routes);
+- replay: routing replay as it ran (``on, no routes``: asked for, but the server returned no routes to replay;
+  a CPU server cannot, so the trainer routed every token itself);
+- the command that reproduces the row.
+
+    python scripts/mismatch_table.py --tracking-uri sqlite:///outputs/mismatch/mlflow.db
+    python scripts/mismatch_table.py --tracking-uri sqlite:///outputs/mismatch/mlflow.db --json table.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from grpo_core.tracking.run_view import HELDOUT_ACCURACY  # noqa: E402
+
+MODE_ORDER = ("none", "token_mask", "token_truncate", "sequence_mask", "sequence_truncate")
+AVERAGED = {"k3": "mismatch/k3_token", "k3@0": "mismatch/k3_token/staleness_0",
+            "masked": "mismatch/masked_token_share", "truncated": "mismatch/truncated_token_share",
+            "route diff": "mismatch/route_mismatch_share"}
+
+
+def edge_means(values: list[float]) -> tuple[float, float]:
+    """Means of the first and the last 10% of a run's values (at least one value each)."""
+    k = max(1, round(0.1 * len(values)))
+    return statistics.fmean(values[:k]), statistics.fmean(values[-k:])
+
+
+def history(client: Any, run_id: str, key: str) -> list[float]:
+    """A metric's values in step order; a step logged twice (a resumed run) keeps its last value."""
+    by_step: dict[int, float] = {}
+    for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp):
+        by_step[m.step] = m.value
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def run_row(client: Any, run: Any) -> dict[str, Any]:
+    tags, run_id = run.data.tags, run.info.run_id
+    rewards = history(client, run_id, "reward")
+    first, last = edge_means(rewards) if rewards else (math.nan, math.nan)
+    heldout = history(client, run_id, HELDOUT_ACCURACY)
+    row: dict[str, Any] = {
+        "variant": tags["mismatch.variant"], "routing_replay": tags["mismatch.routing_replay"] == "True",
+        "routes_returned": run.data.params.get("grpo.server.return_routed_experts") == "True",
+        "setting": tags["mismatch.setting"], "mode": tags["mismatch.mode"], "run": run.info.run_name,
+        "status": run.info.status, "steps": len(rewards),
+        "reward_first": first, "reward_last": last, "reward_gain": last - first,
+        "heldout_before": heldout[0] if len(heldout) >= 2 else None,
+        "heldout_after": heldout[-1] if len(heldout) >= 2 else None,
+        "heldout_gain": heldout[-1] - heldout[0] if len(heldout) >= 2 else None,
+    }
+    for label, key in AVERAGED.items():
+        values = [v for v in history(client, run_id, key) if math.isfinite(v)]
+        row[label] = statistics.fmean(values) if values else None
+    gaps = history(client, run_id, "mismatch/max_token_gap")
+    row["max gap"] = max(gaps) if gaps else None
+    row["command"] = command(row, run.data.params)
+    return row
+
+
+def command(row: dict[str, Any], params: dict[str, str]) -> str:
+    """The ``scripts/mismatch_runs.py`` call that trains this row again."""
+    parts = ["python scripts/mismatch_runs.py", f"--model tiny:{row['variant']}", f"--mode {row['mode']}",
+             f"--setting {row['setting']}"]
+    if not row["routing_replay"]:
+        parts.append("--no-routing-replay")
+    if params.get("seed", "0") != "0":
+        parts.append(f"--seed {params['seed']}")
+    return " ".join(parts)
+
+
+def sort_key(row: dict[str, Any]) -> tuple:
+    mode = MODE_ORDER.index(row["mode"]) if row["mode"] in MODE_ORDER else len(MODE_ORDER)
+    return row["variant"], not row["routing_replay"], row["setting"] != "demo", mode
+
+
+def fmt(value: Any, style: str = ".3f") -> str:
+    """``style``: a format spec, or ``%`` for a share as a percentage."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if style == "%":
+        return f"{100 * value:.2f}%"
+    return format(value, style) if isinstance(value, float) else str(value)
+
+
+def replay_text(row: dict[str, Any]) -> str:
+    """Routing replay as it ran: asked for, and whether the server returned routes to replay (a CPU server cannot:
+    the trainer then routes every token itself, as with replay off)."""
+    if not row["routing_replay"]:
+        return "off"
+    return "on" if row["routes_returned"] else "on, no routes"
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    head = ("| variant | replay | setting | mode | steps | reward first → last (gain) | held-out before → after "
+            "(gain) | k3 | k3@0 | masked | truncated | max gap | route diff |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        held = (f"{fmt(r['heldout_before'])} → {fmt(r['heldout_after'])} ({r['heldout_gain']:+.3f})"
+                if r["heldout_gain"] is not None else "–")
+        lines.append(
+            f"| {r['variant']} | {replay_text(r)} | {r['setting']} | {r['mode']} | {r['steps']} "
+            f"| {fmt(r['reward_first'])} → {fmt(r['reward_last'])} ({r['reward_gain']:+.3f}) | {held} "
+            f"| {fmt(r['k3'], '.2e')} | {fmt(r['k3@0'], '.2e')} | {fmt(r['masked'], '%')} | {fmt(r['truncated'], '%')} "
+            f"| {fmt(r['max gap'], '.2f')} | {fmt(r['route diff'], '%')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
+                        help="where the runs are (default: MLFLOW_TRACKING_URI)")
+    parser.add_argument("--experiment", default="mismatch-corrections")
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--commands", action="store_true", help="list each row's command under the table")
+    args = parser.parse_args(argv)
+    if not args.tracking_uri:
+        parser.error("--tracking-uri (or MLFLOW_TRACKING_URI) names the store the runs were logged to")
+    import mlflow
+
+    client = mlflow.MlflowClient(args.tracking_uri)
+    experiment = client.get_experiment_by_name(args.experiment)
+    if experiment is None:
+        known = sorted(e.name for e in client.search_experiments())
+        print(f"no experiment {args.experiment!r} at {args.tracking_uri}; experiments there: {known}", file=sys.stderr)
+        return 2
+    runs = client.search_runs([experiment.experiment_id], filter_string="tags.`mismatch.mode` != ''",
+                              max_results=1000)
+    rows = sorted((run_row(client, r) for r in runs if r.info.status == "FINISHED"), key=sort_key)
+    if not rows:
+        print(f"experiment {args.experiment!r} has no finished run tagged mismatch.mode", file=sys.stderr)
+        return 2
+    print(markdown(rows))
+    if args.commands:
+        print()
+        for r in rows:
+            print(f"    {r['command']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
