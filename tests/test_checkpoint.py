@@ -76,11 +76,8 @@ def make_trainer(model_path: str, rows, out: Path, **overrides) -> AsyncGRPOTrai
 
 
 def start(trainer: AsyncGRPOTrainer) -> None:
-    """What ``_setup`` does for checkpoints, without the server parts."""
-    checkpoint = trainer.checkpointer.find_resume_point(trainer.args.resume_from_checkpoint)
-    if checkpoint is not None:
-        trainer.checkpointer.restore(checkpoint)
-    trainer.checkpointer.begin_attempt()
+    """The checkpoint part of the trainer's set-up (no server)."""
+    trainer.checkpointer.resume(trainer.args.resume_from_checkpoint)
 
 
 def step(trainer: AsyncGRPOTrainer, seed: int) -> None:

@@ -33,10 +33,7 @@ def make_trainer(model_path: str, out, **overrides) -> AsyncGRPOTrainer:
 
 def start(trainer: AsyncGRPOTrainer) -> None:
     """The checkpoint part of the trainer's set-up (no server)."""
-    checkpoint = trainer.checkpointer.find_resume_point(trainer.args.resume_from_checkpoint)
-    if checkpoint is not None:
-        trainer.checkpointer.restore(checkpoint)
-    trainer.checkpointer.begin_attempt()
+    trainer.checkpointer.resume(trainer.args.resume_from_checkpoint)
 
 
 def step(trainer: AsyncGRPOTrainer, seed: int) -> None:

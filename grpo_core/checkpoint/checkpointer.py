@@ -181,6 +181,15 @@ class Checkpointer:
         self.resumed = ResumeInfo(checkpoint, step, position)
         log.info("resumed from %s: step %d, prompt position %d", checkpoint, step, position)
 
+    def resume(self, wanted: bool | str | None) -> str | None:
+        """Restore the checkpoint ``wanted`` leads to (``find_resume_point``), if any, then number this attempt in
+        the ledger (``begin_attempt``); the restored checkpoint, or None for a fresh start."""
+        checkpoint = self.find_resume_point(wanted)
+        if checkpoint is not None:
+            self.restore(checkpoint)
+        self.begin_attempt()
+        return checkpoint
+
     def begin_attempt(self) -> None:
         """Number this process's attempt in the ledger and find the steps an earlier attempt logged."""
         if not self.dist.is_main:

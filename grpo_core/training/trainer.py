@@ -228,10 +228,7 @@ class AsyncGRPOTrainer:
 
     def _setup(self, resume_from_checkpoint: bool | str | None) -> None:
         """Restore a checkpoint, then let the orchestrator bring the servers to these weights and start sampling."""
-        checkpoint = self.checkpointer.find_resume_point(resume_from_checkpoint)
-        if checkpoint is not None:
-            self.checkpointer.restore(checkpoint)
-        self.checkpointer.begin_attempt()
+        self.checkpointer.resume(resume_from_checkpoint)
         self.run.start(self.policy, self.global_step, self.peft_config, self.device, self.train_dtype_name,
                        on_server=self._use_server)
 
