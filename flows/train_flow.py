@@ -53,6 +53,7 @@ from flows.fleet_keeper import FleetKeeper
 from flows.heldout import heldout_scores, heldout_summary, log_heldout, prompts_digest
 from flows.progress import TrainingProgress, stage
 from flows.provision import LocalProvisioner, Provisioner, TrainingLaunch
+from grpo_core.launch import not_resumable_reason
 from grpo_core.launch.job import JobConfig, import_string, resolve_dataset, resolve_job_inputs, resolve_model
 from grpo_core.tracking.run_view import experiment_url, run_url, ui_command
 from grpo_core.tracking.tracker import system_metrics
@@ -393,6 +394,7 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
         while True:
             launch = training_launch(job, job_file if resumes == 0 else resume_file, ",".join(server_urls), model_path,
                                      run_id, tracking_uri, out)
+            Path(launch.result_file).unlink(missing_ok=True)  # what an earlier run in this folder left
             # A local trainer prints its step lines to this console itself; a cluster's only to its pod's log.
             with TrainingProgress(tracking_uri, run_id, job.trainer.max_steps, on_step=on_step,
                                   print_steps=not isinstance(prov, LocalProvisioner)), \
@@ -400,8 +402,12 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
                 code = train_attempt(prov, launch, pid_file=str(out / "trainer.pid"))
             if code == 0:
                 break
+            stopped = not_resumable_reason(launch.result_file)
+            if stopped is not None:  # a resume would start from the same policy and stop the same way
+                fail_training(tracking_uri, run_id, f"{stopped}; not resumed (see {out / 'train.log'})")
             if resumes >= job.max_resumes:
-                raise RuntimeError(f"training failed with exit code {code} after {resumes} resumes; see {out / 'train.log'}")
+                fail_training(tracking_uri, run_id, f"training failed with exit code {code} after {resumes} resumes; "
+                                                    f"see {out / 'train.log'}")
             resumes += 1
             _logger().warning("training process exited with %s; resume %d/%d", code, resumes, job.max_resumes)
             if job.server.managed:
@@ -436,6 +442,20 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
     log_run_summary(tracking_uri, run_id, out / "summary.json", final_model_uri, job)
     summary_artifact(job, summary)
     return summary
+
+
+def fail_training(tracking_uri: str, run_id: str, reason: str) -> None:
+    """End the job on a training failure it does not resume: the MLflow run is marked FAILED with the reason as its
+    ``failure`` tag (a failed trainer leaves its run RUNNING for the flow to decide), then the flow fails."""
+    import mlflow
+
+    try:
+        client = mlflow.MlflowClient(tracking_uri)
+        client.set_tag(run_id, "failure", reason[:5000])
+        client.set_terminated(run_id, "FAILED")
+    except Exception as err:  # noqa: BLE001 - the tracking store must not hide the training failure
+        _logger().warning("could not mark the MLflow run %s failed: %s", run_id, err)
+    raise RuntimeError(reason)
 
 
 def registered_model_name(job: JobConfig) -> str:

@@ -228,6 +228,11 @@ class AsyncGRPOConfig:
     """Weight of each reward function in the summed reward (default: all 1)."""
     scale_rewards: bool = True
     """Divide group advantages by the group's reward std."""
+    no_signal_patience_steps: Annotated[int, Field(ge=0)] = 20
+    """A group whose rollouts all scored the same teaches nothing and is dropped. Once this many steps' worth of
+    groups in a row were dropped so, the run stops with ``NoLearningSignalError`` (the policy collapsed to one
+    reward, or solves every prompt): the trainer would otherwise wait for a trainable group forever. The flow
+    does not resume such a run. 0: wait forever (a warning every minute still says why)."""
 
     # ---- objective ------------------------------------------------------------------------------
     epsilon: Annotated[float, Field(gt=0, lt=1)] = 0.2

@@ -12,6 +12,8 @@ One row per finished run tagged ``mismatch.*``, in the order variant, routing re
 - route diff: ``mismatch/route_mismatch_share`` averaged over steps (MoE runs with sampler routes);
 - replay: routing replay as it ran (``on, no routes``: asked for, but the server returned no routes to replay;
   a CPU server cannot, so the trainer routed every token itself);
+- ended: ``finished``, or ``stopped at step N: no learning signal`` for a run the trainer stopped because its
+  policy collapsed (``no_signal_patience_steps``); such a run is a row of the table too;
 - the command that reproduces the row.
 
     python scripts/mismatch_table.py --tracking-uri sqlite:///outputs/mismatch/mlflow.db
@@ -73,7 +75,18 @@ def run_row(client: Any, run: Any) -> dict[str, Any]:
     gaps = history(client, run_id, "mismatch/max_token_gap")
     row["max gap"] = max(gaps) if gaps else None
     row["command"] = command(row, run.data.params)
+    failure = tags.get("failure", "")
+    row["ended"] = ("finished" if run.info.status == "FINISHED" else
+                    f"stopped at step {len(rewards)}: no learning signal" if "NoLearningSignalError" in failure else
+                    run.info.status.lower())
     return row
+
+
+def in_table(run: Any) -> bool:
+    """Finished runs, and runs the trainer stopped because no group carried learning signal (a collapse is a
+    result of the table, not a failure to run it)."""
+    return run.info.status == "FINISHED" or (run.info.status == "FAILED"
+                                             and "NoLearningSignalError" in run.data.tags.get("failure", ""))
 
 
 def command(row: dict[str, Any], params: dict[str, str]) -> str:
@@ -111,7 +124,7 @@ def replay_text(row: dict[str, Any]) -> str:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     head = ("| variant | replay | setting | mode | steps | reward first → last (gain) | held-out before → after "
-            "(gain) | k3 | k3@0 | masked | truncated | max gap | route diff |")
+            "(gain) | k3 | k3@0 | masked | truncated | max gap | route diff | ended |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         held = (f"{fmt(r['heldout_before'])} → {fmt(r['heldout_after'])} ({r['heldout_gain']:+.3f})"
@@ -120,7 +133,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"| {r['variant']} | {replay_text(r)} | {r['setting']} | {r['mode']} | {r['steps']} "
             f"| {fmt(r['reward_first'])} → {fmt(r['reward_last'])} ({r['reward_gain']:+.3f}) | {held} "
             f"| {fmt(r['k3'], '.2e')} | {fmt(r['k3@0'], '.2e')} | {fmt(r['masked'], '%')} | {fmt(r['truncated'], '%')} "
-            f"| {fmt(r['max gap'], '.2f')} | {fmt(r['route diff'], '%')} |")
+            f"| {fmt(r['max gap'], '.2f')} | {fmt(r['route diff'], '%')} | {r['ended']} |")
     return "\n".join(lines)
 
 
@@ -144,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     runs = client.search_runs([experiment.experiment_id], filter_string="tags.`mismatch.mode` != ''",
                               max_results=1000)
-    rows = sorted((run_row(client, r) for r in runs if r.info.status == "FINISHED"), key=sort_key)
+    rows = sorted((run_row(client, r) for r in runs if in_table(r)), key=sort_key)
     if not rows:
-        print(f"experiment {args.experiment!r} has no finished run tagged mismatch.mode", file=sys.stderr)
+        print(f"experiment {args.experiment!r} has no finished or collapsed run tagged mismatch.mode", file=sys.stderr)
         return 2
     print(markdown(rows))
     if args.commands:

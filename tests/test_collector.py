@@ -8,7 +8,14 @@ import pytest
 from grpo_core.packing.collator import pack_row
 from grpo_core.rollout.scheduler import END_OF_DATA
 from grpo_core.rollout.types import GroupReport, RolloutSample
-from grpo_core.training.collector import StepCollector, TrainingFrontier, WeightVersions
+from grpo_core.training.collector import (
+    NoLearningSignalError,
+    SignalWatch,
+    StepCollector,
+    TrainingFrontier,
+    WeightVersions,
+    no_signal_groups,
+)
 
 
 def sample(position: int, version: int, n_prompt: int = 3, n_out: int = 2, group: int | None = None) -> RolloutSample:
@@ -134,3 +141,55 @@ def test_sample_rejects_non_finite_advantage(bad):
             token_ids=s.token_ids, completion_mask=s.completion_mask, sampler_logprobs=s.sampler_logprobs,
             advantage=bad, reward=0.0, group_id=0, row_index=0, epoch=0, rollout_id="x", policy_version=0,
         )
+
+
+# ---- groups without learning signal ----------------------------------------------------------------------------
+def equal_group(position: int, reward: float = 0.0, filtered: bool = False) -> GroupReport:
+    """A dropped group: every rollout scored ``reward``."""
+    return GroupReport(position=position, row_index=position, epoch=0, rewards=np.full(4, reward),
+                       rewards_per_func={}, num_samples=0, dropped=True, filtered=filtered)
+
+
+def test_patience_is_counted_in_groups_of_a_step():
+    assert no_signal_groups(20, samples_per_step=64, num_generations=8) == 160
+    assert no_signal_groups(3, samples_per_step=10, num_generations=4) == 8  # 7.5 groups: a whole one more
+    assert no_signal_groups(0, samples_per_step=64, num_generations=8) == 0
+
+
+def test_a_run_of_equal_groups_stops_collection_with_the_reason():
+    items = [report(0, 2), sample(0, 0), *[equal_group(i) for i in range(1, 6)], equal_group(6, 1.0)]
+    c = StepCollector(source=ListSource(items), world_size=1, gradient_accumulation_steps=1, token_budget=1000,
+                      max_samples_per_step=4, max_staleness=1, flat=False, frontier=TrainingFrontier(),
+                      timeout_s=1.0, signal=SignalWatch(limit=6, steps=3))
+    with pytest.raises(NoLearningSignalError) as err:
+        c.collect(WeightVersions([0]))
+    message = str(err.value)
+    assert "the last 6 groups" in message and "no_signal_patience_steps=3" in message
+    assert "reward 0 in 5, reward 1 in 1" in message and "no_signal_patience_steps=0 waits" in message
+
+
+def test_a_kept_group_starts_the_count_again_and_a_filtered_prompt_counts_for_nothing():
+    watch = SignalWatch(limit=3, steps=1)
+    for position in range(2):
+        watch.on_report(equal_group(position))
+    watch.on_report(equal_group(2, filtered=True))
+    assert watch.in_a_row == 2
+    watch.on_report(report(3, 2))  # kept: its rollouts differ
+    assert watch.in_a_row == 0 and not watch.rewards
+    for position in range(4, 6):
+        watch.on_report(equal_group(position))
+    with pytest.raises(NoLearningSignalError):
+        watch.on_report(equal_group(6))
+
+
+def test_a_long_wait_on_equal_groups_is_said_every_minute_and_never_stops_at_patience_zero(caplog):
+    now = [0.0]
+    watch = SignalWatch(limit=0, steps=0, clock=lambda: now[0])
+    with caplog.at_level("WARNING", logger="grpo_core.training.collector"):
+        for position in range(200):
+            now[0] = position * 1.0  # one group a second
+            watch.on_report(equal_group(position))
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 3  # at 60, 120 and 180 s
+    assert warnings[0].startswith("no trainable group for 60 s: the last 61 groups each scored one reward")
+    assert "reward 0 in 61" in warnings[0] and "stops at" not in warnings[0]

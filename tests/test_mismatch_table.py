@@ -23,7 +23,8 @@ def load_script():
 
 
 def log_run(client, experiment_id: str, mode: str, replay: bool, rewards: list[float], k3: list[float],
-            heldout: tuple[float, float] | None, finished: bool = True, routes: bool = False) -> None:
+            heldout: tuple[float, float] | None, finished: bool = True, routes: bool = False,
+            failure: str = "") -> None:
     run = client.create_run(experiment_id, run_name=f"arithmetic-hybrid-moe-{mode}-harsh",
                             tags={"mismatch.mode": mode, "mismatch.setting": "harsh",
                                   "mismatch.routing_replay": str(replay), "mismatch.variant": "arithmetic-hybrid-moe"})
@@ -38,6 +39,8 @@ def log_run(client, experiment_id: str, mode: str, replay: bool, rewards: list[f
     if heldout is not None:
         client.log_metric(rid, "heldout_accuracy", heldout[0], step=0)
         client.log_metric(rid, "heldout_accuracy", heldout[1], step=len(rewards))
+    if failure:
+        client.set_tag(rid, "failure", failure)
     client.set_terminated(rid, "FINISHED" if finished else "FAILED")
 
 
@@ -48,7 +51,10 @@ def test_the_table_is_read_from_the_experiment(tmp_path, capsys):
     rewards = [float(i) for i in range(1, 21)]  # 20 steps: the first and last 10% are two steps each
     log_run(client, experiment_id, "token_mask", True, rewards, [0.1] * 10 + [0.3] * 10, (0.25, 0.75), routes=True)
     log_run(client, experiment_id, "none", False, [1.0] * 10, [0.2] * 10, None)
-    log_run(client, experiment_id, "sequence_mask", True, [1.0] * 10, [0.2] * 10, None, finished=False)
+    log_run(client, experiment_id, "sequence_mask", True, [1.0] * 10, [0.2] * 10, None, finished=False,
+            failure="training failed with exit code 1 after 3 resumes")
+    log_run(client, experiment_id, "sequence_truncate", True, [1.0, 0.1, 0.0], [0.2] * 3, None, finished=False,
+            failure="training stopped at step 3: NoLearningSignalError: the last 160 groups ...")
     script = load_script()
     out = tmp_path / "table.json"
 
@@ -57,13 +63,16 @@ def test_the_table_is_read_from_the_experiment(tmp_path, capsys):
     import json
 
     rows = json.loads(out.read_text())
-    assert [(r["mode"], r["routing_replay"]) for r in rows] == [("token_mask", True), ("none", False)]  # failed: out
+    # a run that failed is left out; one the trainer stopped for want of signal (a collapse) is a row
+    assert [(r["mode"], r["routing_replay"]) for r in rows] == [("token_mask", True), ("sequence_truncate", True),
+                                                                 ("none", False)]
+    assert rows[1]["ended"] == "stopped at step 3: no learning signal" and rows[0]["ended"] == "finished"
     mask = rows[0]
     assert (mask["reward_first"], mask["reward_last"], mask["reward_gain"]) == (1.5, 19.5, 18.0)
     assert (mask["heldout_before"], mask["heldout_after"], mask["heldout_gain"]) == (0.25, 0.75, 0.5)
     assert mask["k3"] == pytest.approx(0.2) and mask["max gap"] == 20.0
     assert mask["masked"] == pytest.approx(0.01 * sum(range(1, 21)) / 20)
-    assert mask["route diff"] is None and rows[1]["heldout_gain"] is None
+    assert mask["route diff"] is None and rows[2]["heldout_gain"] is None
     assert "python scripts/mismatch_runs.py --model tiny:arithmetic-hybrid-moe --mode none --setting harsh " \
            "--no-routing-replay" in printed
     assert printed.splitlines()[0].startswith("| variant | replay | setting | mode |")

@@ -14,6 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
+from grpo_core.launch import write_not_resumable
 from grpo_core.launch.job import JobConfig, import_string, lora_config, resolve_dataset, resolve_model
 
 
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from grpo_core.ranks import DistInfo
     from grpo_core.tracking.tracker import MLflowTracker, NullTracker
+    from grpo_core.training.collector import NoLearningSignalError
     from grpo_core.training.trainer import AsyncGRPOTrainer
 
     urls = [u for u in args.server_url.split(",") if u]
@@ -82,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         history = trainer.train()
         status = "FINISHED"
+    except NoLearningSignalError as err:
+        if dist.is_main and args.result:
+            write_not_resumable(args.result, trainer.global_step, err)  # the flow reads it and does not resume
+        raise
     finally:
         if dist.is_main and args.result and status == "FINISHED":
             Path(args.result).write_text(

@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from grpo_core.packing.planner import Planner, StepPlan
 from grpo_core.rollout.scheduler import END_OF_DATA
@@ -31,6 +35,67 @@ samples gathered so far stay for the next ``collect``."""
 CHECK_WHILE_WAITING_S = 5.0
 """How often the server is checked while a step's collection waits for samples: a restart while the
 trainer waits would otherwise leave it waiting (every new sample is dropped) until the request timeout."""
+
+
+NO_SIGNAL_WARN_EVERY_S = 60.0
+"""While only groups without learning signal arrive, the trainer says so this often."""
+
+
+class NoLearningSignalError(RuntimeError):
+    """Every group for ``no_signal_patience_steps`` steps' worth scored one reward for all its rollouts: the run has
+    nothing left to train, and a resume would find the same policy (the flow does not resume it)."""
+
+
+def no_signal_groups(patience_steps: int, samples_per_step: int, num_generations: int) -> int:
+    """``patience_steps`` steps' worth of groups (0: no limit)."""
+    return math.ceil(patience_steps * samples_per_step / num_generations)
+
+
+class SignalWatch:
+    """Counts the groups dropped in a row because their rollouts all scored the same (``should_drop_group``): a
+    warning every ``NO_SIGNAL_WARN_EVERY_S`` while they keep the trainer waiting, ``NoLearningSignalError`` at
+    ``limit`` of them (0: never). A kept group starts the count again; a prompt ``filter_prompt`` rejected counts
+    for nothing."""
+
+    def __init__(self, limit: int, steps: int, clock: Any = time.monotonic):
+        self.limit = limit
+        self.steps = steps  # the limit in steps (no_signal_patience_steps), for the message
+        self.clock = clock
+        self.in_a_row = 0
+        self.rewards: Counter[float] = Counter()  # each dropped group's reward, rounded for the message
+        self.since: float | None = None
+        self.warned_at: float | None = None
+
+    def on_report(self, report: GroupReport) -> None:
+        if report.filtered:
+            return
+        if not report.dropped:
+            self.in_a_row, self.since, self.warned_at = 0, None, None
+            self.rewards.clear()
+            return
+        scored = report.rewards[~np.isnan(report.rewards)]
+        self.rewards[round(float(scored[0]), 3) if scored.size else math.nan] += 1
+        self.in_a_row += 1
+        now = self.clock()
+        self.since = now if self.since is None else self.since
+        if self.limit and self.in_a_row >= self.limit:
+            raise NoLearningSignalError(
+                f"the last {self.in_a_row} groups ({self.steps} steps' worth: no_signal_patience_steps={self.steps}) "
+                f"each scored one reward for all their rollouts ({self.describe()}): there is nothing left to train. "
+                "The policy collapsed to one answer (see the reward and mismatch charts before this point: lower the "
+                "learning rate, or resume from an earlier checkpoint), or it solves every prompt (harder data). "
+                "no_signal_patience_steps=0 waits instead."
+            )
+        if now - self.since >= NO_SIGNAL_WARN_EVERY_S and (self.warned_at is None
+                                                         or now - self.warned_at >= NO_SIGNAL_WARN_EVERY_S):
+            self.warned_at = now
+            log.warning("no trainable group for %.0f s: the last %d groups each scored one reward for all their "
+                        "rollouts (%s), so the step waits%s", now - self.since, self.in_a_row, self.describe(),
+                        f"; the run stops at {self.limit}" if self.limit else "")
+
+    def describe(self) -> str:
+        return ", ".join(f"reward {value:g} in {n}" for value, n in self.rewards.most_common(3)) + \
+            (", ..." if len(self.rewards) > 3 else "")
 
 
 class WeightVersions:
@@ -128,8 +193,10 @@ class StepCollector:
         flat: bool,
         frontier: TrainingFrontier,
         timeout_s: float,
+        signal: SignalWatch | None = None,
     ):
         self.source = source  # RolloutWorker-like: get(timeout_s) -> item
+        self.signal = signal or SignalWatch(limit=0, steps=0)
         self.planner = Planner(
             world_size=world_size,
             gradient_accumulation_steps=gradient_accumulation_steps,
@@ -174,6 +241,7 @@ class StepCollector:
             if isinstance(item, GroupReport):
                 self.frontier.on_report(item)
                 reports.append(item)
+                self.signal.on_report(item)
                 continue
             if not versions.was_pushed(item.policy_version):
                 foreign += 1  # sampled from weights this trainer never pushed: never trained

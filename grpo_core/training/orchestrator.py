@@ -31,7 +31,14 @@ from grpo_core.rollout.tool_calls import ToolRegistry
 from grpo_core.rollout.worker import RolloutWorker, WorkerSpec
 from grpo_core.tracking.run_view import constant_metrics, resolved_tags
 from grpo_core.tracking.tracker import Tracker, make_tracker
-from grpo_core.training.collector import StepCollector, TrainingFrontier, WatchedSource, WeightVersions
+from grpo_core.training.collector import (
+    SignalWatch,
+    StepCollector,
+    TrainingFrontier,
+    WatchedSource,
+    WeightVersions,
+    no_signal_groups,
+)
 from grpo_core.training.distributed import StepFeed
 from grpo_core.training.forward import probe_logprobs
 from grpo_core.training.sources import assumed_capabilities, call_if_present, is_source
@@ -160,8 +167,15 @@ class RunOrchestrator:
             gradient_accumulation_steps=args.gradient_accumulation_steps, token_budget=args.token_budget,
             max_samples_per_step=args.per_device_train_batch_size * args.gradient_accumulation_steps * self.dist.world_size,
             max_staleness=args.max_staleness, flat=args.packing == "flat", frontier=self.frontier,
-            timeout_s=args.request_timeout)
+            timeout_s=args.request_timeout, signal=self._signal_watch())
         return StepFeed(collector, self.dist.rank, self.dist.world_size)
+
+    def _signal_watch(self) -> SignalWatch:
+        """``no_signal_patience_steps`` steps' worth of groups without signal in a row end the run."""
+        args = self.args
+        per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.dist.world_size
+        groups = no_signal_groups(args.no_signal_patience_steps, per_step, args.num_generations)
+        return SignalWatch(limit=groups, steps=args.no_signal_patience_steps)
 
     @property
     def pusher(self) -> WeightPusher | None:
