@@ -163,7 +163,7 @@ def create_mlflow_run(job: JobConfig, tracking_uri: str, tags: dict[str, str], s
     tracker = MLflowTracker(tracking_uri, job.tracking.experiment, job.trainer.run_name or default_name)
     # Every setting once, under the name a TRL user knows (the project's own as grpo.*), with the servers it uses.
     tracker.log_params({**trainer_params(job.trainer, server_urls), **job_params(job_dict)})
-    tracker.set_tags({**identity, **tags, **machine_tags(job.trainer.output_dir)})
+    tracker.set_tags({**identity, **tags, **job.tracking.tags, **machine_tags(job.trainer.output_dir)})
     if tracker.flush():  # tags are queued like every write during training; these must land now
         raise RuntimeError(f"MLflow at {tracking_uri} did not take the tags of run {tracker.run_id}")
     return tracker.run_id  # type: ignore[return-value]

@@ -87,26 +87,18 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "trainer": trainer_settings(args.mode, args.setting, replay, args.seed, args.max_steps, output_dir, name,
                                     evaluate=not args.no_eval),
-        "tracking": {"experiment": args.experiment, "tracking_uri": args.tracking_uri},
+        # The table's columns, as tags the run gets when it is created (a run the trainer stops carries them too).
+        "tracking": {"experiment": args.experiment, "tracking_uri": args.tracking_uri,
+                     "tags": {"mismatch.mode": args.mode, "mismatch.setting": args.setting,
+                              "mismatch.routing_replay": str(replay), "mismatch.variant": variant}},
     }
     if args.server_url:
         job["server"] = {"managed": False, "base_url": args.server_url}
     config = JobConfig.model_validate(job)
     summary = _run(config)
-    tag_run(summary, {"mismatch.mode": args.mode, "mismatch.setting": args.setting,
-                      "mismatch.routing_replay": str(replay), "mismatch.variant": variant})
     print(json.dumps(summary, indent=2))
     print_mlflow_links(summary)
     return 0
-
-
-def tag_run(summary: dict[str, Any], tags: dict[str, str]) -> None:
-    """The table's columns as tags of the finished run (an MLflow search filters on them)."""
-    import mlflow
-
-    client = mlflow.MlflowClient(summary["mlflow_tracking_uri"])
-    for key, value in tags.items():
-        client.set_tag(summary["mlflow_run_id"], key, value)
 
 
 if __name__ == "__main__":

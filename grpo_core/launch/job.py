@@ -101,6 +101,9 @@ class TrackingParams(_Strict):
     registered_model_name: str | None = None
     """The name the final model is registered under in the MLflow model registry (a new version per run); None:
     ``<model>-<task>`` (``tiny-arithmetic-arithmetic`` for the demo), the run's name without its config hash."""
+    tags: dict[str, str] = Field(default_factory=dict)
+    """Tags the MLflow run gets when the flow creates it, before training, so that a run that fails carries them
+    too (for example the settings a comparison varies, to search the experiment on)."""
 
 
 class JobConfig(_Strict):

@@ -82,9 +82,9 @@ class SignalWatch:
             raise NoLearningSignalError(
                 f"the last {self.in_a_row} groups ({self.steps} steps' worth: no_signal_patience_steps={self.steps}) "
                 f"each scored one reward for all their rollouts ({self.describe()}): there is nothing left to train. "
-                "The policy collapsed to one answer (see the reward and mismatch charts before this point: lower the "
-                "learning rate, or resume from an earlier checkpoint), or it solves every prompt (harder data). "
-                "no_signal_patience_steps=0 waits instead."
+                "The policy samples one answer per prompt, all right or all wrong (it collapsed: see the reward and "
+                "mismatch charts before this point; a lower learning rate, or an earlier checkpoint, may help), or "
+                "it solves every prompt (harder data). no_signal_patience_steps=0 waits instead."
             )
         if now - self.since >= NO_SIGNAL_WARN_EVERY_S and (self.warned_at is None
                                                          or now - self.warned_at >= NO_SIGNAL_WARN_EVERY_S):
