@@ -117,6 +117,8 @@ def fmt(value: Any, style: str = ".3f") -> str:
 def replay_text(row: dict[str, Any]) -> str:
     """Routing replay as it ran: asked for, and whether the server returned routes to replay (a CPU server cannot:
     the trainer then routes every token itself, as with replay off)."""
+    if "moe" not in row["variant"]:
+        return "–"  # no experts to route: the setting does nothing
     if not row["routing_replay"]:
         return "off"
     return "on" if row["routes_returned"] else "on, no routes"

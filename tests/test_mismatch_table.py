@@ -91,6 +91,8 @@ def test_a_missing_experiment_names_the_ones_there(tmp_path, capsys):
 def test_replay_without_routes_says_so():
     """A CPU server returns no routes: replay was asked for but the trainer routed every token itself."""
     replay_text = load_script().replay_text
-    assert replay_text({"routing_replay": True, "routes_returned": False}) == "on, no routes"
-    assert replay_text({"routing_replay": True, "routes_returned": True}) == "on"
-    assert replay_text({"routing_replay": False, "routes_returned": False}) == "off"
+    moe = {"variant": "arithmetic-hybrid-moe"}
+    assert replay_text({**moe, "routing_replay": True, "routes_returned": False}) == "on, no routes"
+    assert replay_text({**moe, "routing_replay": True, "routes_returned": True}) == "on"
+    assert replay_text({**moe, "routing_replay": False, "routes_returned": False}) == "off"
+    assert replay_text({"variant": "arithmetic-hybrid", "routing_replay": True, "routes_returned": False}) == "–"
