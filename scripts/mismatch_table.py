@@ -13,7 +13,8 @@ One row per finished run tagged ``mismatch.*``, in the order variant, routing re
 - replay: routing replay as it ran (``on, no routes``: asked for, but the server returned no routes to replay;
   a CPU server cannot, so the trainer routed every token itself);
 - ended: ``finished``, or ``stopped at step N: no learning signal`` for a run the trainer stopped because its
-  policy collapsed (``no_signal_patience_steps``); such a run is a row of the table too;
+  policy collapsed (``no_signal_patience_steps``), or ``stopped by hand at step N`` for a run someone ended with
+  a ``failure`` tag that says so and why (status KILLED); such runs are rows of the table too;
 - the command that reproduces the row.
 
     python scripts/mismatch_table.py --tracking-uri sqlite:///outputs/mismatch/mlflow.db
@@ -26,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 from typing import Any
@@ -77,16 +79,27 @@ def run_row(client: Any, run: Any) -> dict[str, Any]:
     row["command"] = command(row, run.data.params)
     failure = tags.get("failure", "")
     row["ended"] = ("finished" if run.info.status == "FINISHED" else
-                    f"stopped at step {len(rewards)}: no learning signal" if "NoLearningSignalError" in failure else
-                    run.info.status.lower())
+                    f"stopped at step {stopped_step(failure)}: no learning signal" if "NoLearningSignalError" in failure else
+                    failure.split(":")[0] if failure.startswith(STOPPED_BY_HAND) else run.info.status.lower())
     return row
 
 
+def stopped_step(failure: str) -> str:
+    """The step in the flow's ``training stopped at step N: ...`` (``?`` where the tag says none)."""
+    match = re.search(r"stopped at step (\d+)", failure)
+    return match.group(1) if match else "?"
+
+
+STOPPED_BY_HAND = "stopped by hand"
+"""How a ``failure`` tag starts on a run someone ended that the table still shows (a collapse that crawled on)."""
+
+
 def in_table(run: Any) -> bool:
-    """Finished runs, and runs the trainer stopped because no group carried learning signal (a collapse is a
-    result of the table, not a failure to run it)."""
-    return run.info.status == "FINISHED" or (run.info.status == "FAILED"
-                                             and "NoLearningSignalError" in run.data.tags.get("failure", ""))
+    """Finished runs, runs the trainer stopped because no group carried learning signal (a collapse is a result of
+    the table, not a failure to run it), and runs ended by hand whose ``failure`` tag says so and why."""
+    failure = run.data.tags.get("failure", "")
+    return (run.info.status == "FINISHED" or (run.info.status == "FAILED" and "NoLearningSignalError" in failure)
+            or (run.info.status == "KILLED" and failure.startswith(STOPPED_BY_HAND)))
 
 
 def command(row: dict[str, Any], params: dict[str, str]) -> str:

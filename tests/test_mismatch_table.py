@@ -41,7 +41,7 @@ def log_run(client, experiment_id: str, mode: str, replay: bool, rewards: list[f
         client.log_metric(rid, "heldout_accuracy", heldout[1], step=len(rewards))
     if failure:
         client.set_tag(rid, "failure", failure)
-    client.set_terminated(rid, "FINISHED" if finished else "FAILED")
+    client.set_terminated(rid, "FINISHED" if finished else "KILLED" if failure.startswith("stopped by hand") else "FAILED")
 
 
 def test_the_table_is_read_from_the_experiment(tmp_path, capsys):
@@ -55,6 +55,8 @@ def test_the_table_is_read_from_the_experiment(tmp_path, capsys):
             failure="training failed with exit code 1 after 3 resumes")
     log_run(client, experiment_id, "sequence_truncate", True, [1.0, 0.1, 0.0], [0.2] * 3, None, finished=False,
             failure="training stopped at step 3: NoLearningSignalError: the last 160 groups ...")
+    log_run(client, experiment_id, "token_truncate", True, [1.0, 0.5], [0.2] * 2, None, finished=False,
+            failure="stopped by hand at step 2: a collapse that crawled on")
     script = load_script()
     out = tmp_path / "table.json"
 
@@ -64,15 +66,16 @@ def test_the_table_is_read_from_the_experiment(tmp_path, capsys):
 
     rows = json.loads(out.read_text())
     # a run that failed is left out; one the trainer stopped for want of signal (a collapse) is a row
-    assert [(r["mode"], r["routing_replay"]) for r in rows] == [("token_mask", True), ("sequence_truncate", True),
-                                                                 ("none", False)]
-    assert rows[1]["ended"] == "stopped at step 3: no learning signal" and rows[0]["ended"] == "finished"
+    assert [(r["mode"], r["routing_replay"]) for r in rows] == [("token_mask", True), ("token_truncate", True),
+                                                                 ("sequence_truncate", True), ("none", False)]
+    assert rows[1]["ended"] == "stopped by hand at step 2"
+    assert rows[2]["ended"] == "stopped at step 3: no learning signal" and rows[0]["ended"] == "finished"
     mask = rows[0]
     assert (mask["reward_first"], mask["reward_last"], mask["reward_gain"]) == (1.5, 19.5, 18.0)
     assert (mask["heldout_before"], mask["heldout_after"], mask["heldout_gain"]) == (0.25, 0.75, 0.5)
     assert mask["k3"] == pytest.approx(0.2) and mask["max gap"] == 20.0
     assert mask["masked"] == pytest.approx(0.01 * sum(range(1, 21)) / 20)
-    assert mask["route diff"] is None and rows[2]["heldout_gain"] is None
+    assert mask["route diff"] is None and rows[3]["heldout_gain"] is None
     assert "python scripts/mismatch_runs.py --model tiny:arithmetic-hybrid-moe --mode none --setting harsh " \
            "--no-routing-replay" in printed
     assert printed.splitlines()[0].startswith("| variant | replay | setting | mode |")
