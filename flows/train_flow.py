@@ -3,18 +3,13 @@
     grpo_train(job: JobConfig, provisioner="local")
 
 Each stage is a small Prefect task; the flow composes them and always stops the servers it started.
-``server.replicas`` servers make a fleet: while a training attempt runs, one that dies is started again at
-its URL (``flows.fleet_keeper``) and the trainers catch it up; its leaving and coming back are tags of the
-MLflow run. A training process that dies (preemption, SIGKILL) is started again from the newest good
-checkpoint, after restarting any server that died too, up to ``job.max_resumes`` times: the first
-attempt follows ``job.trainer.resume_from_checkpoint``, every later one runs with it set to True
-(the newest good checkpoint of this run under ``output_dir``; none yet means step 0). The summary
-(also written to ``summary.json`` in the local run folder) says how often it resumed, how many
-prompts were trained twice (those past the last checkpoint before each crash), and how often the
-server restarted under the trainer (an external one: the trainer pushed its weights to it again), and the
-held-out accuracy before and after with 95% intervals over problems and the paired gain (``flows.heldout``,
-also ``heldout_accuracy`` in MLflow at step 0 and the last step). ``run.png`` beside it pictures the run
-(``flows.run_picture``) and is logged to the MLflow run.
+``server.replicas`` servers make a fleet: one that dies during an attempt is started again at its URL
+(``flows.fleet_keeper``). A training process that dies (preemption, SIGKILL) is started again, after any dead
+server, from the newest good checkpoint of this run, up to ``job.max_resumes`` times; one that stopped for a reason
+a resume cannot change (no learning signal left) is not, and the MLflow run is marked FAILED. The summary
+(``summary.json`` in the local run folder) says how often it resumed, which prompts were trained twice, how often
+an external server restarted under the trainer, and the held-out accuracy before and after with 95% intervals
+(``flows.heldout``); ``run.png`` beside it pictures the run and is logged to the MLflow run.
 
 A remote ``output_dir`` (``s3://...``) holds checkpoints and the ledger only; the job file, logs,
 pid file and default MLflow store go to a local run folder (``local_run_dir``). Storage credentials

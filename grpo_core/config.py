@@ -1,16 +1,11 @@
 """``AsyncGRPOConfig``: every setting of a run, declared once, typed, bounded and documented.
 
-Each field is declared here only: its type (``Literal`` choices, ``Field`` bounds), its default and
-its docstring. Everything else derives from that declaration: the checks at construction (pydantic
-validates each field, strictly, from the annotations), the job file and the Prefect parameter form
-(``grpo_core.launch.job`` embeds this class; pydantic turns the docstrings into field descriptions), the
-vLLM server command (``grpo_core.vllm_server.process.VLLMServerSpec.for_run``) and the objective's own
-``LossConfig``. Nothing is rewritten after construction: values that depend on others or on the
-device are computed by ``resolved_*`` methods.
-
-Field names follow TRL's ``AsyncGRPOConfig`` / ``TrainingArguments`` wherever the concept exists,
-so a config written for that trainer reads the same here, and it stays a standard ``@dataclass`` so
-that a script can extend it the same way (``@dataclass class MyConfig(AsyncGRPOConfig): ...``).
+Each field's type (``Literal`` choices, ``Field`` bounds), default and docstring are declared here only. From that
+come the checks at construction (pydantic, strict), the job file and the Prefect parameter form
+(``grpo_core.launch.job``), the vLLM server command (``VLLMServerSpec.for_run``) and the objective's ``LossConfig``.
+Nothing is rewritten after construction: values that depend on others or on the device come from ``resolved_*``
+methods. Field names follow TRL's ``AsyncGRPOConfig`` / ``TrainingArguments``, so a config written for that trainer
+reads the same here; it stays a ``@dataclass`` that a script extends the same way (``class MyConfig(AsyncGRPOConfig)``).
 """
 
 from __future__ import annotations
