@@ -16,7 +16,7 @@ One run measures, all with random weights and 16k-token rows:
   decomposed: each sample as a row of its own through the same kernels (``single``), and for the hybrid the
   packed row with the fp32 PyTorch delta rule (``reference``) instead of flash-linear-attention;
 * ``conv``: the tree short convolution at a 16k row of the hybrid's width, fwd+bwd, channel-last
-  multiply-adds (the trainer's) against a grouped ``conv1d``.
+  multiply-adds (the trainer's) against a grouped ``conv1d``, each eager and compiled.
 
 ``summary`` holds ``hybrid_per_param_vs_dense`` (per workload), ``qwen3_5_moe_mfu``, ``qwen3_30b_a3b_mfu``
 (fractions) and ``hybrid_logprob_gap_vs_dense`` (hybrid gap / dense gap), with the targets.
@@ -178,7 +178,8 @@ def logprob_gap(shape: str, device: torch.device, dtype: torch.dtype) -> dict:
 
 # ---- the short convolution --------------------------------------------------------------------------
 def conv_timing(device: torch.device, smoke: bool) -> dict:
-    """fwd+bwd of the tree convolution on one ratio~3.4 row at the hybrid's width (16 + 16 + 16 heads of 128)."""
+    """fwd+bwd of the tree convolution on one ratio~3.4 row at the hybrid's width (16 + 16 + 16 heads of 128),
+    each form eager and compiled (``<form>_ms``, ``<form>_compiled_ms``)."""
     budget, channels = (256, 64) if smoke else (16384, 6144)
     workload = (tree_packing.SMOKE_WORKLOADS if smoke else tree_packing.WORKLOADS)[-1 if smoke else 2]
     samples = tree_packing.make_samples(workload, 1000, seed=5)
@@ -189,7 +190,12 @@ def conv_timing(device: torch.device, smoke: bool) -> dict:
     x = torch.randn(1, channels, u, device=device, dtype=dtype)
     w = torch.randn(channels, 4, device=device, dtype=dtype, requires_grad=True)
     out = {"tokens": u, "channels": channels}
-    for name, fn in (("channel_last", gd.tree_causal_conv1d), ("grouped_conv1d", gd.tree_causal_conv1d_grouped)):
+    # Each form eagerly and compiled as a layer compiles it (dynamic shapes): the channel-last form is written
+    # for the compiler, which fuses its shifted multiply-adds; eagerly each one is a kernel of its own.
+    forms = [(name, fn) for name, fn in (("channel_last", gd.tree_causal_conv1d),
+                                         ("grouped_conv1d", gd.tree_causal_conv1d_grouped))]
+    forms += [(f"{name}_compiled", torch.compile(fn, dynamic=True)) for name, fn in forms]
+    for name, fn in forms:
         xr = x.clone().requires_grad_()
         times = []
         for i in range(3 if smoke else 12):
