@@ -384,3 +384,31 @@ def test_a_packed_row_cannot_use_a_cache():
     inputs["use_cache"] = True
     with pytest.raises(ValueError, match="cache"):
         model(**inputs)
+
+
+def test_fla_kernel_names_the_kernels_fla_dispatches_to(monkeypatch):
+    """FlashQLA serves heads of 128 where the package is importable and FLA_FLASH_QLA is not 0; fla's Triton
+    kernels otherwise."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_qla" else real(name, *a))
+    monkeypatch.delenv("FLA_FLASH_QLA", raising=False)
+    assert gd.fla_kernel(128, 128) == "flash_qla"
+    assert gd.fla_kernel(64, 128) == "triton"
+    monkeypatch.setenv("FLA_FLASH_QLA", "0")
+    assert gd.fla_kernel(128, 128) == "triton"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_qla" else real(name, *a))
+    monkeypatch.delenv("FLA_FLASH_QLA")
+    assert gd.fla_kernel(128, 128) == "triton"
+
+
+def test_the_backend_probe_runs_at_the_model_head_sizes(monkeypatch):
+    """install_gated_delta probes at the GDN layers' own head sizes (a kernel library may dispatch by size)."""
+    seen = []
+    monkeypatch.setattr(gd, "register_gdn_backend", lambda name, device, dk, dv: seen.append((dk, dv)) or "reference")
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**COMMON))  # heads of 32, not the probe's default 64
+    layer = hybrid.gated_delta_layers(model)[0]
+    hybrid.install_gated_delta(model)
+    assert seen == [(layer.head_k_dim, layer.head_v_dim)] and hybrid.head_sizes(layer) == (layer.head_k_dim, layer.head_v_dim)

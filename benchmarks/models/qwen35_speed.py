@@ -23,6 +23,7 @@ One run measures, all with random weights and 16k-token rows:
 
     python3 -m benchmarks.models.qwen35_speed --out $OUT/qwen35_speed.json
     python3 -m benchmarks.models.qwen35_speed --parts moe --resume benchmarks/results/qwen35_speed.json --out ...
+    python3 -m benchmarks.models.qwen35_speed --parts speed --gdn-kernels triton,flash_qla --profile --out ...
     python3 -m benchmarks.models.qwen35_speed --smoke --out /tmp/qwen35_smoke.json
 """
 
@@ -41,6 +42,7 @@ import torch
 from grpo_core.config import AsyncGRPOConfig  # noqa: E402
 from grpo_core.models.attention import gated_delta as gd  # noqa: E402
 from grpo_core.models.attention import tree as ta  # noqa: E402
+from grpo_core.models.attention.hybrid import gated_delta_layers, head_sizes  # noqa: E402
 from grpo_core.packing.collator import pack_row  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
 from grpo_core.ranks import DistInfo, init_distributed  # noqa: E402
@@ -59,6 +61,7 @@ DENSE = {
 }
 PAIRS = {False: ("qwen3-1.7b", "qwen3.5-2b-like"), True: ("tiny-dense", "tiny-gdn")}
 MOE = {False: (("qwen3.5-moe", 4), ("qwen3-30b-a3b", 8)), True: (("tiny-hybrid", 4), ("tiny", 4))}
+DEFAULT_ORDER = ["fla/flash_qla", "fla/triton", "reference"]  # what gdn_backend="auto" prefers, where it is usable
 TARGETS = {"hybrid_per_param_vs_dense": 1.0, "speedup_over_flop_ideal": 0.97, "qwen3_5_moe_mfu": 0.30,
            "qwen3_30b_a3b_mfu": 0.40, "hybrid_logprob_gap_vs_dense": 2.0}
 
@@ -96,15 +99,45 @@ def shape_results(args, shape: str, device, info, world, build) -> list[dict]:
         return [{**r, "compile_mode": "pointwise", "default_config_error": error} for r in results]
 
 
+def gdn_kernel_choices(args) -> list[str | None]:
+    """``--gdn-kernels``: None runs once with what fla picks; ``triton`` and ``flash_qla`` set ``FLA_FLASH_QLA``
+    (which fla reads at every call) for a run each, side by side."""
+    if args.gdn_kernels == "auto":
+        return [None]
+    choices = args.gdn_kernels.split(",")
+    unknown = set(choices) - {"triton", "flash_qla"}
+    if unknown:
+        raise SystemExit(f"--gdn-kernels: unknown {sorted(unknown)}; use auto, or any of triton,flash_qla")
+    return choices
+
+
+def with_gdn_kernel(choice: str | None, run):
+    """``run()`` with fla's FlashQLA dispatch switched off (``triton``) or on (``flash_qla``); None: as set."""
+    if choice is None:
+        return run()
+    before = os.environ.get("FLA_FLASH_QLA")
+    os.environ["FLA_FLASH_QLA"] = "1" if choice == "flash_qla" else "0"
+    try:
+        return run()
+    finally:
+        if before is None:
+            os.environ.pop("FLA_FLASH_QLA", None)
+        else:
+            os.environ["FLA_FLASH_QLA"] = before
+
+
 def run_speed(args, device, info, world) -> list[dict]:
     results = []
-    for shape in PAIRS[args.smoke]:
+    dense, hybrid = PAIRS[args.smoke]
+    runs = [(dense, None)] + [(hybrid, choice) for choice in gdn_kernel_choices(args)]
+    for shape, choice in runs:
         args.layers = DENSE[shape][1]["num_hidden_layers"]
         args.workloads = "ratio~1,ratio~3.4" if not args.smoke else "ratio~1,ratio~3"
-        for r in shape_results(args, shape, device, info, world, build_dense):
+        for r in with_gdn_kernel(choice, lambda: shape_results(args, shape, device, info, world, build_dense)):
             results.append(r)
-            print("speed", json.dumps({k: r.get(k) for k in ("model", "workload", "packing", "trained_tokens_per_s",
-                                                               "mfu_fwd_bwd", "speedup_over_flop_ideal", "error")}), flush=True)
+            print("speed", json.dumps({k: r.get(k) for k in ("model", "gdn_backend", "workload", "packing",
+                                                               "trained_tokens_per_s", "mfu_fwd_bwd",
+                                                               "speedup_over_flop_ideal", "error")}), flush=True)
     return results
 
 
@@ -154,7 +187,7 @@ def logprob_gap(shape: str, device: torch.device, dtype: torch.dtype) -> dict:
     hybrid = any(t == "linear_attention" for t in getattr(model.config, "layer_types", None) or ())
     samples = tree_packing.exactness_samples(model.config.vocab_size)
     out = {"model": shape, "dtype": str(dtype), "attention_backend": attention,
-           "gdn_backend": gd.active_gdn_backend().name if hybrid else None}
+           "gdn_backend": moe_training.gdn_backend_label(model)}
     with torch.no_grad():
         alone = alone_logprobs(model, samples, device)
         tree = row_logprobs(model, samples, device)
@@ -168,7 +201,7 @@ def logprob_gap(shape: str, device: torch.device, dtype: torch.dtype) -> dict:
                 ref_tree = row_logprobs(model, samples, device)
                 ref_single = torch.cat([row_logprobs(model, [s], device) for s in samples])
             finally:
-                gd.register_gdn_backend(kept, device)
+                gd.register_gdn_backend(kept, device, *head_sizes(gated_delta_layers(model)[0]))
             out.update(reference_tree_vs_alone=gap(ref_tree, alone), reference_single_vs_alone=gap(ref_single, alone),
                        reference_tree_vs_single=gap(ref_tree, ref_single), fla_vs_reference_tree=gap(tree, ref_tree))
     print("gap", json.dumps(out), flush=True)
@@ -219,13 +252,26 @@ def summarize(report: dict, smoke: bool) -> dict:
     dense, hybrid = PAIRS[smoke]
     speed, summary = report.get("speed", []), {"targets": TARGETS}
     per_param, reached = {}, {}
+    by_kernel: dict[str, dict] = {}
     for workload in ("ratio~1", "ratio~3" if smoke else "ratio~3.4"):
-        d, h = find(speed, model=dense, workload=workload, packing="tree"), find(speed, model=hybrid, workload=workload, packing="tree")
-        if d and h:
-            per_param[workload] = (h["trained_tokens_per_s"] * h["params"]) / (d["trained_tokens_per_s"] * d["params"])
-            reached[workload] = {"dense": d.get("speedup_over_flop_ideal"), "hybrid": h.get("speedup_over_flop_ideal"),
-                                 "dense_mfu": d["mfu_fwd_bwd"], "hybrid_mfu": h["mfu_fwd_bwd"]}
+        d = find(speed, model=dense, workload=workload, packing="tree")
+        hybrids = [r for r in speed if r.get("model") == hybrid and r.get("workload") == workload
+                   and r.get("packing") == "tree" and "error" not in r]
+        if not (d and hybrids):
+            continue
+        per_kernel = {h.get("gdn_backend"): (h["trained_tokens_per_s"] * h["params"]) / (d["trained_tokens_per_s"] * d["params"])
+                      for h in hybrids}
+        for kernel, ratio in per_kernel.items():
+            by_kernel.setdefault(str(kernel), {})[workload] = ratio
+        # The figure is the default config's: ``auto`` runs FlashQLA's kernels where they are installed and pass
+        # the probe, else fla's Triton kernels (the other rows are the side-by-side comparison).
+        h = min(hybrids, key=lambda r: DEFAULT_ORDER.index(r.get("gdn_backend")) if r.get("gdn_backend") in DEFAULT_ORDER else 9)
+        per_param[workload] = per_kernel[h.get("gdn_backend")]
+        reached[workload] = {"dense": d.get("speedup_over_flop_ideal"), "hybrid": h.get("speedup_over_flop_ideal"),
+                             "dense_mfu": d["mfu_fwd_bwd"], "hybrid_mfu": h["mfu_fwd_bwd"], "gdn_backend": h.get("gdn_backend")}
     summary["hybrid_per_param_vs_dense"] = per_param
+    if len(by_kernel) > 1:
+        summary["hybrid_per_param_vs_dense_by_gdn_backend"] = by_kernel
     summary["tree_speedup_over_flop_ideal"] = reached
     for key, (shape, _) in zip(("qwen3_5_moe_mfu", "qwen3_30b_a3b_mfu"), MOE[smoke]):
         r = find(report.get("moe", []), model=shape, workload="mfu")
@@ -258,6 +304,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--out", default="benchmarks/results/qwen35_speed.json")
+    ap.add_argument("--gdn-kernels", default="auto",
+                    help="the hybrid's delta-rule kernels: auto (what fla picks), or triton and/or flash_qla, each "
+                         "timed in turn (FLA_FLASH_QLA=0/1; flash_qla needs the flash-qla package: pack_gdn.sh)")
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: profile one step of each shape's tree rows (top kernels, time per kind of kernel)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script only")

@@ -20,16 +20,20 @@ Backends of the delta rule (picked by ``select_gdn_backend``, like the attention
 
 - ``reference``: plain PyTorch, a chunked (WY) form of the recurrence batched over the segments of a
   depth, padded to the longest. Runs anywhere, fp32 or fp64 state; the oracle of the tests.
-- ``fla``: flash-linear-attention's varlen ``chunk_gated_delta_rule`` (``fla-core``, Triton, CUDA),
-  one call per depth with ``cu_seqlens``, per-sequence ``initial_state`` and final states. Accepted
-  only if a probe on a small tree agrees with ``reference`` in output and gradients.
+- ``fla``: flash-linear-attention's varlen ``chunk_gated_delta_rule`` (``fla-core``, CUDA), one call per
+  depth with ``cu_seqlens``, per-sequence ``initial_state`` and final states. fla runs its Triton kernels,
+  or FlashQLA's fused TileLang kernels where the ``flash-qla`` package is installed and the heads are 128
+  wide (``fla_kernel``). Accepted only if a probe on a small tree, at the model's head sizes, agrees with
+  ``reference`` in output and gradients.
 
 Run its tests: ``.venv/bin/python -m pytest tests/test_gated_delta.py``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -321,9 +325,18 @@ def tree_gated_delta_rule(
 
 
 # ---- choosing the backend ---------------------------------------------------------------------------
-def _probe_meta(device: torch.device) -> TreeAttentionMetadata:
-    """A root of 70 tokens (two chunks), children of 9 and 40, a grandchild of 3 under the first."""
-    q_lens, parents = [70, 9, 3, 40], [None, 0, 1, 0]
+PROBE_TREES = {
+    # a root of 70 tokens (two chunks), children of 9 and 40, a grandchild of 3 under the first
+    "short": [70, 9, 3, 40],
+    # the same tree under a root of 4,000 tokens: long enough for a kernel to split one sequence over the
+    # GPU (FlashQLA's intra-card context parallelism), a path the short tree never takes
+    "long": [4000, 9, 3, 400],
+}
+
+
+def _probe_meta(device: torch.device, q_lens: list[int] = PROBE_TREES["short"]) -> TreeAttentionMetadata:
+    """Segments of ``q_lens`` tokens: a root, two children, a grandchild under the first child."""
+    parents = [None, 0, 1, 0]
     offsets = np.concatenate([[0], np.cumsum(q_lens)])
     paths: list[np.ndarray] = []
     for i, p in enumerate(parents):
@@ -334,9 +347,14 @@ def _probe_meta(device: torch.device) -> TreeAttentionMetadata:
                                  torch.as_tensor(np.concatenate(paths), dtype=torch.int64)).to(device)
 
 
-def probe_gdn(backend: GDNBackend, device: torch.device, heads: int = 4, dk: int = 64, dv: int = 64) -> float:
-    """Largest relative error of output and input gradients against ``reference`` on a small tree."""
-    meta = _probe_meta(device)
+def probe_gdn(backend: GDNBackend, device: torch.device, heads: int = 4, dk: int = 64, dv: int = 64,
+              tree: str = "short") -> float:
+    """Largest relative error of output and input gradients against ``reference`` on a small tree.
+
+    ``dk``/``dv`` should be the model's head sizes: flash-linear-attention dispatches by shape (its FlashQLA
+    kernels take heads of 128 only, other sizes its Triton kernels), so the probe checks the kernel the layers
+    will run. ``tree``: a key of ``PROBE_TREES``."""
+    meta = _probe_meta(device, PROBE_TREES[tree])
     u = int(meta.cu_seq_q[-1])
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(u, heads, dk, generator=gen), torch.randn(u, heads, dk, generator=gen)
@@ -353,23 +371,45 @@ def probe_gdn(backend: GDNBackend, device: torch.device, heads: int = 4, dk: int
     return max(float((a - b).norm() / b.norm()) for a, b in zip(*results))
 
 
+def fla_kernel(dk: int, dv: int) -> str:
+    """Which of flash-linear-attention's kernels serve heads of ``dk``/``dv`` here: ``flash_qla`` (the fused
+    TileLang kernels of the ``flash-qla`` package, which fla dispatches to on Hopper and Blackwell for heads of
+    128 unless ``FLA_FLASH_QLA=0``) or ``triton`` (fla's own). A label for reports; fla decides per call."""
+    if importlib.util.find_spec("flash_qla") is None or os.environ.get("FLA_FLASH_QLA", "1") == "0":
+        return "triton"
+    return "flash_qla" if dk == dv == 128 else "triton"
+
+
+def _probe_fla(device: torch.device, dk: int, dv: int) -> str | None:
+    """None where fla passes ``probe_gdn`` at these head sizes on both probe trees, else why not."""
+    try:
+        err = max(probe_gdn(GDN_BACKENDS["fla"], device, dk=dk, dv=dv, tree=tree) for tree in PROBE_TREES)
+    except Exception as exc:  # noqa: BLE001 - not importable, no Triton, or a kernel that fails its backward
+        return f"{type(exc).__name__}: {exc}"
+    log.info("gated-delta probe of fla (%s kernels, heads of %d/%d): error %.2e", fla_kernel(dk, dv), dk, dv, err)
+    return None if err < 2e-2 else f"probe error {err:.2e}"
+
+
 _active: GDNBackend = GDN_BACKENDS["reference"]
 
 
-def select_gdn_backend(name: str = "auto", device: torch.device | str | None = None) -> GDNBackend:
-    """``reference``, ``fla``, or with ``auto`` fla where it is importable on CUDA and passes the probe."""
+def select_gdn_backend(name: str = "auto", device: torch.device | str | None = None,
+                       dk: int = 64, dv: int = 64) -> GDNBackend:
+    """``reference``, ``fla``, or with ``auto`` fla where it is importable on CUDA and passes the probe at
+    head sizes ``dk``/``dv`` (the model's)."""
     if name not in ("auto", *GDN_BACKENDS):
         raise ValueError(f"unknown gated-delta backend {name!r}; known: {['auto', *GDN_BACKENDS]}")
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "reference" or (name == "auto" and device.type != "cuda"):
         return GDN_BACKENDS["reference"]
-    try:
-        err = probe_gdn(GDN_BACKENDS["fla"], device)
-        failure = None if err < 2e-2 else f"probe error {err:.2e}"
-    except Exception as exc:  # noqa: BLE001 - not importable, no Triton, or a kernel that fails its backward
-        failure = f"{type(exc).__name__}: {exc}"
+    failure = _probe_fla(device, dk, dv)
+    if failure is not None and fla_kernel(dk, dv) == "flash_qla":
+        # fla's own kernels may still pass where FlashQLA's do not: switch its dispatch off (the switch fla
+        # reads at every call) and probe again
+        log.warning("FlashQLA's kernels failed the gated-delta probe (%s); setting FLA_FLASH_QLA=0", failure)
+        os.environ["FLA_FLASH_QLA"] = "0"
+        failure = _probe_fla(device, dk, dv)
     if failure is None:
-        log.info("gated-delta backend fla (probe error %.2e)", err)
         return GDN_BACKENDS["fla"]
     if name == "fla":
         raise RuntimeError(f"gated-delta backend 'fla' is not usable here: {failure}")
@@ -377,10 +417,11 @@ def select_gdn_backend(name: str = "auto", device: torch.device | str | None = N
     return GDN_BACKENDS["reference"]
 
 
-def register_gdn_backend(name: str = "auto", device: torch.device | str | None = None) -> str:
+def register_gdn_backend(name: str = "auto", device: torch.device | str | None = None,
+                         dk: int = 64, dv: int = 64) -> str:
     """Make ``name`` (see ``select_gdn_backend``) the backend of every patched GDN layer; returns its name."""
     global _active
-    _active = select_gdn_backend(name, device)
+    _active = select_gdn_backend(name, device, dk, dv)
     return _active.name
 
 

@@ -158,4 +158,11 @@ def install_gated_delta(model: torch.nn.Module, backend: str = "auto") -> str | 
         return None
     for cls in {type(layer) for layer in layers}:
         patch_module(sys.modules[cls.__module__])
-    return gd.register_gdn_backend(backend, next(model.parameters()).device)
+    dk, dv = head_sizes(layers[0])
+    return gd.register_gdn_backend(backend, next(model.parameters()).device, dk, dv)
+
+
+def head_sizes(layer: torch.nn.Module) -> tuple[int, int]:
+    """A GDN layer's key and value head sizes (transformers' ``head_k_dim``/``head_v_dim``; 64 where a layer
+    does not name them), at which the backend's probe runs."""
+    return int(getattr(layer, "head_k_dim", 64)), int(getattr(layer, "head_v_dim", 64))
