@@ -48,7 +48,7 @@ from flows.fleet_keeper import FleetKeeper
 from flows.heldout import heldout_scores, heldout_summary, log_heldout, prompts_digest
 from flows.progress import TrainingProgress, stage
 from flows.provision import LocalProvisioner, Provisioner, TrainingLaunch
-from grpo_core.launch import not_resumable_reason
+from grpo_core.launch import attempt_failure
 from grpo_core.launch.job import JobConfig, import_string, resolve_dataset, resolve_job_inputs, resolve_model
 from grpo_core.tracking.run_view import experiment_url, run_url, ui_command
 from grpo_core.tracking.tracker import system_metrics
@@ -397,14 +397,15 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
                 code = train_attempt(prov, launch, pid_file=str(out / "trainer.pid"))
             if code == 0:
                 break
-            stopped = not_resumable_reason(launch.result_file)
-            if stopped is not None:  # a resume would start from the same policy and stop the same way
-                fail_training(tracking_uri, run_id, f"{stopped}; not resumed (see {out / 'train.log'})")
+            failure = attempt_failure(launch.result_file)  # None: killed before it could say why
+            why = failure[0] if failure else f"the training process exited with {code}"
+            if failure is not None and not failure[1]:  # a resume would start from the same policy, stop the same way
+                fail_training(tracking_uri, run_id, f"{why}; not resumed (see {out / 'train.log'})")
             if resumes >= job.max_resumes:
-                fail_training(tracking_uri, run_id, f"training failed with exit code {code} after {resumes} resumes; "
-                                                    f"see {out / 'train.log'}")
+                fail_training(tracking_uri, run_id, f"training failed after {resumes} resumes; the last attempt: "
+                                                    f"{why} (see {out / 'train.log'})")
             resumes += 1
-            _logger().warning("training process exited with %s; resume %d/%d", code, resumes, job.max_resumes)
+            _logger().warning("%s; resume %d/%d", why, resumes, job.max_resumes)
             if job.server.managed:
                 restart_dead_servers(prov, job, server_urls)
         resume_counts = report_resumes(job, tracking_uri, run_id, resumes)

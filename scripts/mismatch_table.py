@@ -12,9 +12,11 @@ One row per finished run tagged ``mismatch.*``, in the order variant, routing re
 - route diff: ``mismatch/route_mismatch_share`` averaged over steps (MoE runs with sampler routes);
 - replay: routing replay as it ran (``on, no routes``: asked for, but the server returned no routes to replay;
   a CPU server cannot, so the trainer routed every token itself);
-- ended: ``finished``, or ``stopped at step N: no learning signal`` for a run the trainer stopped because its
-  policy collapsed (``no_signal_patience_steps``), or ``stopped by hand at step N`` for a run someone ended with
-  a ``failure`` tag that says so and why (status KILLED); such runs are rows of the table too;
+- ended: ``finished``; ``stopped at step N: no learning signal`` for a run the trainer stopped because its
+  policy collapsed (``no_signal_patience_steps``); ``stopped at step N: <what>`` for a run that ended on another
+  error the trainer named (the server's log-probs outside the push check's tolerance, after the flow's resumes);
+  or ``stopped by hand at step N`` for a run someone ended with a ``failure`` tag that says so and why (status
+  KILLED); such runs are rows of the table too (not a run tagged ``superseded_by``: its row was run again);
 - the command that reproduces the row.
 
     python scripts/mismatch_table.py --tracking-uri sqlite:///outputs/mismatch/mlflow.db
@@ -78,10 +80,23 @@ def run_row(client: Any, run: Any) -> dict[str, Any]:
     row["max gap"] = max(gaps) if gaps else None
     row["command"] = command(row, run.data.params)
     failure = tags.get("failure", "")
+    error = failure_error(failure)
     row["ended"] = ("finished" if run.info.status == "FINISHED" else
-                    f"stopped at step {stopped_step(failure)}: no learning signal" if "NoLearningSignalError" in failure else
+                    f"stopped at step {stopped_step(failure)}: no learning signal" if error == "NoLearningSignalError" else
+                    f"stopped at step {stopped_step(failure)}: {ERROR_TEXT.get(error, error)}" if error else
                     failure.split(":")[0] if failure.startswith(STOPPED_BY_HAND) else run.info.status.lower())
     return row
+
+
+ERROR_TEXT = {"ServedWeightsMismatch": "the server's log-probs left the push check's tolerance"}
+"""What a trainer error that ended a row says about the row (the class name where none is given)."""
+
+
+def failure_error(failure: str) -> str | None:
+    """The error class of a ``failure`` tag in which the flow names the trainer's error (``... training stopped at
+    step N: SomeError: ...``), else None."""
+    match = re.search(r"stopped at step \d+: (\w+):", failure)
+    return match.group(1) if match else None
 
 
 def stopped_step(failure: str) -> str:
@@ -95,10 +110,14 @@ STOPPED_BY_HAND = "stopped by hand"
 
 
 def in_table(run: Any) -> bool:
-    """Finished runs, runs the trainer stopped because no group carried learning signal (a collapse is a result of
-    the table, not a failure to run it), and runs ended by hand whose ``failure`` tag says so and why."""
-    failure = run.data.tags.get("failure", "")
-    return (run.info.status == "FINISHED" or (run.info.status == "FAILED" and "NoLearningSignalError" in failure)
+    """Finished runs; runs the trainer stopped on an error it named (a collapse with no learning signal left, a
+    server whose log-probs left the push check's tolerance: results of the row, not failures to run it); and runs
+    ended by hand whose ``failure`` tag says so and why. A run tagged ``superseded_by`` (the row run again) is not."""
+    tags = run.data.tags
+    failure = tags.get("failure", "")
+    if "superseded_by" in tags:
+        return False
+    return (run.info.status == "FINISHED" or (run.info.status == "FAILED" and failure_error(failure) is not None)
             or (run.info.status == "KILLED" and failure.startswith(STOPPED_BY_HAND)))
 
 

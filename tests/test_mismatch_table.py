@@ -24,7 +24,7 @@ def load_script():
 
 def log_run(client, experiment_id: str, mode: str, replay: bool, rewards: list[float], k3: list[float],
             heldout: tuple[float, float] | None, finished: bool = True, routes: bool = False,
-            failure: str = "") -> None:
+            failure: str = "", superseded: bool = False) -> None:
     run = client.create_run(experiment_id, run_name=f"arithmetic-hybrid-moe-{mode}-harsh",
                             tags={"mismatch.mode": mode, "mismatch.setting": "harsh",
                                   "mismatch.routing_replay": str(replay), "mismatch.variant": "arithmetic-hybrid-moe"})
@@ -41,6 +41,8 @@ def log_run(client, experiment_id: str, mode: str, replay: bool, rewards: list[f
         client.log_metric(rid, "heldout_accuracy", heldout[1], step=len(rewards))
     if failure:
         client.set_tag(rid, "failure", failure)
+    if superseded:
+        client.set_tag(rid, "superseded_by", "another run")
     client.set_terminated(rid, "FINISHED" if finished else "KILLED" if failure.startswith("stopped by hand") else "FAILED")
 
 
@@ -57,6 +59,12 @@ def test_the_table_is_read_from_the_experiment(tmp_path, capsys):
             failure="training stopped at step 3: NoLearningSignalError: the last 160 groups ...")
     log_run(client, experiment_id, "token_truncate", True, [1.0, 0.5], [0.2] * 2, None, finished=False,
             failure="stopped by hand at step 2: a collapse that crawled on")
+    log_run(client, experiment_id, "none", True, [1.0] * 5, [0.2] * 5, None, finished=False,
+            failure="training failed after 3 resumes; the last attempt: training stopped at step 27: "
+                    "ServedWeightsMismatch: the vLLM server at http://x does not serve ... (see train.log)")
+    log_run(client, experiment_id, "none", True, [1.0] * 4, [0.2] * 4, None, finished=False,
+            failure="training failed after 3 resumes; the last attempt: training stopped at step 9: "
+                    "ServedWeightsMismatch: ...", superseded=True)
     script = load_script()
     out = tmp_path / "table.json"
 
@@ -65,9 +73,13 @@ def test_the_table_is_read_from_the_experiment(tmp_path, capsys):
     import json
 
     rows = json.loads(out.read_text())
-    # a run that failed is left out; one the trainer stopped for want of signal (a collapse) is a row
-    assert [(r["mode"], r["routing_replay"]) for r in rows] == [("token_mask", True), ("token_truncate", True),
-                                                                 ("sequence_truncate", True), ("none", False)]
+    # a run that failed without naming the trainer's error is left out, and so is one run again; those the trainer
+    # stopped for want of signal (a collapse) or on the push check are rows
+    assert [(r["mode"], r["routing_replay"]) for r in rows] == [("none", True), ("token_mask", True),
+                                                                 ("token_truncate", True), ("sequence_truncate", True),
+                                                                 ("none", False)]
+    assert rows[0]["ended"] == "stopped at step 27: the server's log-probs left the push check's tolerance"
+    rows = rows[1:]
     assert rows[1]["ended"] == "stopped by hand at step 2"
     assert rows[2]["ended"] == "stopped at step 3: no learning signal" and rows[0]["ended"] == "finished"
     mask = rows[0]

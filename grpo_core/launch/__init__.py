@@ -9,23 +9,27 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-NOT_RESUMABLE = "not-resumable"
-"""The ``stopped`` value of a result file whose training ended on something a resume cannot change (the policy no
-longer yields a group to train: ``collector.NoLearningSignalError``)."""
+STOPPED_RESUMABLE, STOPPED_NOT_RESUMABLE = "failed", "not-resumable"
+"""The ``stopped`` values of a failed attempt's result file: a resume may get past the error (a lost server, a
+preempted machine), or it cannot (the policy no longer yields a group to train: ``collector.NoLearningSignalError``)."""
 
 
-def write_not_resumable(result_file: str, global_step: int, error: BaseException) -> None:
-    """Rank 0's result file for a run that must not be resumed: the step it stopped at and why."""
-    Path(result_file).write_text(json.dumps({"global_step": global_step, "stopped": NOT_RESUMABLE,
-                                             "error": f"{type(error).__name__}: {error}"}))
+def write_failure(result_file: str, global_step: int, error: BaseException, resumable: bool) -> None:
+    """Rank 0's result file for an attempt that ended on ``error``: the step it stopped at, why, and whether a resume
+    can change that (the flow reads it to decide, and names the error when it gives up)."""
+    Path(result_file).write_text(json.dumps({
+        "global_step": global_step, "stopped": STOPPED_RESUMABLE if resumable else STOPPED_NOT_RESUMABLE,
+        "error": f"{type(error).__name__}: {error}"}))
 
 
-def not_resumable_reason(result_file: str | Path) -> str | None:
-    """Why the attempt that wrote ``result_file`` must not be resumed, or None (no such file, or a finished run's)."""
+def attempt_failure(result_file: str | Path) -> tuple[str, bool] | None:
+    """``(why, resumable)`` of the failed attempt that wrote ``result_file``; None where it wrote none (a process
+    killed from outside) or finished."""
     try:
         result = json.loads(Path(result_file).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(result, dict) or result.get("stopped") != NOT_RESUMABLE:
+    if not isinstance(result, dict) or result.get("stopped") not in (STOPPED_RESUMABLE, STOPPED_NOT_RESUMABLE):
         return None
-    return f"training stopped at step {result.get('global_step')}: {result.get('error')}"
+    why = f"training stopped at step {result.get('global_step')}: {result.get('error')}"
+    return why, result["stopped"] == STOPPED_RESUMABLE

@@ -14,7 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
-from grpo_core.launch import write_not_resumable
+from grpo_core.launch import write_failure
 from grpo_core.launch.job import JobConfig, import_string, lora_config, resolve_dataset, resolve_model
 
 
@@ -84,9 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         history = trainer.train()
         status = "FINISHED"
-    except NoLearningSignalError as err:
+    except Exception as err:
         if dist.is_main and args.result:
-            write_not_resumable(args.result, trainer.global_step, err)  # the flow reads it and does not resume
+            # the flow reads it: whether to resume (a resume would start from the same policy and stop the same
+            # way on no learning signal), and the error to name when it gives up
+            write_failure(args.result, trainer.global_step, err, resumable=not isinstance(err, NoLearningSignalError))
         raise
     finally:
         if dist.is_main and args.result and status == "FINISHED":
