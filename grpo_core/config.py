@@ -286,9 +286,9 @@ class AsyncGRPOConfig:
     packing: Literal["tree", "flat"] = "tree"
     """``tree`` (prefix-trie rows, shared tokens forwarded once) or ``flat`` (padding-free, no sharing)."""
     gdn_backend: Literal["auto", "reference", "fla"] = "auto"
-    """Kernel of Gated DeltaNet layers (Qwen3.5/3.6, Qwen3-Next) in packed rows: ``fla`` (flash-linear-attention's
-    varlen kernels, CUDA), ``reference`` (PyTorch, any device), or ``auto``: fla where it imports and its forward and
-    backward match the reference on a probe tree, else the reference. Unused for attention-only models."""
+    """Gated DeltaNet kernel in packed rows: ``fla`` (flash-linear-attention, CUDA; FlashQLA's for heads of 128 where
+    ``flash-qla`` is installed), ``reference`` (PyTorch), or ``auto``: fla where its forward and backward match the
+    reference on probe trees at the model's head sizes, else the reference. Unused for attention-only models."""
     routing_replay: bool = True
     """Mixture-of-experts policies: forward every sampled token through the experts the sampler routed it to
     (the router's top-k replaced by the sampler's; its weights still the trainer's softmax, so the router keeps
