@@ -412,3 +412,21 @@ def test_the_backend_probe_runs_at_the_model_head_sizes(monkeypatch):
     layer = hybrid.gated_delta_layers(model)[0]
     hybrid.install_gated_delta(model)
     assert seen == [(layer.head_k_dim, layer.head_v_dim)] and hybrid.head_sizes(layer) == (layer.head_k_dim, layer.head_v_dim)
+
+
+def test_flash_qla_failing_its_probe_falls_back_to_fla_triton_kernels(monkeypatch):
+    """Where FlashQLA's kernels fail the probe, fla's own are switched on (FLA_FLASH_QLA=0) and probed in turn."""
+    probes = []
+
+    def probe(device, dk, dv):
+        probes.append(gd.fla_kernel(dk, dv))
+        return "probe error 3.1e-01" if probes[-1] == "flash_qla" else None
+
+    monkeypatch.setenv("FLA_FLASH_QLA", "1")  # recorded, so that the fallback's "0" is undone after the test
+    monkeypatch.setattr(gd, "_probe_fla", probe)
+    monkeypatch.setattr(gd.importlib.util, "find_spec", lambda name, *a: object())
+    assert gd.select_gdn_backend("fla", "cuda", 128, 128).name == "fla"
+    assert probes == ["flash_qla", "triton"] and gd.os.environ["FLA_FLASH_QLA"] == "0"
+    monkeypatch.setattr(gd, "_probe_fla", lambda device, dk, dv: "probe error 3.1e-01")
+    with pytest.raises(RuntimeError, match="not usable here: probe error"):
+        gd.select_gdn_backend("fla", "cuda", 128, 128)
