@@ -398,8 +398,8 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
             if code == 0:
                 break
             failure = attempt_failure(launch.result_file)  # None: killed before it could say why
-            why = failure[0] if failure else f"the training process exited with {code}"
-            if failure is not None and not failure[1]:  # a resume would start from the same policy, stop the same way
+            why = failure.why if failure else f"the training process exited with {code}"
+            if failure is not None and not failure.resumable:  # a resume would start from the same policy
                 fail_training(tracking_uri, run_id, f"{why}; not resumed (see {out / 'train.log'})")
             if resumes >= job.max_resumes:
                 fail_training(tracking_uri, run_id, f"training failed after {resumes} resumes; the last attempt: "

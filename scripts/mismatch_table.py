@@ -80,29 +80,23 @@ def run_row(client: Any, run: Any) -> dict[str, Any]:
     row["max gap"] = max(gaps) if gaps else None
     row["command"] = command(row, run.data.params)
     failure = tags.get("failure", "")
-    error = failure_error(failure)
+    stopped = trainer_stop(failure)
     row["ended"] = ("finished" if run.info.status == "FINISHED" else
-                    f"stopped at step {stopped_step(failure)}: no learning signal" if error == "NoLearningSignalError" else
-                    f"stopped at step {stopped_step(failure)}: {ERROR_TEXT.get(error, error)}" if error else
+                    f"stopped at step {stopped[0]}: {ERROR_TEXT.get(stopped[1], stopped[1])}" if stopped else
                     failure.split(":")[0] if failure.startswith(STOPPED_BY_HAND) else run.info.status.lower())
     return row
 
 
-ERROR_TEXT = {"ServedWeightsMismatch": "the server's log-probs left the push check's tolerance"}
+ERROR_TEXT = {"NoLearningSignalError": "no learning signal",
+              "ServedWeightsMismatch": "the server's log-probs left the push check's tolerance"}
 """What a trainer error that ended a row says about the row (the class name where none is given)."""
 
 
-def failure_error(failure: str) -> str | None:
-    """The error class of a ``failure`` tag in which the flow names the trainer's error (``... training stopped at
-    step N: SomeError: ...``), else None."""
-    match = re.search(r"stopped at step \d+: (\w+):", failure)
-    return match.group(1) if match else None
-
-
-def stopped_step(failure: str) -> str:
-    """The step in the flow's ``training stopped at step N: ...`` (``?`` where the tag says none)."""
-    match = re.search(r"stopped at step (\d+)", failure)
-    return match.group(1) if match else "?"
+def trainer_stop(failure: str) -> tuple[str, str] | None:
+    """``(step, error class)`` of a ``failure`` tag in which the flow names the trainer's error (``... training
+    stopped at step N: SomeError: ...``), else None."""
+    match = re.search(r"stopped at step (\d+): (\w+):", failure)
+    return (match.group(1), match.group(2)) if match else None
 
 
 STOPPED_BY_HAND = "stopped by hand"
@@ -117,7 +111,7 @@ def in_table(run: Any) -> bool:
     failure = tags.get("failure", "")
     if "superseded_by" in tags:
         return False
-    return (run.info.status == "FINISHED" or (run.info.status == "FAILED" and failure_error(failure) is not None)
+    return (run.info.status == "FINISHED" or (run.info.status == "FAILED" and trainer_stop(failure) is not None)
             or (run.info.status == "KILLED" and failure.startswith(STOPPED_BY_HAND)))
 
 

@@ -35,6 +35,7 @@ import os
 import platform
 import sys
 import time
+from unittest import mock
 
 import numpy as np
 import torch
@@ -115,15 +116,8 @@ def with_gdn_kernel(choice: str | None, run):
     """``run()`` with fla's FlashQLA dispatch switched off (``triton``) or on (``flash_qla``); None: as set."""
     if choice is None:
         return run()
-    before = os.environ.get("FLA_FLASH_QLA")
-    os.environ["FLA_FLASH_QLA"] = "1" if choice == "flash_qla" else "0"
-    try:
+    with mock.patch.dict(os.environ, {"FLA_FLASH_QLA": "1" if choice == "flash_qla" else "0"}):
         return run()
-    finally:
-        if before is None:
-            os.environ.pop("FLA_FLASH_QLA", None)
-        else:
-            os.environ["FLA_FLASH_QLA"] = before
 
 
 def run_speed(args, device, info, world) -> list[dict]:

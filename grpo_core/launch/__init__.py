@@ -7,6 +7,7 @@ the flows and the Kubernetes manifests start it.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 STOPPED_RESUMABLE, STOPPED_NOT_RESUMABLE = "failed", "not-resumable"
@@ -22,14 +23,24 @@ def write_failure(result_file: str, global_step: int, error: BaseException, resu
         "error": f"{type(error).__name__}: {error}"}))
 
 
-def attempt_failure(result_file: str | Path) -> tuple[str, bool] | None:
-    """``(why, resumable)`` of the failed attempt that wrote ``result_file``; None where it wrote none (a process
-    killed from outside) or finished."""
+@dataclass(frozen=True)
+class AttemptFailure:
+    """What a failed attempt's result file says."""
+
+    why: str
+    """``training stopped at step N: <error class>: <message>``."""
+    resumable: bool
+    """Whether a resume may get past it."""
+
+
+def attempt_failure(result_file: str | Path) -> AttemptFailure | None:
+    """The failure of the attempt that wrote ``result_file``; None where it wrote none (a process killed from
+    outside) or finished."""
     try:
         result = json.loads(Path(result_file).read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(result, dict) or result.get("stopped") not in (STOPPED_RESUMABLE, STOPPED_NOT_RESUMABLE):
         return None
-    why = f"training stopped at step {result.get('global_step')}: {result.get('error')}"
-    return why, result["stopped"] == STOPPED_RESUMABLE
+    return AttemptFailure(f"training stopped at step {result.get('global_step')}: {result.get('error')}",
+                          resumable=result["stopped"] == STOPPED_RESUMABLE)
