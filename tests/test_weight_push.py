@@ -195,7 +195,7 @@ def test_a_16_bit_servers_tolerance_follows_the_trainers_own_rounding() -> None:
     server.logprob = -1.42  # the trainer's probe is -1.0 everywhere: 0.42 apart
     with pytest.raises(ServedWeightsMismatch, match="differ by 0.42 on average and up to 0.42 .tolerance 0.05 on the mean"):
         PushVerifier(VerifyConfig(), vocab_size=50).check_logprobs(server, 0, torch.full((31,), -1.0))
-    measured = PushVerifier(VerifyConfig(), vocab_size=50)
+    measured = PushVerifier(VerifyConfig(confirm_probes=0), vocab_size=50)  # the first sequence's verdict is final
     report = measured.check_logprobs(server, 0, torch.full((31,), -1.0), rounding_gap=0.29)
     assert report.max_diff == pytest.approx(0.42) and report.tolerance == pytest.approx(ROUNDING_MARGIN * 0.29)
     server.logprob = -3.0  # later weights that the trainer itself rounds more: the tolerance follows them
@@ -273,3 +273,118 @@ def test_the_start_of_run_log_states_the_rule_the_check_applies(caplog: pytest.L
                                                                    rounding_gap=rounding_gap)
     assert f"computes in {dtype.removeprefix('torch.')}; probe log-probs must agree {rule} (weight_sync_verify_atol)" \
         in caplog.text
+
+
+class Bf16Server(Server):
+    """A 16-bit server whose log-probs of each probe sequence are the trainer's plus that sequence's own offset."""
+
+    def __init__(self, offsets: dict[int, float]):
+        super().__init__()
+        self.offsets = offsets  # by the sequence's first token; other sequences are served exactly
+        self.asked: list[int] = []
+
+    def server_config(self) -> dict:
+        return {"model_config": {"dtype": "torch.bfloat16"}, "device_config": {"device": "cpu"}}
+
+    def prompt_logprobs(self, token_ids: list[int], model: str | None = None, timeout: float | None = None) -> list[float]:
+        self.asked.append(token_ids[0])
+        return (trainer_logprobs(token_ids) + self.offsets.get(token_ids[0], 0.0)).tolist()
+
+
+def trainer_logprobs(token_ids: list[int]) -> torch.Tensor:
+    return -torch.tensor(token_ids[1:], dtype=torch.float64) / 50
+
+
+def bf16_pusher(server: Bf16Server, monkeypatch: pytest.MonkeyPatch, dist: DistInfo | None = None,
+                forwards: list | None = None, attempts: int = 1) -> WeightPusher:
+    """A pusher whose trainer rounds every probe sequence by 0.02 on average (a 16-bit bound of 0.16)."""
+    from grpo_core.fleet.servers import VersionProbe
+
+    forwards = [] if forwards is None else forwards
+
+    def full(ids: list[int]) -> torch.Tensor:
+        forwards.append(("fp32", ids[0]))
+        return trainer_logprobs(ids)
+
+    def bf16(ids: list[int]) -> torch.Tensor:
+        forwards.append(("bf16", ids[0]))
+        return trainer_logprobs(ids) + 0.02
+
+    class Pushed(Sync):
+        def push(self, version: int) -> SyncStats:
+            self.server.version = str(version)
+            return SyncStats(mode=self.mode, bytes=10, seconds=0.01)
+
+    probe = VersionProbe(full, bf16)
+    probe.version = 5
+    return WeightPusher(lambda: Pushed(server, {}, []), dist or DistInfo(), server, Watch(server), attempts=attempts,
+                        verify=VerifyConfig(), probe=probe, vocab_size=50)
+
+
+def first_tokens() -> list[int]:
+    from grpo_core.sync.verify import probe_token_ids
+
+    return [probe_token_ids(50, 32, seed)[0] for seed in range(3)]
+
+
+def test_one_probe_sequence_past_a_16_bit_bound_is_settled_by_two_more(monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A bf16 server holding the right weights put one probe sequence 8-26x past the trainer's own rounding at some
+    versions of the tiny hybrid's runs: the push stands when two other sequences pass, and the metrics count them."""
+    first, second, third = first_tokens()
+    assert len({first, second, third}) == 3  # the stand-in tells the sequences apart by their first token
+    server = Bf16Server({first: 0.6})  # 0.6 on average, against 8 x 0.02
+    with caplog.at_level("WARNING", logger="grpo_core.sync.verify"):
+        outcome = bf16_pusher(server, monkeypatch).push(5)
+    assert server.asked == [first, second, third] and outcome.attempts == 1
+    assert outcome.report.reprobes == 2 and outcome.report.mean_diff == pytest.approx(0.6)
+    assert outcome.metrics(5, 0)["sync/verify_reprobes"] == 2.0
+    assert "the first probe sequence failed its bound and 2 more passed theirs" in caplog.text
+    assert "sequence 0: 0.6 on average" in caplog.text and "sequence 2: 0 on average" in caplog.text
+
+
+@pytest.mark.parametrize("offsets", [{0: 0.6}, {1: 0.6}], ids=["every-sequence", "two-sequences"])
+def test_wrong_weights_fail_the_further_sequences_too_and_every_gap_is_named(monkeypatch: pytest.MonkeyPatch,
+                                                                             offsets: dict[int, float]) -> None:
+    tokens = first_tokens()
+    if offsets == {0: 0.6}:  # every sequence 0.6 apart: weights the push got wrong
+        server = Bf16Server({t: 0.6 for t in tokens})
+    else:  # the first and the second
+        server = Bf16Server({tokens[0]: 0.6, tokens[1]: 0.6})
+    with pytest.raises(ServedWeightsMismatch, match=r"of version 5: its log-probs of 3 probe sequences differ by "
+                                                    r"sequence 0: 0.6 on average .* sequence 1: 0.6 on average") as err:
+        bf16_pusher(server, monkeypatch).push(5)
+    assert type(err.value) is ServedWeightsMismatch  # a verdict, not an outlier waiting to be settled
+
+
+def test_an_exact_bound_gets_no_further_sequences() -> None:
+    """An fp32 server (every token within 1e-4) or a bound the user set: the first sequence's verdict is final."""
+    server, trainer = Server(), {"logprob": -1.0}
+    p = pusher(server, trainer, [], attempts=1)
+    trainer["logprob"] = -1.5
+    p.make_sync = lambda: Sync(server, trainer, [], stale=True)
+    p.reopen()
+    with pytest.raises(ServedWeightsMismatch, match="tolerance 0.0001 on the largest") as err:
+        p.push(2)
+    assert type(err.value) is ServedWeightsMismatch
+
+
+def test_every_rank_computes_the_further_sequences_and_only_rank_0_asks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer's side of each further sequence is a sharded forward: a rank that asks no server computes them
+    when rank 0 says the first failed (one broadcast), and nothing more when it passed."""
+    import grpo_core.fleet.weight_push as weight_push
+
+    first, second, third = first_tokens()
+    said = []
+    for verdict in (True, False):
+        answers = [verdict, None]  # rank 0's: the first sequence failed (or not), then no failure
+        monkeypatch.setattr(weight_push, "broadcast_object", lambda obj, answers=answers: said.append(obj) or answers.pop(0))
+        forwards: list = []
+        worker = bf16_pusher(Bf16Server({}), monkeypatch, dist=DistInfo(rank=1, world_size=2, local_rank=1),
+                             forwards=forwards)
+        worker.control = None  # only rank 0 talks to the server
+        worker.sync = worker.open()
+        assert worker._confirm(5) == (None, None)
+        computed = [(kind, t) for t in ([first, second, third] if verdict else [first]) for kind in ("fp32", "bf16")]
+        assert sorted(forwards) == sorted(computed)
+    assert said == [None] * 4  # each time the flag, then the failure, from a rank that knows neither

@@ -486,11 +486,11 @@ def fleet_push_metrics(outcomes: dict[str, PushOutcome], version: int, recoverie
     for name, outcome in outcomes.items():
         own = outcome.metrics(version, recoveries)
         for key in ("sync/seconds", "sync/verify_logprob_diff", "sync/verify_logprob_diff_mean", "sync/verify_tolerance",
-                    "sync/check_s"):
+                    "sync/check_s", "sync/verify_reprobes"):
             if key in own:
                 metrics[f"sync/server/{name}/{key.removeprefix('sync/')}"] = own[key]
         for key, value in own.items():
-            if key in ("sync/bytes", "sync/seconds", "sync/check_s", "sync/dense_bytes"):
+            if key in ("sync/bytes", "sync/seconds", "sync/check_s", "sync/dense_bytes", "sync/verify_reprobes"):
                 metrics[key] = metrics.get(key, 0.0) + value
             elif key in ("sync/verify_logprob_diff", "sync/verify_logprob_diff_mean", "sync/verify_logprob_moved",
                          "sync/verify_tolerance", "sync/changed_share"):
@@ -515,18 +515,19 @@ class VersionProbe:
         self.probe = probe
         self.low_precision = low_precision
         self.version: int | None = None
-        self._cached: dict[str, tuple[int, list[int], Any]] = {}  # per quantity: (version, token ids, value)
+        self._cached: dict[tuple[str, tuple[int, ...]], Any] = {}  # this version's, per quantity and token ids
+        self._cached_version: int | None = None
 
     def _once_per_version(self, name: str, token_ids: list[int], compute: Callable[[], Any]) -> Any:
-        cached = self._cached.get(name)
-        if self.version is not None and cached is not None and cached[0] == self.version and cached[1] == token_ids:
-            return cached[2]
-        value = compute()
-        if self.version is None:
-            self._cached.pop(name, None)
-        else:
-            self._cached[name] = (self.version, list(token_ids), value)
-        return value
+        if self.version is None or self.version != self._cached_version:
+            self._cached, self._cached_version = {}, self.version
+        key = (name, tuple(token_ids))
+        if self.version is None or key not in self._cached:
+            value = compute()
+            if self.version is None:
+                return value
+            self._cached[key] = value
+        return self._cached[key]
 
     def rounding_gap(self, token_ids: list[int]) -> float | None:
         """Mean |full - 16-bit| probe log-prob of the trainer's current weights, once per version (every rank calls

@@ -3,7 +3,8 @@
     push(v)     every rank: the sync's push (gathers are collectives; rank 0 talks to the server)
                 → rank 0 reads the served version back (``sync.verify.check_version``) and, every
                   ``weight_sync_verify_every`` pushes, compares the server's probe log-probs with the
-                  trainer's (every rank computes those: the forward is collective) and, where the
+                  trainer's (every rank computes those: the forward is collective; a 16-bit server's outlier
+                  is settled with further sequences, ``sync.verify.ProbeOutlier``) and, where the
                   transport can, the bytes the server holds (``check_applied``: storage receipts)
                 → the ranks take rank 0's verdict (one broadcast)
     on failure  a ``WeightSyncError`` (a phase past its deadline, a refusal, a mismatch) or the server
@@ -30,7 +31,7 @@ import torch
 from grpo_core.ranks import DistInfo, broadcast_object
 from grpo_core.sync.base import SyncStats, WeightSync
 from grpo_core.sync.errors import WeightSyncError
-from grpo_core.sync.verify import PushVerifier, VerifyConfig, VerifyReport, check_version
+from grpo_core.sync.verify import ProbeOutlier, PushVerifier, VerifyConfig, VerifyReport, check_version
 from grpo_core.vllm_server.control import VLLMRequestError
 from grpo_core.vllm_server.watch import close_open_weight_update
 
@@ -72,6 +73,7 @@ class PushOutcome:
             "sync/verify_logprob_moved": report.moved if report else None,
             "sync/verify_logprob_diff_mean": report.mean_diff if report else None,
             "sync/verify_tolerance": report.tolerance if report else None,
+            "sync/verify_reprobes": report.reprobes if report else None,
             "weight_version": float(version),
         }
         return {k: float(v) for k, v in metrics.items() if v is not None}
@@ -168,24 +170,46 @@ class WeightPusher:
 
     def _confirm(self, version: int) -> tuple[VerifyReport | None, BaseException | None]:
         due = self.verifier is not None and self.verifier.due(self.confirmed + 1)
-        expected = self.probe(self.verifier.token_ids) if due else None  # every rank: a sharded forward
-        rounding = getattr(self.probe, "rounding_gap", None)  # every rank, once a version (VersionProbe)
-        rounding_gap = rounding(self.verifier.token_ids) if due and callable(rounding) else None
+        expected, rounding_gap = self._trainer_side(self.verifier.token_ids) if due else (None, None)
         failure: BaseException | None = None
+        outlier: ProbeOutlier | None = None
         report = None
         if self.dist.is_main and self.control is not None:  # without a control client there is nothing to ask
             try:
                 check_version(self.control, self.served_version(version))
                 if due:
-                    report = self.verifier.check_logprobs(self.control, version, expected,
-                                                          model=self.sync.served_model_name(version),
-                                                          rounding_gap=rounding_gap)
+                    try:
+                        report = self.verifier.check_logprobs(self.control, version, expected,
+                                                              model=self.sync.served_model_name(version),
+                                                              rounding_gap=rounding_gap)
+                    except ProbeOutlier as err:  # settled below, with sequences every rank computes
+                        outlier = err
                 check_applied = getattr(self.sync, "check_applied", None)
                 if callable(check_applied):
                     check_applied(version)
             except PUSH_FAILURES as err:
                 failure = err
+        if due and self._agree_flag(outlier is not None and failure is None):
+            probes = [(ids, *self._trainer_side(ids)) for ids in self.verifier.confirm_token_ids()]
+            if outlier is not None:
+                try:
+                    report = self.verifier.confirm(self.control, outlier, probes,
+                                                   model=self.sync.served_model_name(version))
+                except PUSH_FAILURES as err:
+                    failure = err
         return report, self._agree(failure, version)
+
+    def _trainer_side(self, token_ids: list[int]) -> tuple[torch.Tensor, float | None]:
+        """The trainer's probe log-probs of ``token_ids`` and its own 16-bit rounding of them where it measures one
+        (``fleet.servers.VersionProbe``); every rank calls it, since the forwards are collective."""
+        rounding = getattr(self.probe, "rounding_gap", None)
+        return self.probe(token_ids), (rounding(token_ids) if callable(rounding) else None)
+
+    def _agree_flag(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every rank."""
+        if self.dist.world_size == 1:
+            return flag and self.dist.is_main
+        return bool(broadcast_object(flag if self.dist.is_main else None))
 
     def _agree(self, failure: BaseException | None, version: int) -> BaseException | None:
         """Rank 0's verdict on every rank (only rank 0 talks to the server)."""

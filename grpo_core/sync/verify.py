@@ -10,6 +10,13 @@ Two checks after a push, per server (a fleet calls them for each):
   computes with, whatever the transport and its receiving code (a tied head not refreshed, a layer
   not reloaded, a push that never reached the weights): every ``every`` pushes.
 
+A 16-bit server whose mean gap fails the bound is probed again with ``confirm_probes`` other sequences
+(``ProbeOutlier``; the pusher computes the trainer's side of each on every rank): the push passes only when
+each of them is within its own bound. Weights a push got wrong move every sequence; the bf16 CPU server of the
+tiny Gated DeltaNet hybrid, holding the right weights, put the first probe sequence 8-26x past the trainer's own
+rounding at a few versions of a run, the same again after a second push of the same weights, while the two further
+sequences sat within 1.4x of it at the versions where that happened (docs/weight_sync.md).
+
 The log-prob check tells two versions apart only where one step moves the probe's log-probs by more
 than the tolerance; the verifier reports that move (``VerifyReport.moved``) beside the difference
 it found, so the margin is visible in the run's metrics. Exact checks of the bytes a server holds
@@ -59,6 +66,10 @@ class VerifyConfig:
     """Compare log-probs after every ``every``-th push (0: never; the version is checked every push)."""
     probe_tokens: int = 32
     """Length of the fixed probe sequence whose log-probs are compared."""
+    confirm_probes: int = 2
+    """Probe sequences (seeds 1, 2, ...) checked after a 16-bit server fails the default bound on the mean with the
+    first: the push passes when every one of them passes (a rounding outlier of one sequence), else it fails with
+    all their gaps. Not used where the bound is exact (an fp32 server) or set (``logprob_atol``)."""
     logprob_atol: float | None = None
     """Largest |server - trainer| log-prob of a probe token accepted (None: ``FP32_ATOL`` for a server that
     computes in fp32, else ``LOW_PRECISION_ATOL``; read from the server at the first check)."""
@@ -66,6 +77,8 @@ class VerifyConfig:
     def __post_init__(self) -> None:
         if self.every < 0:
             raise ValueError(f"VerifyConfig.every={self.every}: 0 (never) or a positive number of pushes")
+        if self.confirm_probes < 0:
+            raise ValueError(f"VerifyConfig.confirm_probes={self.confirm_probes}: 0 (fail on the first probe) or more")
         if self.probe_tokens < 2:
             raise ValueError(f"VerifyConfig.probe_tokens={self.probe_tokens}: at least 2 (the first token has no log-prob)")
         if self.logprob_atol is not None and not self.logprob_atol > 0:
@@ -86,6 +99,45 @@ class VerifyReport:
     tolerance: float
     """The bound this check held ``max_diff`` to, or ``mean_diff`` for a 16-bit server (``PushVerifier.checks_mean``)."""
     seconds: float
+    reprobes: int = 0
+    """Further probe sequences checked because the first failed a 16-bit bound and each passed (``confirm_probes``);
+    the figures above are the first sequence's."""
+
+
+@dataclass(frozen=True)
+class ProbeGap:
+    """One probe sequence's |server - trainer| log-probs against the bound that applies to them."""
+
+    max_diff: float
+    mean_diff: float
+    tolerance: float
+    on_mean: bool
+    """The bound holds the mean (a 16-bit server, default tolerance), else the largest."""
+
+    @property
+    def passed(self) -> bool:
+        checked = self.mean_diff if self.on_mean else self.max_diff
+        return checked <= self.tolerance  # NaN fails
+
+    def describe(self) -> str:
+        return (f"{self.mean_diff:.3g} on average and up to {self.max_diff:.3g} (tolerance {self.tolerance:g} on the "
+                f"{'mean' if self.on_mean else 'largest'}")
+
+
+def probe_gap(served: list[float], expected: torch.Tensor, tolerance: float, on_mean: bool) -> ProbeGap:
+    """Compare a server's probe log-probs with the trainer's (one per token after the first)."""
+    gaps = (torch.tensor(served, dtype=torch.float64) - expected.detach().double().cpu()).abs()
+    return ProbeGap(max_diff=float(gaps.max()), mean_diff=float(gaps.mean()), tolerance=tolerance, on_mean=on_mean)
+
+
+class ProbeOutlier(ServedWeightsMismatch):
+    """A 16-bit server's first probe sequence failed the bound on its mean: what ``PushVerifier.confirm`` settles with
+    further sequences. Raised as is (a mismatch) where nothing confirms it."""
+
+    def __init__(self, message: str, *, server: str, version: int, gap: ProbeGap, expected: torch.Tensor,
+                 moved: float | None, started: float):
+        super().__init__(message, server=server, version=version, phase="verify")
+        self.gap, self.expected, self.moved, self.started = gap, expected, moved, started
 
 
 def probe_token_ids(vocab_size: int, length: int, seed: int = 0) -> list[int]:
@@ -131,6 +183,7 @@ class PushVerifier:
 
     def __init__(self, config: VerifyConfig, vocab_size: int):
         self.config = config
+        self.vocab_size = vocab_size
         self.token_ids = probe_token_ids(vocab_size, config.probe_tokens)
         self.atol: float | None = config.logprob_atol
         self.served_dtype: str | None = None  # as the server reports it, read at the first check
@@ -187,24 +240,52 @@ class PushVerifier:
                         "read back after every push", control.base_url, self.skip_reason)
             return None
         expected = expected.detach().double().cpu()
-        gaps = (torch.tensor(served, dtype=torch.float64) - expected).abs()
-        diff, mean_diff = float(gaps.max()), float(gaps.mean())
         moved = None if self.last_expected is None else float((expected - self.last_expected).abs().max())
-        on_mean = self.checks_mean()
-        checked = mean_diff if on_mean else diff
-        if not checked <= self.atol:  # NaN fails too
+        gap = probe_gap(served, expected, self.atol, self.checks_mean())
+        if not gap.passed:
+            message = (f"the vLLM server at {control.base_url} does not serve the trainer's weights of version {version}: "
+                       f"its log-probs of the probe differ by {gap.describe()}"
+                       + (f"; one version moves them by up to {moved:.3g})" if moved is not None else ")"))
+            if gap.on_mean and self.config.confirm_probes > 0:
+                raise ProbeOutlier(message, server=control.base_url, version=version, gap=gap, expected=expected,
+                                   moved=moved, started=start)
             raise ServedWeightsMismatch(
-                f"the vLLM server at {control.base_url} does not serve the trainer's weights of version {version}: "
-                f"its log-probs of the probe differ by {mean_diff:.3g} on average and up to {diff:.3g} (tolerance "
-                f"{self.atol:g} on the {'mean' if on_mean else 'largest'}"
-                + (f"; one version moves them by up to {moved:.3g})" if moved is not None else ")")
-                + (". On a 16-bit server this bound can fail with the right weights (docs/weight_sync.md, a known false "
-                   "alarm); weight_sync_verify_atol sets a fixed one" if on_mean else ""),
-                server=control.base_url, version=version, phase="verify",
-            )
+                message + (". On a 16-bit server this bound can fail with the right weights (docs/weight_sync.md, a "
+                           "known false alarm); weight_sync_verify_atol sets a fixed one" if gap.on_mean else ""),
+                server=control.base_url, version=version, phase="verify")
         self.last_expected = expected
-        return VerifyReport(version=version, max_diff=diff, mean_diff=mean_diff, moved=moved, tolerance=self.atol,
-                            seconds=time.perf_counter() - start)
+        return VerifyReport(version=version, max_diff=gap.max_diff, mean_diff=gap.mean_diff, moved=moved,
+                            tolerance=gap.tolerance, seconds=time.perf_counter() - start)
+
+    def confirm_token_ids(self) -> list[list[int]]:
+        """The further probe sequences of ``VerifyConfig.confirm_probes`` (seeds 1, 2, ...)."""
+        return [probe_token_ids(self.vocab_size, self.config.probe_tokens, seed)
+                for seed in range(1, self.config.confirm_probes + 1)]
+
+    def confirm(self, control: Any, outlier: ProbeOutlier, probes: list[tuple[list[int], torch.Tensor, float | None]],
+                model: str | None = None) -> VerifyReport:
+        """Settle ``outlier`` with further sequences: ``probes`` holds each one's token ids, the trainer's log-probs and
+        its own 16-bit rounding of them (every rank computed those). The first sequence's report when every one passes
+        its bound (logged: one sequence's rounding outlier), else ``ServedWeightsMismatch`` naming every gap."""
+        gaps = [probe_gap(control.prompt_logprobs(ids, model=model), expected,
+                          default_atol(self.served_dtype, rounding_gap), on_mean=True)
+                for ids, expected, rounding_gap in probes]
+        first = outlier.gap
+        listed = "; ".join(f"sequence {seed}: {gap.describe()})" for seed, gap in enumerate([first, *gaps]))
+        if not all(gap.passed for gap in gaps):
+            raise ServedWeightsMismatch(
+                f"the vLLM server at {control.base_url} does not serve the trainer's weights of version "
+                f"{outlier.version}: its log-probs of {len(gaps) + 1} probe sequences differ by {listed}. A 16-bit "
+                "server's rounding put one sequence past its bound at times in tests; more than one failing points to "
+                "the weights (docs/weight_sync.md; weight_sync_verify_atol sets a fixed bound)",
+                server=control.base_url, version=outlier.version, phase="verify")
+        log.warning("weight push check, version %s on %s: the first probe sequence failed its bound and %d more passed "
+                    "theirs, so the push stands (a 16-bit rounding outlier of one sequence): %s", outlier.version,
+                    control.base_url, len(gaps), listed)
+        self.last_expected = outlier.expected
+        return VerifyReport(version=outlier.version, max_diff=first.max_diff, mean_diff=first.mean_diff,
+                            moved=outlier.moved, tolerance=first.tolerance,
+                            seconds=time.perf_counter() - outlier.started, reprobes=len(gaps))
 
     def checks_mean(self) -> bool:
         """Whether the tolerance bounds the probe's mean gap (a 16-bit server, default tolerance) or its largest."""

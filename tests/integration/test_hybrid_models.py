@@ -359,10 +359,12 @@ def learning_run(served: Served, tmp_path: Path) -> tuple[float, float, list[dic
                                         "logprob_diff_step1": history[0].get("sampling/logprob_diff_mean"),
                                         "masked_step1": history[0].get("sampling/masked_mean"),
                                         # a 16-bit server's push check: its worst mean probe gap over what it
-                                        # accepted (1 = at its limit; an fp32 server's check bounds the largest gap)
+                                        # accepted (1 = at its limit; above it, further sequences settled it; an fp32
+                                        # server's check bounds the largest gap)
                                         "verify_mean_over_tolerance_max": max(
                                             (h["sync/verify_logprob_diff_mean"] / h["sync/verify_tolerance"] for h in history
                                              if "sync/verify_tolerance" in h), default=None),
+                                        "verify_reprobes": sum(h.get("sync/verify_reprobes", 0) for h in history),
                                         "per_step": np.round(rewards, 3).tolist()}}))
     return first, last, history
 
