@@ -286,9 +286,9 @@ class AsyncGRPOConfig:
     packing: Literal["tree", "flat"] = "tree"
     """``tree`` (prefix-trie rows, shared tokens forwarded once) or ``flat`` (padding-free, no sharing)."""
     gdn_backend: Literal["auto", "reference", "fla"] = "auto"
-    """Gated DeltaNet kernel in packed rows: ``fla`` (flash-linear-attention, CUDA; FlashQLA's for heads of 128 where
-    ``flash-qla`` is installed), ``reference`` (PyTorch), or ``auto``: fla where its forward and backward match the
-    reference on probe trees at the model's head sizes, else the reference. Unused for attention-only models."""
+    """Gated DeltaNet kernels in packed rows: ``fla`` (flash-linear-attention, CUDA, convolution included; FlashQLA's for
+    heads of 128 where installed), ``reference`` (PyTorch), or ``auto``: fla's where they match PyTorch forward and
+    backward on probe trees at the model's sizes (each kernel on its own), else PyTorch's. Unused without GDN layers."""
     routing_replay: bool = True
     """Mixture-of-experts policies: forward every sampled token through the experts the sampler routed it to
     (the router's top-k replaced by the sampler's; its weights still the trainer's softmax, so the router keeps

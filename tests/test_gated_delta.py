@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
+import os
 import sys
 
 import numpy as np
@@ -138,6 +140,78 @@ def test_conv_window_crosses_into_the_parent_never_the_sibling():
     # Segment 3 (row 8) reads its parent's two tokens and the root's last one.
     assert source.tolist()[17:21] == [2, 6, 7, 8]
     assert len(keep) == meta.cu_seq_q[-1]
+
+
+def test_conv_context_reads_the_path_before_each_segment():
+    """A root of 5 tokens (rows 0-4), a child of one token (5), its child (6-8), a second child (9-10): the context of
+    the grandchild reaches past its one-token parent into the root."""
+    meta = gd._probe_meta(torch.device("cpu"), [5, 1, 3, 2])
+    assert gd.conv_context(meta, 4).tolist() == [[-1, -1, -1], [2, 3, 4], [3, 4, 5], [2, 3, 4]]
+    assert gd.conv_context(meta, 1).shape == (4, 0)
+    source, _ = gd.conv_indices(meta, 4)
+    assert source.tolist()[:8] == [-1, -1, -1, 0, 1, 2, 3, 4] and source.tolist()[12:18] == [3, 4, 5, 6, 7, 8]
+
+
+def test_the_convolution_backend_follows_the_delta_rule_and_its_own_probe(monkeypatch, caplog):
+    cpu = torch.device("cpu")
+    asked = []
+    monkeypatch.setattr(gd, "probe_conv", lambda *a, **k: asked.append(a) or 1e-3)
+    assert gd.select_conv_backend(gd.GDN_BACKENDS["reference"], cpu, 64, 4).name == "torch" and not asked
+    assert gd.select_conv_backend(gd.GDN_BACKENDS["fla"], cpu, 96, 3).name == "fla"
+    assert [a[2:] for a in asked] == [(96, 3, tree) for tree in gd.PROBE_TREES]  # the layers' width, both trees
+    monkeypatch.setattr(gd, "probe_conv", lambda *a, **k: 0.2)
+    with caplog.at_level("WARNING", logger=gd.__name__):
+        assert gd.select_conv_backend(gd.GDN_BACKENDS["fla"], cpu, 64, 4).name == "torch"
+
+    def missing(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'fla'")
+
+    monkeypatch.setattr(gd, "probe_conv", missing)
+    with caplog.at_level("WARNING", logger=gd.__name__):
+        assert gd.select_conv_backend(gd.GDN_BACKENDS["fla"], cpu, 64, 4).name == "torch"
+    assert "convolution is not usable here (probe error 2.00e-01)" in caplog.text
+    assert "(ModuleNotFoundError: No module named 'fla')" in caplog.text
+    gd.register_gdn_backend("reference", "cpu")
+    assert gd.active_conv_backend().name == "torch"
+
+
+def fla_conv_device() -> str | None:
+    """Where flash-linear-attention's convolution can run here: CUDA, or the CPU under Triton's interpreter."""
+    if importlib.util.find_spec("fla") is None:
+        return None
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
+
+
+@pytest.mark.skipif(fla_conv_device() is None, reason="needs flash-linear-attention and CUDA, or fla with Triton's "
+                                                      "interpreter (TRITON_INTERPRET=1) on the CPU")
+def test_fla_convolution_equals_the_pytorch_form_on_trees(monkeypatch):
+    """fla's varlen convolution started from each segment's path context: output and gradients of input, weight and
+    bias equal the PyTorch form in fp32, on forked trees (a context reaching past a short parent included)."""
+    device = torch.device(fla_conv_device())
+    if device.type == "cpu":  # the interpreter has no timer: the autotuner takes its first config
+        import triton.runtime.autotuner as autotuner
+
+        monkeypatch.setattr(autotuner.Autotuner, "do_bench", lambda self, fn, quantiles=None: [0.0, 0.0, 0.0],
+                            raising=False)
+    for seed in range(3):
+        plan = plan_step(forked_samples(seed), world_size=1, gradient_accumulation_steps=1, token_budget=10_000)
+        meta = pack_row(plan.rows[0]).attention.to(device)
+        u = int(meta.cu_seq_q[-1])
+        gen = torch.Generator().manual_seed(seed)
+        inputs = [torch.randn(1, u, 24, generator=gen).transpose(1, 2), torch.randn(24, 4, generator=gen),
+                  torch.randn(24, generator=gen)]
+        grad = torch.randn(1, 24, u, generator=gen).to(device)
+        for activation in ("silu", None, "gelu"):
+            results = []
+            for backend in (gd.CONV_BACKENDS["fla"], gd.CONV_BACKENDS["torch"]):
+                xs = [t.to(device).requires_grad_() for t in inputs]
+                out = gd.tree_conv(*xs, activation, meta, backend=backend)
+                out.backward(grad)
+                results.append([out.detach()] + [t.grad for t in xs])
+            for a, b in zip(*results):
+                torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 # ------------------------------------------------------------------------------------------ models
@@ -404,14 +478,17 @@ def test_fla_kernel_names_the_kernels_fla_dispatches_to(monkeypatch):
 
 
 def test_the_backend_probe_runs_at_the_model_head_sizes(monkeypatch):
-    """install_gated_delta probes at the GDN layers' own head sizes (a kernel library may dispatch by size)."""
+    """install_gated_delta probes at the GDN layers' own head sizes and convolution width (a kernel library may
+    dispatch by size)."""
     seen = []
-    monkeypatch.setattr(gd, "register_gdn_backend", lambda name, device, dk, dv: seen.append((dk, dv)) or "reference")
+    monkeypatch.setattr(gd, "register_gdn_backend",
+                        lambda name, device, dk, dv, channels, kernel: seen.append((dk, dv, channels, kernel)) or "reference")
     torch.manual_seed(0)
     model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**COMMON))  # heads of 32, not the probe's default 64
     layer = hybrid.gated_delta_layers(model)[0]
     hybrid.install_gated_delta(model)
-    assert seen == [(layer.head_k_dim, layer.head_v_dim)] and hybrid.head_sizes(layer) == (layer.head_k_dim, layer.head_v_dim)
+    assert seen == [(layer.head_k_dim, layer.head_v_dim, layer.conv_dim, layer.conv_kernel_size)]
+    assert hybrid.head_sizes(layer) == (layer.head_k_dim, layer.head_v_dim)
 
 
 def test_flash_qla_failing_its_probe_falls_back_to_fla_triton_kernels(monkeypatch):

@@ -44,7 +44,7 @@ import torch
 
 from grpo_core.config import AsyncGRPOConfig  # noqa: E402
 from grpo_core.models.attention import tree as ta  # noqa: E402
-from grpo_core.models.attention.gated_delta import active_gdn_backend, fla_kernel  # noqa: E402
+from grpo_core.models.attention.gated_delta import active_conv_backend, active_gdn_backend, fla_kernel  # noqa: E402
 from grpo_core.models.attention.hybrid import gated_delta_layers, head_sizes  # noqa: E402
 from grpo_core.models.fsdp import FSDPSettings, shard_policy  # noqa: E402
 from grpo_core.models.moe.experts import active_expert_params, use_grouped_experts  # noqa: E402
@@ -173,6 +173,11 @@ def gdn_backend_label(model: torch.nn.Module) -> str | None:
     return f"fla/{fla_kernel(*head_sizes(layers[0]))}" if name == "fla" else name
 
 
+def gdn_conv_label(model: torch.nn.Module) -> str | None:
+    """The short convolution's backend of the model's Gated DeltaNet layers (``fla`` or ``torch``), None without any."""
+    return active_conv_backend().name if gated_delta_layers(model) else None
+
+
 def run_shape(args, shape: str, device: torch.device, rank: int, world: int, build=build_model,
               config: AsyncGRPOConfig | None = None) -> list[dict]:
     """The shape's rows per workload, flat and tree, timed as the trainer runs them (``config``, default
@@ -199,6 +204,7 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
               "active_expert_params": active, "active_params_per_token": flops_model.layer_params + flops_model.head_params,
               "experts_implementation": experts_impl, "routing_replay": not args.no_replay,
               "attention_backend": attention, "gdn_backend": gdn_backend_label(model),
+              "gdn_conv_backend": gdn_conv_label(model),
               "token_budget": budget, "compile": settings.compile, "activation_checkpointing": settings.activation_checkpointing,
               "world_size": world}
     results = []

@@ -15,8 +15,9 @@ One run measures, all with random weights and 16k-token rows:
   through transformers' unpatched path, bf16, for both dense models (tree_packing.py's exactness samples),
   decomposed: each sample as a row of its own through the same kernels (``single``), and for the hybrid the
   packed row with the fp32 PyTorch delta rule (``reference``) instead of flash-linear-attention;
-* ``conv``: the tree short convolution at a 16k row of the hybrid's width, fwd+bwd, channel-last
-  multiply-adds (the trainer's) against a grouped ``conv1d``, each eager and compiled.
+* ``conv``: the tree short convolution with its silu at a 16k row of the hybrid's width, fwd+bwd: the PyTorch
+  channel-last multiply-adds and a grouped ``conv1d``, each eager and compiled, and flash-linear-attention's
+  varlen kernel (what the trainer runs with fla).
 
 ``summary`` holds ``hybrid_per_param_vs_dense`` (per workload), ``qwen3_5_moe_mfu``, ``qwen3_30b_a3b_mfu``
 (fractions) and ``hybrid_logprob_gap_vs_dense`` (hybrid gap / dense gap), with the targets.
@@ -24,6 +25,7 @@ One run measures, all with random weights and 16k-token rows:
     python3 -m benchmarks.models.qwen35_speed --out $OUT/qwen35_speed.json
     python3 -m benchmarks.models.qwen35_speed --parts moe --resume benchmarks/results/qwen35_speed.json --out ...
     python3 -m benchmarks.models.qwen35_speed --parts speed --gdn-kernels triton,flash_qla --profile --out ...
+    python3 -m benchmarks.models.qwen35_speed --parts conv,speed --gdn-convs torch,auto --out ...
     python3 -m benchmarks.models.qwen35_speed --smoke --out /tmp/qwen35_smoke.json
 """
 
@@ -100,16 +102,21 @@ def shape_results(args, shape: str, device, info, world, build) -> list[dict]:
         return [{**r, "compile_mode": "pointwise", "default_config_error": error} for r in results]
 
 
+def side_by_side(value: str, default: str, known: tuple[str, ...], flag: str) -> list[str | None]:
+    """The runs of a side-by-side option: one run as configured (None) for ``default``, else one per listed choice."""
+    if value == default:
+        return [None]
+    listed = value.split(",")
+    unknown = set(listed) - set(known)
+    if unknown:
+        raise SystemExit(f"{flag}: unknown {sorted(unknown)}; use {default}, or any of {','.join(known)}")
+    return listed
+
+
 def gdn_kernel_choices(args) -> list[str | None]:
     """``--gdn-kernels``: None runs once with what fla picks; ``triton`` and ``flash_qla`` set ``FLA_FLASH_QLA``
     (which fla reads at every call) for a run each, side by side."""
-    if args.gdn_kernels == "auto":
-        return [None]
-    choices = args.gdn_kernels.split(",")
-    unknown = set(choices) - {"triton", "flash_qla"}
-    if unknown:
-        raise SystemExit(f"--gdn-kernels: unknown {sorted(unknown)}; use auto, or any of triton,flash_qla")
-    return choices
+    return side_by_side(args.gdn_kernels, "auto", ("triton", "flash_qla"), "--gdn-kernels")
 
 
 def with_gdn_kernel(choice: str | None, run):
@@ -120,17 +127,34 @@ def with_gdn_kernel(choice: str | None, run):
         return run()
 
 
+def gdn_conv_choices(args) -> list[str | None]:
+    """``--gdn-convs``: None runs once with what the trainer picks; ``torch`` keeps the short convolutions on the
+    PyTorch form, ``auto`` lets them take fla's kernel where it passes its probe, for a run each."""
+    return side_by_side(args.gdn_convs, "default", ("torch", "auto"), "--gdn-convs")
+
+
+def with_gdn_conv(choice: str | None, run):
+    """``run()`` with the short convolutions held to the PyTorch form (``torch``); None or ``auto``: as the trainer
+    picks (``gated_delta.select_conv_backend``)."""
+    if choice != "torch":
+        return run()
+    with mock.patch.object(gd, "select_conv_backend", lambda *args, **kwargs: gd.CONV_BACKENDS["torch"]):
+        return run()
+
+
 def run_speed(args, device, info, world) -> list[dict]:
     results = []
     dense, hybrid = PAIRS[args.smoke]
-    runs = [(dense, None)] + [(hybrid, choice) for choice in gdn_kernel_choices(args)]
-    for shape, choice in runs:
+    runs = [(dense, None, None)] + [(hybrid, kernel, conv) for kernel in gdn_kernel_choices(args)
+                                    for conv in gdn_conv_choices(args)]
+    for shape, kernel, conv in runs:
         args.layers = DENSE[shape][1]["num_hidden_layers"]
         args.workloads = "ratio~1,ratio~3.4" if not args.smoke else "ratio~1,ratio~3"
-        for r in with_gdn_kernel(choice, lambda: shape_results(args, shape, device, info, world, build_dense)):
+        run = lambda: shape_results(args, shape, device, info, world, build_dense)  # noqa: E731
+        for r in with_gdn_kernel(kernel, lambda: with_gdn_conv(conv, run)):
             results.append(r)
-            print("speed", json.dumps({k: r.get(k) for k in ("model", "gdn_backend", "workload", "packing",
-                                                               "trained_tokens_per_s", "mfu_fwd_bwd",
+            print("speed", json.dumps({k: r.get(k) for k in ("model", "gdn_backend", "gdn_conv_backend", "workload",
+                                                               "packing", "trained_tokens_per_s", "mfu_fwd_bwd",
                                                                "speedup_over_flop_ideal", "error")}), flush=True)
     return results
 
@@ -205,8 +229,11 @@ def logprob_gap(shape: str, device: torch.device, dtype: torch.dtype) -> dict:
 
 # ---- the short convolution --------------------------------------------------------------------------
 def conv_timing(device: torch.device, smoke: bool) -> dict:
-    """fwd+bwd of the tree convolution on one ratio~3.4 row at the hybrid's width (16 + 16 + 16 heads of 128),
-    each form eager and compiled (``<form>_ms``, ``<form>_compiled_ms``)."""
+    """fwd+bwd of the tree convolution with its silu, as a layer runs it, on one ratio~3.4 row at the hybrid's width
+    (16 + 16 + 16 heads of 128): the trainer's channel-last multiply-adds and a grouped ``conv1d``, each eager and
+    compiled, and flash-linear-attention's varlen kernel where it is usable (``<form>_ms``; ``fla_error`` else)."""
+    import torch.nn.functional as F
+
     budget, channels = (256, 64) if smoke else (16384, 6144)
     workload = (tree_packing.SMOKE_WORKLOADS if smoke else tree_packing.WORKLOADS)[-1 if smoke else 2]
     samples = tree_packing.make_samples(workload, 1000, seed=5)
@@ -214,21 +241,28 @@ def conv_timing(device: torch.device, smoke: bool) -> dict:
     meta = pack_row(plan.rows[0]).to(device).attention
     u = int(meta.cu_seq_q[-1])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    x = torch.randn(1, channels, u, device=device, dtype=dtype)
+    x = torch.randn(1, u, channels, device=device, dtype=dtype).transpose(1, 2)  # a layer's transposed projection
     w = torch.randn(channels, 4, device=device, dtype=dtype, requires_grad=True)
     out = {"tokens": u, "channels": channels}
     # Each form eagerly and compiled as a layer compiles it (dynamic shapes): the channel-last form is written
     # for the compiler, which fuses its shifted multiply-adds; eagerly each one is a kernel of its own.
-    forms = [(name, fn) for name, fn in (("channel_last", gd.tree_causal_conv1d),
-                                         ("grouped_conv1d", gd.tree_causal_conv1d_grouped))]
+    torch_conv = gd.CONV_BACKENDS["torch"]
+    forms = [("channel_last", lambda x, w, meta: gd.tree_conv(x, w, None, "silu", meta, backend=torch_conv)),
+             ("grouped_conv1d", lambda x, w, meta: F.silu(gd.tree_causal_conv1d_grouped(x, w, None, meta)))]
     forms += [(f"{name}_compiled", torch.compile(fn, dynamic=True)) for name, fn in forms]
+    try:
+        err = gd.probe_conv(gd.CONV_BACKENDS["fla"], device, channels)
+        forms.append(("fla", lambda x, w, meta: gd.tree_conv(x, w, None, "silu", meta, backend=gd.CONV_BACKENDS["fla"])))
+        out["fla_probe_error"] = err
+    except Exception as exc:  # noqa: BLE001 - not importable here (the CPU smoke), or a kernel that fails
+        out["fla_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     for name, fn in forms:
-        xr = x.clone().requires_grad_()
+        xr = x.detach().clone().requires_grad_()
         times = []
         for i in range(3 if smoke else 12):
             synchronize(device)
             start = time.perf_counter()
-            fn(xr, w, None, meta).float().square().mean().backward()
+            fn(xr, w, meta).float().square().mean().backward()
             synchronize(device)
             if i >= 2:
                 times.append(time.perf_counter() - start)
@@ -242,6 +276,19 @@ def find(results: list[dict], **keys) -> dict | None:
     return next((r for r in results if all(r.get(k) == v for k, v in keys.items()) and "error" not in r), None)
 
 
+def kernels_label(row: dict) -> str:
+    """A hybrid row's kernels: its delta rule's, and its short convolution's where the row names one."""
+    conv = row.get("gdn_conv_backend")
+    return str(row.get("gdn_backend")) + (f", conv {conv}" if conv else "")
+
+
+def default_rank(row: dict) -> tuple[int, int]:
+    """How near a hybrid row is to what the default config runs (0 first): ``DEFAULT_ORDER``, fla's convolution."""
+    kernel = row.get("gdn_backend")
+    return (DEFAULT_ORDER.index(kernel) if kernel in DEFAULT_ORDER else 9,
+            0 if row.get("gdn_conv_backend") in ("fla", None) else 1)
+
+
 def summarize(report: dict, smoke: bool) -> dict:
     dense, hybrid = PAIRS[smoke]
     speed, summary = report.get("speed", []), {"targets": TARGETS}
@@ -253,16 +300,18 @@ def summarize(report: dict, smoke: bool) -> dict:
                    and r.get("packing") == "tree" and "error" not in r]
         if not (d and hybrids):
             continue
-        per_kernel = {h.get("gdn_backend"): (h["trained_tokens_per_s"] * h["params"]) / (d["trained_tokens_per_s"] * d["params"])
+        per_kernel = {kernels_label(h): (h["trained_tokens_per_s"] * h["params"]) / (d["trained_tokens_per_s"] * d["params"])
                       for h in hybrids}
         for kernel, ratio in per_kernel.items():
-            by_kernel.setdefault(str(kernel), {})[workload] = ratio
+            by_kernel.setdefault(kernel, {})[workload] = ratio
         # The figure is the default config's: ``auto`` runs FlashQLA's kernels where they are installed and pass
-        # the probe, else fla's Triton kernels (the other rows are the side-by-side comparison).
-        h = min(hybrids, key=lambda r: DEFAULT_ORDER.index(r.get("gdn_backend")) if r.get("gdn_backend") in DEFAULT_ORDER else 9)
-        per_param[workload] = per_kernel[h.get("gdn_backend")]
+        # the probe, else fla's Triton kernels, and fla's convolution where it passes its own (the other rows are
+        # the side-by-side comparison).
+        h = min(hybrids, key=default_rank)
+        per_param[workload] = per_kernel[kernels_label(h)]
         reached[workload] = {"dense": d.get("speedup_over_flop_ideal"), "hybrid": h.get("speedup_over_flop_ideal"),
-                             "dense_mfu": d["mfu_fwd_bwd"], "hybrid_mfu": h["mfu_fwd_bwd"], "gdn_backend": h.get("gdn_backend")}
+                             "dense_mfu": d["mfu_fwd_bwd"], "hybrid_mfu": h["mfu_fwd_bwd"], "gdn_backend": h.get("gdn_backend"),
+                             "gdn_conv_backend": h.get("gdn_conv_backend")}
     summary["hybrid_per_param_vs_dense"] = per_param
     if len(by_kernel) > 1:
         summary["hybrid_per_param_vs_dense_by_gdn_backend"] = by_kernel
@@ -301,10 +350,14 @@ def main() -> None:
     ap.add_argument("--gdn-kernels", default="auto",
                     help="the hybrid's delta-rule kernels: auto (what fla picks), or triton and/or flash_qla, each "
                          "timed in turn (FLA_FLASH_QLA=0/1; flash_qla needs the flash-qla package: pack_gdn.sh)")
+    ap.add_argument("--gdn-convs", default="default",
+                    help="the hybrid's short convolutions: default (what the trainer picks), or torch and/or auto, each "
+                         "timed in turn (torch: the PyTorch form; auto: fla's kernel where it passes its probe)")
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: profile one step of each shape's tree rows (top kernels, time per kind of kernel)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script only")
     args = ap.parse_args()
+    gdn_kernel_choices(args), gdn_conv_choices(args)  # a typo fails here, not after the parts before the speed part
     args.no_replay = False
     info = DistInfo.from_env()
     device = torch.device("cpu") if args.smoke else info.device()

@@ -26,6 +26,11 @@ Backends of the delta rule (picked by ``select_gdn_backend``, like the attention
   wide (``fla_kernel``). Accepted only if a probe on a small tree, at the model's head sizes, agrees with
   ``reference`` in output and gradients.
 
+Backends of the convolution (picked with the delta rule's, ``select_conv_backend``): ``torch``, the gathered
+channel-last multiply-adds of ``tree_causal_conv1d``, and with ``fla`` flash-linear-attention's varlen Triton
+kernel, the row's segments as its sequences and each one's path context (``conv_context``) as its initial state;
+accepted only if a probe at the layers' width agrees with ``torch``.
+
 Run its tests: ``.venv/bin/python -m pytest tests/test_gated_delta.py``.
 """
 
@@ -118,24 +123,35 @@ def build_segment_tree(meta: TreeAttentionMetadata, device: torch.device) -> Seg
     return SegmentTree(depths, torch.as_tensor(unsort).to(device))
 
 
+def conv_context(meta: TreeAttentionMetadata, kernel: int) -> np.ndarray:
+    """int64 ``[G, kernel - 1]``: per segment, the path positions just before its own tokens, oldest first
+    (-1 above the root): what the short convolution reads before a segment's first token."""
+    cu_q, cu_k = meta.cu_seq_q.cpu().numpy().astype(np.int64), meta.cu_seq_k.cpu().numpy().astype(np.int64)
+    kv = None if meta.kv_index is None else meta.kv_index.cpu().numpy()
+    ctx = kernel - 1
+    out = np.full((len(cu_q) - 1, ctx), -1, dtype=np.int64)
+    if kv is None or ctx == 0:
+        return out
+    for g in range(len(cu_q) - 1):
+        q = int(cu_q[g + 1] - cu_q[g])
+        before = kv[cu_k[g] : cu_k[g + 1]][: int(cu_k[g + 1] - cu_k[g]) - q][-ctx:]
+        out[g, ctx - len(before):] = before
+    return out
+
+
 def conv_indices(meta: TreeAttentionMetadata, kernel: int) -> tuple[np.ndarray, np.ndarray]:
     """``(source, keep)`` for ``tree_causal_conv1d``.
 
     ``source`` (int64): per segment, the ``kernel - 1`` path positions before its own tokens (-1 above
-    the root) followed by its own positions. ``keep`` (int64 [U]): for each row position, the
-    index of its output among the valid convolution outputs over ``source``.
+    the root, ``conv_context``) followed by its own positions. ``keep`` (int64 [U]): for each row position,
+    the index of its output among the valid convolution outputs over ``source``.
     """
-    cu_q, cu_k = meta.cu_seq_q.cpu().numpy().astype(np.int64), meta.cu_seq_k.cpu().numpy().astype(np.int64)
-    kv = None if meta.kv_index is None else meta.kv_index.cpu().numpy()
+    cu_q = meta.cu_seq_q.cpu().numpy().astype(np.int64)
+    context = conv_context(meta, kernel)
     ctx, parts, keep, offset = kernel - 1, [], [], 0
     for g in range(len(cu_q) - 1):
         q = int(cu_q[g + 1] - cu_q[g])
-        before = np.zeros(0, dtype=np.int64)
-        if kv is not None:
-            path = kv[cu_k[g] : cu_k[g + 1]]
-            before = path[: len(path) - q][-ctx:] if ctx else before
-        pad = np.full(ctx - len(before), -1, dtype=np.int64)
-        parts.append(np.concatenate([pad, before, np.arange(cu_q[g], cu_q[g + 1])]))
+        parts.append(np.concatenate([context[g], np.arange(cu_q[g], cu_q[g + 1])]))
         # Valid output j covers source[j : j + kernel], so own token i (at source ctx + i) is output i.
         keep.append(offset + np.arange(q))
         offset += ctx + q
@@ -199,6 +215,92 @@ def tree_causal_conv1d_grouped(
     gathered = gather_rows(rows, source + 1).t().unsqueeze(0)  # [1, C, E]
     out = F.conv1d(gathered, weight.unsqueeze(1), bias, groups=weight.shape[0])
     return out.index_select(2, keep)
+
+
+# ---- the short convolution: backends ----------------------------------------------------------------
+def activation_fn(name: str | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """transformers' activation of that name (identity for None)."""
+    if name is None:
+        return lambda x: x
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
+def _torch_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                meta: TreeAttentionMetadata) -> torch.Tensor:
+    return activation_fn(activation)(tree_causal_conv1d(x, weight, bias, meta)).to(x.dtype)
+
+
+FLA_ACTIVATIONS = (None, "silu", "swish")
+"""Activations flash-linear-attention's convolution applies inside its kernel; others run after it."""
+
+
+def _fla_conv_plan(x: torch.Tensor, kernel: int, meta: TreeAttentionMetadata) -> tuple[torch.Tensor, ...]:
+    """``(context, cu_seqlens, cu_seqlens_cpu, chunk_indices)`` of a row, once per row: the segments in row order
+    are the kernel's variable-length sequences, and each one's context its initial state."""
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    def build() -> tuple[torch.Tensor, ...]:
+        cu_cpu = meta.cu_seq_q.cpu().to(torch.int64)
+        cu = cu_cpu.to(x.device)
+        context = torch.as_tensor(conv_context(meta, kernel)).to(x.device)
+        return context, cu, cu_cpu, prepare_chunk_indices(cu, FLA_CONV_CHUNK, cu_seqlens_cpu=cu_cpu)
+
+    return cached(meta, ("gdn_conv_fla", kernel, x.device), build)
+
+
+FLA_CONV_CHUNK = 64
+"""Tokens per program of flash-linear-attention's convolution (its default block)."""
+
+
+def _fla_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+              meta: TreeAttentionMetadata) -> torch.Tensor:
+    """flash-linear-attention's causal convolution (Triton; fused activation, fp32 accumulation) over the
+    row's segments as variable-length sequences, each started from the ``kernel - 1`` path tokens before it as
+    its initial state (zeros above a root). The state is gathered from the row, so gradients reach those
+    tokens through it. Returns ``[1, C, U]`` in ``x``'s dtype."""
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    if x.shape[0] != 1:
+        raise ValueError(f"a packed row is one sequence (batch 1), got batch {x.shape[0]}")
+    kernel = weight.shape[-1]
+    context, cu, cu_cpu, chunks = _fla_conv_plan(x, kernel, meta)
+    rows = x[0].t()  # [U, C]: transformers hands over a transposed [1, U, C] projection, so this is contiguous
+    rows = rows if rows.is_contiguous() else rows.contiguous()
+    padded = torch.cat([rows.new_zeros(1, rows.shape[1]), rows])  # row 0: the zeros above a root
+    before = padded[context + 1]  # [G, K - 1, C]
+    # fla's state holds the last ``kernel`` inputs, oldest first; the convolution reads the last kernel - 1
+    state = torch.cat([before.new_zeros(before.shape[0], 1, before.shape[2]), before], 1).transpose(1, 2)
+    fused = activation if activation in FLA_ACTIVATIONS else None
+    y, _ = causal_conv1d(rows.unsqueeze(0), weight.to(rows.dtype), None if bias is None else bias.to(rows.dtype),
+                         initial_state=state.contiguous(), activation=fused, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+                         chunk_indices=chunks)
+    out = y[0].t().unsqueeze(0)
+    return out if fused == activation else activation_fn(activation)(out)
+
+
+@dataclass
+class ConvBackend:
+    name: str
+    run: Callable[..., torch.Tensor]
+    """``(x [1, C, U], weight [C, K], bias, activation, meta) -> [1, C, U]`` in ``x``'s dtype, activation applied."""
+    needs_cuda: bool
+
+
+CONV_BACKENDS: dict[str, ConvBackend] = {
+    "torch": ConvBackend("torch", _torch_conv, needs_cuda=False),
+    # A compiled layer runs the kernel as it is: fla keeps its own dispatch out of graphs, and the gathered
+    # context would otherwise be traced around a break.
+    "fla": ConvBackend("fla", torch.compiler.disable(_fla_conv, recursive=True), needs_cuda=True),
+}
+
+
+def tree_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+              meta: TreeAttentionMetadata, backend: ConvBackend | None = None) -> torch.Tensor:
+    """The short convolution of a Gated DeltaNet layer over a packed row, activation included, with ``backend``
+    (default: the one ``register_gdn_backend`` chose)."""
+    return (backend or _active_conv).run(x, weight, bias, activation, meta)
 
 
 # ---- the gated delta rule: reference ---------------------------------------------------------------
@@ -390,7 +492,46 @@ def _probe_fla(device: torch.device, dk: int, dv: int) -> str | None:
     return None if err < 2e-2 else f"probe error {err:.2e}"
 
 
+def probe_conv(backend: ConvBackend, device: torch.device, channels: int = 64, kernel: int = 4,
+               tree: str = "short") -> float:
+    """Largest relative error of ``backend``'s convolution (bf16, silu) in output and gradients of input, weight
+    and bias against the PyTorch form in fp32, on a probe tree (``PROBE_TREES``) at the layers' width."""
+    meta = _probe_meta(device, PROBE_TREES[tree])
+    u = int(meta.cu_seq_q[-1])
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, u, channels, generator=gen).transpose(1, 2)  # as a layer hands it over
+    weight, bias = torch.randn(channels, kernel, generator=gen) / kernel, torch.randn(channels, generator=gen)
+    grad = torch.randn(1, channels, u, generator=gen)
+    results = []
+    for be, dtype in ((backend, torch.bfloat16), (CONV_BACKENDS["torch"], torch.float32)):
+        xs = [t.to(device, dtype).requires_grad_() for t in (x, weight, bias)]
+        out = tree_conv(*xs, "silu", meta, backend=be)
+        out.backward(grad.to(device, dtype))
+        results.append([out.detach().float()] + [t.grad.float() for t in xs])
+    return max(float((a - b).norm() / b.norm()) for a, b in zip(*results))
+
+
+def select_conv_backend(gdn: GDNBackend, device: torch.device, channels: int, kernel: int) -> ConvBackend:
+    """``fla`` where the delta rule runs flash-linear-attention and its convolution passes ``probe_conv`` on both
+    probe trees at the layers' width, else the PyTorch form (``tree_causal_conv1d``)."""
+    if gdn.name != "fla":
+        return CONV_BACKENDS["torch"]
+    try:
+        err = max(probe_conv(CONV_BACKENDS["fla"], device, channels, kernel, tree) for tree in PROBE_TREES)
+    except Exception as exc:  # noqa: BLE001 - an fla without the module, or a kernel that fails
+        err, failure = float("nan"), f"{type(exc).__name__}: {exc}"
+    else:
+        failure = None if err < 2e-2 else f"probe error {err:.2e}"
+    if failure is None:
+        log.info("short-convolution probe of fla (%d channels, kernel %d): error %.2e", channels, kernel, err)
+        return CONV_BACKENDS["fla"]
+    log.warning("flash-linear-attention's convolution is not usable here (%s); the short convolutions run the "
+                "PyTorch form", failure)
+    return CONV_BACKENDS["torch"]
+
+
 _active: GDNBackend = GDN_BACKENDS["reference"]
+_active_conv: ConvBackend = CONV_BACKENDS["torch"]
 
 
 def select_gdn_backend(name: str = "auto", device: torch.device | str | None = None,
@@ -418,12 +559,20 @@ def select_gdn_backend(name: str = "auto", device: torch.device | str | None = N
 
 
 def register_gdn_backend(name: str = "auto", device: torch.device | str | None = None,
-                         dk: int = 64, dv: int = 64) -> str:
-    """Make ``name`` (see ``select_gdn_backend``) the backend of every patched GDN layer; returns its name."""
-    global _active
+                         dk: int = 64, dv: int = 64, channels: int = 64, kernel: int = 4) -> str:
+    """Make ``name`` (see ``select_gdn_backend``) the delta-rule backend of every patched GDN layer, and the
+    convolution backend that goes with it (``select_conv_backend``, at the layers' ``channels`` and ``kernel``);
+    returns the delta rule's."""
+    global _active, _active_conv
     _active = select_gdn_backend(name, device, dk, dv)
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _active_conv = select_conv_backend(_active, device, channels, kernel)
     return _active.name
 
 
 def active_gdn_backend() -> GDNBackend:
     return _active
+
+
+def active_conv_backend() -> ConvBackend:
+    return _active_conv

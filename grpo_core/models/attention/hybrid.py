@@ -55,14 +55,6 @@ def is_gated_delta_net(module: torch.nn.Module) -> bool:
     return f"{CONV_FN}(" in source and f"{CHUNK_FN}(" in source
 
 
-def _activation(name: str | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    if name is None:
-        return lambda x: x
-    from transformers.activations import ACT2FN
-
-    return ACT2FN[name]
-
-
 def _tree_conv(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def causal_conv1d_fn(
         hidden_states: torch.Tensor,
@@ -74,8 +66,7 @@ def _tree_conv(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
     ) -> torch.Tensor:
         if tree_attention is None:
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
-        out = gd.tree_causal_conv1d(hidden_states, weight, bias, tree_attention)
-        return _activation(activation)(out).to(hidden_states.dtype)
+        return gd.tree_conv(hidden_states, weight, bias, activation, tree_attention)
 
     causal_conv1d_fn.__doc__ = "Short causal convolution along each sample's trie path (grpo_core patch)."
     return causal_conv1d_fn
@@ -149,7 +140,8 @@ def gated_delta_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def install_gated_delta(model: torch.nn.Module, backend: str = "auto") -> str | None:
-    """Patch the modules of ``model``'s GDN layers and pick the delta-rule backend.
+    """Patch the modules of ``model``'s GDN layers and pick the delta-rule backend (and with it the short
+    convolution's, ``gated_delta.register_gdn_backend``).
 
     Returns the backend's name, or None when the model has no GDN layer (nothing is patched).
     """
@@ -159,7 +151,8 @@ def install_gated_delta(model: torch.nn.Module, backend: str = "auto") -> str | 
     for cls in {type(layer) for layer in layers}:
         patch_module(sys.modules[cls.__module__])
     dk, dv = head_sizes(layers[0])
-    return gd.register_gdn_backend(backend, next(model.parameters()).device, dk, dv)
+    channels, kernel = layers[0].conv1d.weight.shape[0], layers[0].conv1d.weight.shape[-1]
+    return gd.register_gdn_backend(backend, next(model.parameters()).device, dk, dv, channels, kernel)
 
 
 def head_sizes(layer: torch.nn.Module) -> tuple[int, int]:
