@@ -266,10 +266,9 @@ def _fla_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         raise ValueError(f"a packed row is one sequence (batch 1), got batch {x.shape[0]}")
     kernel = weight.shape[-1]
     context, cu, cu_cpu, chunks = _fla_conv_plan(x, kernel, meta)
-    rows = x[0].t()  # [U, C]: transformers hands over a transposed [1, U, C] projection, so this is contiguous
-    rows = rows if rows.is_contiguous() else rows.contiguous()
-    padded = torch.cat([rows.new_zeros(1, rows.shape[1]), rows])  # row 0: the zeros above a root
-    before = padded[context + 1]  # [G, K - 1, C]
+    rows = x[0].t().contiguous()  # [U, C]: a layer hands over a transposed [1, U, C] projection, so no copy
+    # [G, K - 1, C]: only the context is gathered (a padded copy of the whole row would cost a pass over it)
+    before = rows[context.clamp(min=0)] * (context >= 0).unsqueeze(-1).to(rows.dtype)
     # fla's state holds the last ``kernel`` inputs, oldest first; the convolution reads the last kernel - 1
     state = torch.cat([before.new_zeros(before.shape[0], 1, before.shape[2]), before], 1).transpose(1, 2)
     fused = activation if activation in FLA_ACTIVATIONS else None
@@ -530,6 +529,11 @@ def select_conv_backend(gdn: GDNBackend, device: torch.device, channels: int, ke
     return CONV_BACKENDS["torch"]
 
 
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """``device``, or the CUDA device where there is one and the CPU otherwise."""
+    return torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 _active: GDNBackend = GDN_BACKENDS["reference"]
 _active_conv: ConvBackend = CONV_BACKENDS["torch"]
 
@@ -540,7 +544,7 @@ def select_gdn_backend(name: str = "auto", device: torch.device | str | None = N
     head sizes ``dk``/``dv`` (the model's)."""
     if name not in ("auto", *GDN_BACKENDS):
         raise ValueError(f"unknown gated-delta backend {name!r}; known: {['auto', *GDN_BACKENDS]}")
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(device)
     if name == "reference" or (name == "auto" and device.type != "cuda"):
         return GDN_BACKENDS["reference"]
     failure = _probe_fla(device, dk, dv)
@@ -564,8 +568,8 @@ def register_gdn_backend(name: str = "auto", device: torch.device | str | None =
     convolution backend that goes with it (``select_conv_backend``, at the layers' ``channels`` and ``kernel``);
     returns the delta rule's."""
     global _active, _active_conv
+    device = resolve_device(device)
     _active = select_gdn_backend(name, device, dk, dv)
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     _active_conv = select_conv_backend(_active, device, channels, kernel)
     return _active.name
 
