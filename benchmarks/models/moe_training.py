@@ -178,6 +178,10 @@ def gdn_conv_label(model: torch.nn.Module) -> str | None:
     return active_conv_backend().name if gated_delta_layers(model) else None
 
 
+PROFILE_TOP = 30
+"""Kernels listed by name in a ``--profile``'s record (the rest are summed by kind)."""
+
+
 def run_shape(args, shape: str, device: torch.device, rank: int, world: int, build=build_model,
               config: AsyncGRPOConfig | None = None) -> list[dict]:
     """The shape's rows per workload, flat and tree, timed as the trainer runs them (``config``, default
@@ -187,6 +191,7 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
     cuda = device.type == "cuda"
     settings = FSDPSettings.from_config(config, bf16=cuda, device_type=device.type)
     model = build(shape, args.layers, device)
+    torch._dynamo.utils.counters.clear()  # graph breaks of this shape's compiled layers (the profile's record)
     experts_impl = use_grouped_experts(model)
     attention = ta.enable_tree_attention(model, backend=config.attention_backend if cuda else "varlen_emulated",
                                          linear_backend=config.gdn_backend if cuda else "reference",
@@ -210,7 +215,7 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
     results = []
     for workload in args.workloads.split(","):
         samples = with_routes(workload_samples(workload, args, model.config.vocab_size, budget, world), model, seed=7)
-        modes = ("tree",) if workload == "mfu" else ("flat", "tree")
+        modes = ("tree",) if workload == "mfu" else tuple(getattr(args, "packings", "flat,tree").split(","))
         per_mode = {}
         for mode in modes:
             rows_per_rank = args.rows_per_rank if workload == "mfu" else 10**6
@@ -234,9 +239,14 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
             if cuda and getattr(args, "profile", False) and mode == "tree":
                 loss_config = LossConfig.from_config(config)
                 profile = tree_packing.profile_call(
-                    lambda: rows_backward(model, moe, rows, num_trained, loss_config))
+                    lambda: rows_backward(model, moe, rows, num_trained, loss_config), top=PROFILE_TOP)
                 optimizer.zero_grad(set_to_none=True)
+                breaks = torch._dynamo.utils.counters["graph_break"]
+                profile["graph_breaks"] = {"total": sum(breaks.values()), "unique_graphs":
+                                           torch._dynamo.utils.counters["stats"]["unique_graphs"],
+                                           "reasons": {k[:200]: v for k, v in breaks.most_common(8)}}
                 tree_packing.print_profile(f"{shape} {workload} {mode}", profile)
+                print("graph breaks", profile["graph_breaks"], flush=True)
             step_flops = flops_model.rows_flops(plan.rows)
             forwarded = int(metrics["batch/forwarded_tokens_per_step"])
             per_mode[mode] = {

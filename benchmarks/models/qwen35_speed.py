@@ -145,11 +145,13 @@ def with_gdn_conv(choice: str | None, run):
 def run_speed(args, device, info, world) -> list[dict]:
     results = []
     dense, hybrid = PAIRS[args.smoke]
-    runs = [(dense, None, None)] + [(hybrid, kernel, conv) for kernel in gdn_kernel_choices(args)
-                                    for conv in gdn_conv_choices(args)]
+    models = args.models.split(",")
+    runs = ([(dense, None, None)] if "dense" in models else []) + (
+        [(hybrid, kernel, conv) for kernel in gdn_kernel_choices(args) for conv in gdn_conv_choices(args)]
+        if "hybrid" in models else [])
     for shape, kernel, conv in runs:
         args.layers = DENSE[shape][1]["num_hidden_layers"]
-        args.workloads = "ratio~1,ratio~3.4" if not args.smoke else "ratio~1,ratio~3"
+        args.workloads = args.speed_workloads if not args.smoke else args.speed_workloads.replace("ratio~3.4", "ratio~3")
         run = lambda: shape_results(args, shape, device, info, world, build_dense)  # noqa: E731
         for r in with_gdn_kernel(kernel, lambda: with_gdn_conv(conv, run)):
             results.append(r)
@@ -353,11 +355,20 @@ def main() -> None:
     ap.add_argument("--gdn-convs", default="default",
                     help="the hybrid's short convolutions: default (what the trainer picks), or torch and/or auto, each "
                          "timed in turn (torch: the PyTorch form; auto: fla's kernel where it passes its probe)")
+    ap.add_argument("--models", default="dense,hybrid",
+                    help="the speed part's models: dense and/or hybrid (both for the per-parameter ratio)")
+    ap.add_argument("--speed-workloads", default="ratio~1,ratio~3.4", help="the speed part's workloads")
+    ap.add_argument("--packings", default="flat,tree",
+                    help="the speed part's rows: flat and/or tree (both for the tree speed-up); e.g. tree with --profile")
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: profile one step of each shape's tree rows (top kernels, time per kind of kernel)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script only")
     args = ap.parse_args()
     gdn_kernel_choices(args), gdn_conv_choices(args)  # a typo fails here, not after the parts before the speed part
+    for flag, value, known in (("--models", args.models, {"dense", "hybrid"}),
+                               ("--packings", args.packings, {"flat", "tree"})):
+        if not value or set(value.split(",")) - known:
+            raise SystemExit(f"{flag}: {value!r}; use any of {','.join(sorted(known))}, comma-separated")
     args.no_replay = False
     info = DistInfo.from_env()
     device = torch.device("cpu") if args.smoke else info.device()

@@ -349,6 +349,7 @@ def regather_check(row, shape: str, device: torch.device, dtype: torch.dtype) ->
 
 
 KERNEL_KINDS = (  # substrings of CUDA kernel names, first match wins
+    ("short convolution", ("causal_conv", "conv1d", "conv_depthwise")),
     ("gated delta rule", ("gated_delta", "delta_rule", "chunk_fwd", "chunk_bwd", "chunk_local", "chunk_scaled", "wy_",
                           "w_u", "solve_tril", "inverse_kernel", "kkt", "l2norm")),
     ("grouped matmul (experts)", ("grouped", "moe")),
@@ -356,8 +357,8 @@ KERNEL_KINDS = (  # substrings of CUDA kernel names, first match wins
     ("attention forward", ("flash_fwd", "attn_fwd", "_fwd_")),
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "sm100_", "cublas")),
     ("gather / scatter", ("index", "gather", "scatter")),
-    ("reduction", ("reduce", "softmax", "norm")),
-    ("elementwise / copy", ("elementwise", "vectorized", "copy", "fill", "cat")),
+    ("reduction", ("reduce", "softmax", "norm", "triton_red", "triton_per")),
+    ("elementwise / copy", ("elementwise", "vectorized", "copy", "fill", "cat", "triton_poi")),
 )
 
 
@@ -372,23 +373,30 @@ def profile_step(model, rows, total_trained: int, head: str, top: int = 15) -> d
     return profile_call(lambda: run_step(model, rows, total_trained, head), top)
 
 
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
 def profile_call(step, top: int = 15) -> dict:
     """``profile_step`` of any ``step()`` (``benchmarks/models/moe_training.py --profile`` profiles the trainer's)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         step()
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3
     per_kernel = collections.defaultdict(lambda: [0, 0.0])
     spans = []
+    waits = collections.Counter()  # host calls that wait for the GPU: each one drains the launch queue
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[e.name][0] += 1
-            per_kernel[e.name][1] += e.time_range.elapsed_us() / 1e3
-            spans.append((e.time_range.start, e.time_range.end))
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            if e.name in HOST_WAITS:
+                waits[e.name] += 1
+            continue
+        per_kernel[e.name][0] += 1
+        per_kernel[e.name][1] += e.time_range.elapsed_us() / 1e3
+        spans.append((e.time_range.start, e.time_range.end))
     total = sum(ms for _, ms in per_kernel.values())
     busy_us, reach = 0.0, float("-inf")  # union of kernel spans: time the GPU ran anything
     for start, end in sorted(spans):
@@ -401,13 +409,14 @@ def profile_call(step, top: int = 15) -> dict:
     # wall - busy is time the GPU waited for the host (launches, Python, graph breaks); the profiler's own
     # overhead inflates it, so compare it between modes rather than read it as absolute
     return {"kernel_ms": total, "busy_ms": busy_us / 1e3, "wall_ms": wall_ms, "kernels": len(spans),
+            "host_waits": dict(waits),
             "by_kind_ms": dict(kinds.most_common()),
             "top": [{"kernel": n[:160], "calls": c, "ms": ms, "share": ms / total} for n, (c, ms) in ranked]}
 
 
 def print_profile(mode: str, prof: dict) -> None:
     print(f"profile {mode}: {prof['kernel_ms']:.0f} ms of CUDA kernels ({prof['kernels']} launches), GPU busy "
-          f"{prof['busy_ms']:.0f} of {prof['wall_ms']:.0f} ms wall; by kind: "
+          f"{prof['busy_ms']:.0f} of {prof['wall_ms']:.0f} ms wall; host waits {prof.get('host_waits')}; by kind: "
           + ", ".join(f"{k} {ms:.0f}" for k, ms in prof["by_kind_ms"].items()), flush=True)
     for t in prof["top"]:
         print(f"  {t['ms']:8.1f} ms {t['share']:6.1%} {t['calls']:6d}x  {t['kernel'][:110]}", flush=True)
