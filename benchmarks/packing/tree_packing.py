@@ -406,12 +406,17 @@ def profile_call(step, top: int = 15) -> dict:
     for name, (_, ms) in per_kernel.items():
         kinds[kernel_kind(name)] += ms
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top]
+    # host ops by the GPU time of the kernels they (and the ops under them) launched: compiled regions, custom
+    # autograd functions and their backwards name the layer's parts that kernel names alone do not
+    ops = sorted((a for a in prof.key_averages() if a.device_time_total > 0), key=lambda a: -a.device_time_total)
     # wall - busy is time the GPU waited for the host (launches, Python, graph breaks); the profiler's own
     # overhead inflates it, so compare it between modes rather than read it as absolute
     return {"kernel_ms": total, "busy_ms": busy_us / 1e3, "wall_ms": wall_ms, "kernels": len(spans),
             "host_waits": dict(waits),
             "by_kind_ms": dict(kinds.most_common()),
-            "top": [{"kernel": n[:160], "calls": c, "ms": ms, "share": ms / total} for n, (c, ms) in ranked]}
+            "top": [{"kernel": n[:160], "calls": c, "ms": ms, "share": ms / total} for n, (c, ms) in ranked],
+            "ops": [{"op": a.key[:160], "calls": a.count, "ms": a.device_time_total / 1e3,
+                     "self_ms": a.self_device_time_total / 1e3} for a in ops[:top]]}
 
 
 def print_profile(mode: str, prof: dict) -> None:
@@ -420,6 +425,9 @@ def print_profile(mode: str, prof: dict) -> None:
           + ", ".join(f"{k} {ms:.0f}" for k, ms in prof["by_kind_ms"].items()), flush=True)
     for t in prof["top"]:
         print(f"  {t['ms']:8.1f} ms {t['share']:6.1%} {t['calls']:6d}x  {t['kernel'][:110]}", flush=True)
+    print("  host ops by GPU time (with the ops under them; self)", flush=True)
+    for o in prof.get("ops", []):
+        print(f"  {o['ms']:8.1f} ms {o['self_ms']:8.1f} ms {o['calls']:6d}x  {o['op'][:100]}", flush=True)
 
 
 def main() -> None:

@@ -62,6 +62,7 @@ class Depth:
     rows: torch.Tensor  # int64 [T]: row positions of these segments' tokens, segment after segment
     padded: torch.Tensor  # int64 [N, L]: the same positions padded to the longest segment, -1 = pad
     cu_seqlens: torch.Tensor  # int64 [N + 1]: token ranges of the segments within ``rows``
+    cu_seqlens_cpu: torch.Tensor  # the same on the host: kernels that plan on the host read it without a device sync
     parent: torch.Tensor | None  # int64 [N]: each segment's parent among the previous depth's segments
 
 
@@ -114,8 +115,9 @@ def build_segment_tree(meta: TreeAttentionMetadata, device: torch.device) -> Seg
         rows = padded[padded >= 0]
         order.append(rows)
         to = lambda a: torch.as_tensor(a, dtype=torch.int64).to(device)  # noqa: E731
+        cu_seqlens = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
         depths.append(Depth(
-            rows=to(rows), padded=to(padded), cu_seqlens=to(np.concatenate([[0], np.cumsum(lengths)])),
+            rows=to(rows), padded=to(padded), cu_seqlens=cu_seqlens.to(device), cu_seqlens_cpu=cu_seqlens,
             parent=None if d == 0 else to(place[parents[segs]]),
         ))
     unsort = np.empty(int(cu_q[-1]), dtype=np.int64)
@@ -378,7 +380,7 @@ def _fla_depth(q, k, v, g, beta, depth: Depth, initial: torch.Tensor | None):
     take = lambda x: x.index_select(0, depth.rows).unsqueeze(0)  # noqa: E731
     out, final = chunk_gated_delta_rule(
         take(q), take(k), take(v), take(g), take(beta), scale=1.0, initial_state=initial,
-        output_final_state=True, cu_seqlens=depth.cu_seqlens,
+        output_final_state=True, cu_seqlens=depth.cu_seqlens, cu_seqlens_cpu=depth.cu_seqlens_cpu,
     )
     return out[0], final
 
