@@ -15,6 +15,8 @@ One run measures, all with random weights and 16k-token rows:
   through transformers' unpatched path, bf16, for both dense models (tree_packing.py's exactness samples),
   decomposed: each sample as a row of its own through the same kernels (``single``), and for the hybrid the
   packed row with the fp32 PyTorch delta rule (``reference``) instead of flash-linear-attention;
+* ``delta``: the delta rule alone on a ratio~1 and a ratio~3.4 row, fwd+bwd: the trainer's tree form against the
+  kernel on the same tokens as flat sequences and as one sequence;
 * ``conv``: the tree short convolution with its silu at a 16k row of the hybrid's width, fwd+bwd: the PyTorch
   channel-last multiply-adds and a grouped ``conv1d``, each eager and compiled, and flash-linear-attention's
   varlen kernel (what the trainer runs with fla).
@@ -41,6 +43,7 @@ from unittest import mock
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from grpo_core.config import AsyncGRPOConfig  # noqa: E402
 from grpo_core.models.attention import gated_delta as gd  # noqa: E402
@@ -234,7 +237,6 @@ def conv_timing(device: torch.device, smoke: bool) -> dict:
     """fwd+bwd of the tree convolution with its silu, as a layer runs it, on one ratio~3.4 row at the hybrid's width
     (16 + 16 + 16 heads of 128): the trainer's channel-last multiply-adds and a grouped ``conv1d``, each eager and
     compiled, and flash-linear-attention's varlen kernel where it is usable (``<form>_ms``; ``fla_error`` else)."""
-    import torch.nn.functional as F
 
     budget, channels = (256, 64) if smoke else (16384, 6144)
     workload = (tree_packing.SMOKE_WORKLOADS if smoke else tree_packing.WORKLOADS)[-1 if smoke else 2]
@@ -270,6 +272,58 @@ def conv_timing(device: torch.device, smoke: bool) -> dict:
                 times.append(time.perf_counter() - start)
         out[f"{name}_ms"] = 1e3 * float(np.median(times))
     print("conv", json.dumps(out), flush=True)
+    return out
+
+
+# ---- the delta rule ------------------------------------------------------------------------------------
+def delta_timing(device: torch.device, smoke: bool) -> dict:
+    """fwd+bwd of the hybrid's delta rule (16 heads of 128) on one row of ``ratio~1`` and one of ``ratio~3.4``, with
+    the delta-rule backend the trainer picks: ``tree`` (``gated_delta.tree_gated_delta_rule``: the l2 norms, one
+    kernel call per depth of the segment tree with the parents' states, the gathers), against the kernel alone on
+    the same tokens as flat variable-length sequences (``varlen``: one call over the row's segments, no states) and
+    as one sequence (``one_sequence``): what the tree costs over the kernel, and the kernel's floor."""
+    heads, dim = (2, 16) if smoke else (16, 128)
+    backend = gd.select_gdn_backend("auto", device, dim, dim)
+    out: dict = {"heads": heads, "head_dim": dim, "backend": backend.name,
+                 "kernels": gd.fla_kernel(dim, dim) if backend.name == "fla" else None, "rows": []}
+    workloads = tree_packing.SMOKE_WORKLOADS if smoke else tree_packing.WORKLOADS
+    budget = 256 if smoke else 16384
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    for workload in (workloads[0], workloads[-1] if smoke else workloads[2]):
+        plan = plan_step(tree_packing.make_samples(workload, 1000, seed=5), world_size=1,
+                         gradient_accumulation_steps=10**6, token_budget=budget)
+        meta = pack_row(plan.rows[0]).to(device).attention
+        u = int(meta.cu_seq_q[-1])
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k = (torch.randn(u, heads, dim, device=device, dtype=dtype, generator=gen) for _ in range(2))
+        v = torch.randn(u, heads, dim, device=device, dtype=dtype, generator=gen)
+        g = -F.softplus(torch.randn(u, heads, device=device, generator=gen))
+        beta = torch.rand(u, heads, device=device, dtype=dtype, generator=gen)
+        grad = torch.randn(u, heads, dim, device=device, dtype=dtype, generator=gen)
+        row = {"workload": workload.name, "tokens": u, "segments": len(meta.cu_seq_q) - 1,
+               "depths": len(gd.build_segment_tree(meta, device).depths)}
+        forms = {"tree": lambda xs: gd.tree_gated_delta_rule(*xs, meta, l2norm=True, backend=backend)}
+        if backend.name == "fla":
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+            for name, cu in (("varlen", meta.cu_seq_q.to(torch.int64)),
+                             ("one_sequence", torch.tensor([0, u], device=device, dtype=torch.int64))):
+                forms[name] = lambda xs, cu=cu: chunk_gated_delta_rule(
+                    *(x.unsqueeze(0) for x in xs), use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+                    cu_seqlens_cpu=cu.cpu())[0][0]
+        for name, fn in forms.items():
+            times = []
+            for i in range(3 if smoke else 10):
+                xs = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
+                synchronize(device)
+                start = time.perf_counter()
+                fn(xs).backward(grad)
+                synchronize(device)
+                if i >= 2:
+                    times.append(time.perf_counter() - start)
+            row[f"{name}_ms"] = 1e3 * float(np.median(times))
+        out["rows"].append(row)
+        print("delta", json.dumps(row), flush=True)
     return out
 
 
@@ -342,7 +396,7 @@ def summarize(report: dict, smoke: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", default="conv,gap,speed,moe", help="which of conv, gap, speed, moe to run (in this order)")
+    ap.add_argument("--parts", default="conv,delta,gap,speed,moe", help="which of conv, delta, gap, speed, moe to run (in this order)")
     ap.add_argument("--resume", default=None, help="a report of an earlier run: its parts are kept, the others run")
     ap.add_argument("--token-budget", type=int, default=16384)
     ap.add_argument("--rows-per-rank", type=int, default=4, help="micro-batches per step of the MoE mfu workload")
@@ -392,11 +446,13 @@ def main() -> None:
     report.setdefault("commands", []).append(" ".join(sys.argv))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     world = dist.get_world_size()
-    for part in ("conv", "gap", "speed", "moe"):
+    for part in ("conv", "delta", "gap", "speed", "moe"):
         if part not in args.parts.split(",") or part in report:
             continue
         if part == "conv":
             report["conv"] = conv_timing(device, args.smoke)
+        elif part == "delta":
+            report["delta"] = delta_timing(device, args.smoke)
         elif part == "gap":
             report["gap"] = [logprob_gap(shape, device, dtype) for shape in PAIRS[args.smoke]]
         elif part == "speed":
