@@ -34,6 +34,7 @@ from transformers import Lfm2Config, Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_
 from grpo_core.models.attention import gated_delta as gd
 from grpo_core.models.attention import hybrid
 from grpo_core.models.attention import tree as ta
+from grpo_core.models.attention.metadata import TreeAttentionMetadata
 from grpo_core.packing.collator import pack_row
 from grpo_core.packing.planner import plan_step
 from grpo_core.packing.trie import TreeRow
@@ -150,6 +151,19 @@ def test_conv_context_reads_the_path_before_each_segment():
     assert gd.conv_context(meta, 1).shape == (4, 0)
     source, _ = gd.conv_indices(meta, 4)
     assert source.tolist()[:8] == [-1, -1, -1, 0, 1, 2, 3, 4] and source.tolist()[12:18] == [3, 4, 5, 6, 7, 8]
+
+
+def test_a_row_of_roots_is_taken_as_it_is_and_a_tree_is_gathered():
+    """A row of three unrelated samples is one depth in row order: no gather in, no reordering out. A tree is not."""
+    cpu = torch.device("cpu")
+    cu = torch.tensor([0, 4, 9, 12], dtype=torch.int32)
+    flat = gd.build_segment_tree(TreeAttentionMetadata(cu, cu, 5, 5, None), cpu)
+    assert len(flat.depths) == 1 and flat.depths[0].whole_row and flat.unsort is None
+    x = torch.randn(12, 2)
+    assert gd.take_rows(x, flat.depths[0]) is x
+    tree = gd.build_segment_tree(gd._probe_meta(cpu, [5, 1, 3, 2]), cpu)
+    assert [d.whole_row for d in tree.depths] == [False, False, False] and tree.unsort is not None
+    assert gd.take_rows(torch.arange(11), tree.depths[1]).tolist() == [5, 9, 10]
 
 
 def test_the_convolution_backend_follows_the_delta_rule_and_its_own_probe(monkeypatch, caplog):

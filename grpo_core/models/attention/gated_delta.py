@@ -64,6 +64,7 @@ class Depth:
     cu_seqlens: torch.Tensor  # int64 [N + 1]: token ranges of the segments within ``rows``
     cu_seqlens_cpu: torch.Tensor  # the same on the host: kernels that plan on the host read it without a device sync
     parent: torch.Tensor | None  # int64 [N]: each segment's parent among the previous depth's segments
+    whole_row: bool = False  # ``rows`` is the row in order (a row of roots only): the tensors are taken as they are
 
 
 @dataclass
@@ -71,7 +72,8 @@ class SegmentTree:
     """What the delta rule needs of a row: segments by depth and the way back to row order."""
 
     depths: list[Depth]
-    unsort: torch.Tensor  # int64 [U]: row position -> its place in the depth-by-depth concatenation
+    unsort: torch.Tensor | None  # int64 [U]: row position -> its place in the depth-by-depth concatenation
+    # (None where that is the row order: one depth of roots, a row without shared prefixes)
 
 
 def segment_parents(meta: TreeAttentionMetadata) -> np.ndarray:
@@ -119,9 +121,14 @@ def build_segment_tree(meta: TreeAttentionMetadata, device: torch.device) -> Seg
         depths.append(Depth(
             rows=to(rows), padded=to(padded), cu_seqlens=cu_seqlens.to(device), cu_seqlens_cpu=cu_seqlens,
             parent=None if d == 0 else to(place[parents[segs]]),
+            whole_row=len(rows) == int(cu_q[-1]) and bool((rows == np.arange(len(rows))).all()),
         ))
-    unsort = np.empty(int(cu_q[-1]), dtype=np.int64)
-    unsort[np.concatenate(order)] = np.arange(int(cu_q[-1]))
+    total = int(cu_q[-1])
+    concatenated = np.concatenate(order) if order else np.zeros(0, dtype=np.int64)
+    if (concatenated == np.arange(total)).all():
+        return SegmentTree(depths, None)
+    unsort = np.empty(total, dtype=np.int64)
+    unsort[concatenated] = np.arange(total)
     return SegmentTree(depths, torch.as_tensor(unsort).to(device))
 
 
@@ -373,11 +380,18 @@ def _reference_depth(q, k, v, g, beta, depth: Depth, initial: torch.Tensor | Non
     return out.transpose(1, 2)[valid.squeeze(-1)], final
 
 
+def take_rows(x: torch.Tensor, depth: Depth) -> torch.Tensor:
+    """``x``'s rows of ``depth``'s segments: ``x`` itself where they are the whole row in order (a gather and its
+    scatter in the backward would cost a pass over the row each), else a gather. A flag, not a slice by offsets,
+    so that a compiled layer does not specialise on a row's length."""
+    return x if depth.whole_row else x.index_select(0, depth.rows)
+
+
 def _fla_depth(q, k, v, g, beta, depth: Depth, initial: torch.Tensor | None):
     """One depth as one varlen call of flash-linear-attention (q already normalised and scaled)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    take = lambda x: x.index_select(0, depth.rows).unsqueeze(0)  # noqa: E731
+    take = lambda x: take_rows(x, depth).unsqueeze(0)  # noqa: E731
     out, final = chunk_gated_delta_rule(
         take(q), take(k), take(v), take(g), take(beta), scale=1.0, initial_state=initial,
         output_final_state=True, cu_seqlens=depth.cu_seqlens, cu_seqlens_cpu=depth.cu_seqlens_cpu,
@@ -424,7 +438,8 @@ def tree_gated_delta_rule(
         initial = None if depth.parent is None else finals.index_select(0, depth.parent)
         out, finals = backend.run_depth(q, k, v, g, beta, depth, initial)
         outs.append(out)
-    return torch.cat(outs).index_select(0, tree.unsort).to(out_dtype)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return (out if tree.unsort is None else out.index_select(0, tree.unsort)).to(out_dtype)
 
 
 # ---- choosing the backend ---------------------------------------------------------------------------
