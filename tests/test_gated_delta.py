@@ -166,6 +166,19 @@ def test_a_row_of_roots_is_taken_as_it_is_and_a_tree_is_gathered():
     assert gd.take_rows(torch.arange(11), tree.depths[1]).tolist() == [5, 9, 10]
 
 
+def test_plans_read_the_collators_host_copy_not_the_device():
+    """Moved rows keep their host copy, and the per-row plans read it: no copy back from the device (a sync on a GPU).
+    ``meta`` tensors stand in for the device here: reading them back would raise."""
+    host = gd._probe_meta(torch.device("cpu"), [5, 1, 3, 2])
+    moved = host.to(torch.device("meta"))
+    assert moved.on_host() is host and host.on_host() is host
+    assert gd.conv_context(moved, 4).tolist() == gd.conv_context(host, 4).tolist()
+    assert [d.cu_seqlens_cpu.tolist() for d in gd.build_segment_tree(moved, torch.device("cpu")).depths] == \
+        [[0, 5], [0, 1, 3], [0, 3]]
+    orphan = TreeAttentionMetadata(*(t.to("meta") for t in (host.cu_seq_q, host.cu_seq_k)), 5, 8, None)
+    assert orphan.on_host() is None
+
+
 def test_the_convolution_backend_follows_the_delta_rule_and_its_own_probe(monkeypatch, caplog):
     cpu = torch.device("cpu")
     asked = []

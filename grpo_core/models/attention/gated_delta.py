@@ -76,18 +76,25 @@ class SegmentTree:
     # (None where that is the row order: one depth of roots, a row without shared prefixes)
 
 
+def host_arrays(meta: TreeAttentionMetadata) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """int64 ``cu_seq_q``, ``cu_seq_k`` and ``kv_index`` (None for a flat row) as host arrays: from the collator's host
+    copy where the row has one, else copied from the device (one sync)."""
+    src = meta.on_host() or meta
+    as_np = lambda t: t.cpu().numpy().astype(np.int64)  # noqa: E731
+    return as_np(src.cu_seq_q), as_np(src.cu_seq_k), None if src.kv_index is None else as_np(src.kv_index)
+
+
 def segment_parents(meta: TreeAttentionMetadata) -> np.ndarray:
     """int64 ``[G]``: the segment each segment continues (-1 for a root).
 
     A segment's path is its parent's path followed by its own tokens, so the path position just
     before its own tokens is the parent's last token.
     """
-    cu_q, cu_k = meta.cu_seq_q.cpu().numpy().astype(np.int64), meta.cu_seq_k.cpu().numpy().astype(np.int64)
+    cu_q, cu_k, kv = host_arrays(meta)
     q_len, k_len = np.diff(cu_q), np.diff(cu_k)
     parents = np.full(len(q_len), -1, dtype=np.int64)
-    if meta.kv_index is None:
+    if kv is None:
         return parents
-    kv = meta.kv_index.cpu().numpy()
     for g in np.flatnonzero(k_len > q_len):
         last = int(kv[cu_k[g] + k_len[g] - q_len[g] - 1])
         p = int(np.searchsorted(cu_q, last, side="right")) - 1
@@ -99,7 +106,7 @@ def segment_parents(meta: TreeAttentionMetadata) -> np.ndarray:
 
 def build_segment_tree(meta: TreeAttentionMetadata, device: torch.device) -> SegmentTree:
     """Group the segments of ``meta`` by depth (parents are laid out before their children)."""
-    cu_q = meta.cu_seq_q.cpu().numpy().astype(np.int64)
+    cu_q = host_arrays(meta)[0]
     parents = segment_parents(meta)
     depth = np.zeros(len(parents), dtype=np.int64)
     for g, p in enumerate(parents):
@@ -135,8 +142,7 @@ def build_segment_tree(meta: TreeAttentionMetadata, device: torch.device) -> Seg
 def conv_context(meta: TreeAttentionMetadata, kernel: int) -> np.ndarray:
     """int64 ``[G, kernel - 1]``: per segment, the path positions just before its own tokens, oldest first
     (-1 above the root): what the short convolution reads before a segment's first token."""
-    cu_q, cu_k = meta.cu_seq_q.cpu().numpy().astype(np.int64), meta.cu_seq_k.cpu().numpy().astype(np.int64)
-    kv = None if meta.kv_index is None else meta.kv_index.cpu().numpy()
+    cu_q, cu_k, kv = host_arrays(meta)
     ctx = kernel - 1
     out = np.full((len(cu_q) - 1, ctx), -1, dtype=np.int64)
     if kv is None or ctx == 0:
@@ -155,7 +161,7 @@ def conv_indices(meta: TreeAttentionMetadata, kernel: int) -> tuple[np.ndarray, 
     the root, ``conv_context``) followed by its own positions. ``keep`` (int64 [U]): for each row position,
     the index of its output among the valid convolution outputs over ``source``.
     """
-    cu_q = meta.cu_seq_q.cpu().numpy().astype(np.int64)
+    cu_q = host_arrays(meta)[0]
     context = conv_context(meta, kernel)
     ctx, parts, keep, offset = kernel - 1, [], [], 0
     for g in range(len(cu_q) - 1):
@@ -251,7 +257,7 @@ def _fla_conv_plan(x: torch.Tensor, kernel: int, meta: TreeAttentionMetadata) ->
     from fla.ops.utils.index import prepare_chunk_indices
 
     def build() -> tuple[torch.Tensor, ...]:
-        cu_cpu = meta.cu_seq_q.cpu().to(torch.int64)
+        cu_cpu = torch.from_numpy(host_arrays(meta)[0])
         cu = cu_cpu.to(x.device)
         context = torch.as_tensor(conv_context(meta, kernel)).to(x.device)
         return context, cu, cu_cpu, prepare_chunk_indices(cu, FLA_CONV_CHUNK, cu_seqlens_cpu=cu_cpu)

@@ -31,6 +31,8 @@ class TreeAttentionMetadata:
     # Per-row plans other token mixers derive from the segments (gated delta: segment depths, conv
     # gathers), built by the first layer that needs them and read by the rest of the forward.
     cache: dict = field(default_factory=dict, repr=False, compare=False)
+    # The host copy this metadata was moved from (``to``): plans built on the host read it without a device sync.
+    host: TreeAttentionMetadata | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_segments(self) -> int:
@@ -40,8 +42,14 @@ class TreeAttentionMetadata:
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
         levels = None if self.levels is None else tuple(lv.to(device, non_blocking) for lv in self.levels)
         return TreeAttentionMetadata(
-            move(self.cu_seq_q), move(self.cu_seq_k), self.max_q, self.max_k, move(self.kv_index), levels
+            move(self.cu_seq_q), move(self.cu_seq_k), self.max_q, self.max_k, move(self.kv_index), levels,
+            host=self.on_host(),
         )
+
+    def on_host(self) -> TreeAttentionMetadata | None:
+        """This row's segments on the host without a copy from the device: this metadata where it is there, else the
+        copy it was moved from (None if it was built on a device)."""
+        return self if self.cu_seq_q.device.type == "cpu" else self.host
 
     def ancestor_levels(self, device: torch.device) -> tuple[AncestorLevel, ...]:
         """The split plan's level calls, on ``device`` (derived from the paths once if not given)."""
