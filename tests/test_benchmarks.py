@@ -79,7 +79,7 @@ SMOKES: dict[str, Smoke] = {
     "benchmarks.models.moe_experts": Smoke(),
     "benchmarks.models.moe_training": Smoke(("--smoke", "--steps", "1")),
     "benchmarks.models.qwen35_speed": Smoke(("--smoke", "--steps", "1", "--warmup", "0", "--gdn-kernels", "triton,flash_qla",
-                                             "--gdn-convs", "torch,auto")),
+                                             "--gdn-convs", "torch,auto", "--experts", "grouped_mm,grpo_grouped_mm")),
     "benchmarks.packing.gather_grad_sum": Smoke(),
     "benchmarks.packing.gdn_tree_packing": Smoke(("--smoke", "--repeats", "1")),
     "benchmarks.packing.tree_packing": Smoke(("--smoke", "--repeats", "1", "--heads", "fused")),

@@ -20,7 +20,7 @@ import torch
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from grpo_core.models.moe.balance import load_balancing_loss
-from grpo_core.models.moe.experts import active_expert_params, use_grouped_experts
+from grpo_core.models.moe.experts import SORTED_GROUPED_MM, active_expert_params, use_grouped_experts
 from grpo_core.models.moe.routing import NO_ROUTE, RoutingReplay, routing_mismatch
 
 VOCAB = 96
@@ -135,3 +135,27 @@ def test_active_params_and_grouped_experts():
     router = EXPERTS * 64
     assert (active, total) == (2 * (TOP_K * per_expert + router), 2 * (EXPERTS * per_expert + router))
     assert use_grouped_experts(torch.nn.Linear(2, 2)) is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sorted_experts_equal_transformers_grouped_experts(kind, dtype):
+    """The gather-only permutations give transformers' grouped_mm outputs and the same gradients of every weight
+    (routers, experts) and of the input embeddings; an unknown implementation is refused by name."""
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(3))
+    results = []
+    for implementation in ("grouped_mm", SORTED_GROUPED_MM):
+        model = tiny_moe(kind).to(dtype).train()
+        assert use_grouped_experts(model, implementation) == implementation
+        logits = model(input_ids=ids).logits
+        (logits.float() * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+        results.append((logits.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}))
+    (want, want_grads), (got, got_grads) = results
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+    assert want_grads.keys() == got_grads.keys()
+    assert any("gate_up_proj" in n for n in got_grads) and any("mlp.gate.weight" in n for n in got_grads)
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], **tol, msg=lambda m, n=name: f"{n}: {m}")
+    with pytest.raises(ValueError, match="experts implementation 'fast'"):
+        use_grouped_experts(tiny_moe(kind), "fast")

@@ -47,7 +47,7 @@ from grpo_core.models.attention import tree as ta  # noqa: E402
 from grpo_core.models.attention.gated_delta import active_conv_backend, active_gdn_backend, fla_kernel  # noqa: E402
 from grpo_core.models.attention.hybrid import gated_delta_layers, head_sizes  # noqa: E402
 from grpo_core.models.fsdp import FSDPSettings, shard_policy  # noqa: E402
-from grpo_core.models.moe.experts import active_expert_params, use_grouped_experts  # noqa: E402
+from grpo_core.models.moe.experts import GROUPED_MM, active_expert_params, use_grouped_experts  # noqa: E402
 from grpo_core.models.moe.policy import MoEPolicy  # noqa: E402
 from grpo_core.packing.collator import pack_row  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
@@ -192,7 +192,7 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
     settings = FSDPSettings.from_config(config, bf16=cuda, device_type=device.type)
     model = build(shape, args.layers, device)
     torch._dynamo.utils.counters.clear()  # graph breaks of this shape's compiled layers (the profile's record)
-    experts_impl = use_grouped_experts(model)
+    experts_impl = use_grouped_experts(model, getattr(args, "experts_now", None) or GROUPED_MM)
     attention = ta.enable_tree_attention(model, backend=config.attention_backend if cuda else "varlen_emulated",
                                          linear_backend=config.gdn_backend if cuda else "reference",
                                          compute_dtype=torch.bfloat16 if cuda else torch.float32,

@@ -49,6 +49,7 @@ from grpo_core.config import AsyncGRPOConfig  # noqa: E402
 from grpo_core.models.attention import gated_delta as gd  # noqa: E402
 from grpo_core.models.attention import tree as ta  # noqa: E402
 from grpo_core.models.attention.hybrid import gated_delta_layers, head_sizes  # noqa: E402
+from grpo_core.models.moe.experts import EXPERTS_IMPLEMENTATIONS, GROUPED_MM  # noqa: E402
 from grpo_core.packing.collator import pack_row  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
 from grpo_core.ranks import DistInfo, init_distributed  # noqa: E402
@@ -164,13 +165,21 @@ def run_speed(args, device, info, world) -> list[dict]:
     return results
 
 
+def experts_choices(args) -> list[str | None]:
+    """``--experts``: None runs once with the trainer's experts (transformers' ``grouped_mm``); else one run per
+    listed implementation (``grpo_core.models.moe.experts.EXPERTS_IMPLEMENTATIONS``), side by side."""
+    return side_by_side(args.experts, "default", EXPERTS_IMPLEMENTATIONS, "--experts")
+
+
 def run_moe(args, device, info, world) -> list[dict]:
     results = []
     for shape, layers in MOE[args.smoke]:
-        args.layers, args.workloads = layers, "mfu"
-        for r in shape_results(args, shape, device, info, world, moe_training.build_model):
-            results.append(r)
-            print("moe", json.dumps({k: r.get(k) for k in ("model", "mfu_fwd_bwd", "tokens_per_s_fwd_bwd", "error")}), flush=True)
+        for experts in experts_choices(args):
+            args.layers, args.workloads, args.experts_now = layers, "mfu", experts
+            for r in shape_results(args, shape, device, info, world, moe_training.build_model):
+                results.append(r)
+                print("moe", json.dumps({k: r.get(k) for k in ("model", "experts_implementation", "mfu_fwd_bwd",
+                                                                 "tokens_per_s_fwd_bwd", "error")}), flush=True)
     return results
 
 
@@ -372,9 +381,16 @@ def summarize(report: dict, smoke: bool) -> dict:
     if len(by_kernel) > 1:
         summary["hybrid_per_param_vs_dense_by_gdn_backend"] = by_kernel
     summary["tree_speedup_over_flop_ideal"] = reached
+    by_experts: dict[str, dict] = {}
     for key, (shape, _) in zip(("qwen3_5_moe_mfu", "qwen3_30b_a3b_mfu"), MOE[smoke]):
-        r = find(report.get("moe", []), model=shape, workload="mfu")
+        rows = [r for r in report.get("moe", []) if r.get("model") == shape and "error" not in r]
+        for r in rows:
+            by_experts.setdefault(str(r.get("experts_implementation")), {})[key] = r["mfu_fwd_bwd"]
+        # the figure is the trainer's experts' (grouped_mm); the others are the side-by-side comparison
+        r = next((r for r in rows if r.get("experts_implementation") == GROUPED_MM), rows[0] if rows else None)
         summary[key] = r["mfu_fwd_bwd"] if r else None
+    if len(by_experts) > 1:
+        summary["moe_mfu_by_experts"] = by_experts
     gaps = {g["model"]: g for g in report.get("gap", [])}
     if dense in gaps and hybrid in gaps:
         summary["hybrid_logprob_gap"] = gaps[hybrid]["tree_vs_alone"]["mean"]
@@ -414,11 +430,14 @@ def main() -> None:
     ap.add_argument("--speed-workloads", default="ratio~1,ratio~3.4", help="the speed part's workloads")
     ap.add_argument("--packings", default="flat,tree",
                     help="the speed part's rows: flat and/or tree (both for the tree speed-up); e.g. tree with --profile")
+    ap.add_argument("--experts", default="default",
+                    help="the MoE shapes' experts: default (the trainer's), or grouped_mm and/or grpo_grouped_mm, each "
+                         "timed in turn (grpo_core.models.moe.experts)")
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: profile one step of each shape's tree rows (top kernels, time per kind of kernel)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script only")
     args = ap.parse_args()
-    gdn_kernel_choices(args), gdn_conv_choices(args)  # a typo fails here, not after the parts before the speed part
+    gdn_kernel_choices(args), gdn_conv_choices(args), experts_choices(args)  # a typo fails here, not after the parts before the speed part
     for flag, value, known in (("--models", args.models, {"dense", "hybrid"}),
                                ("--packings", args.packings, {"flat", "tree"})):
         if not value or set(value.split(",")) - known:

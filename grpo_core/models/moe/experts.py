@@ -15,6 +15,12 @@ forward through its experts interface (``config._experts_implementation``):
   other dtypes, and under ``torch.compile`` with weights other than bf16, transformers falls back to a
   loop of matmuls over offsets read to the host once per call.
 
+* ``grpo_grouped_mm`` (``sorted_experts_forward``, registered here): the same sort and grouped GEMMs, with the
+  two permutations written as gathers whose backwards are gathers too. Indexing ``hidden[perm // k]`` and
+  ``out[inv_perm]`` makes autograd scatter-add the gradients back (an accumulating ``index_put`` over
+  ``T * k`` rows); here a token's ``k`` gradient rows are gathered back into place and summed in fp32, and the
+  unsorting's gradient is the sorting gather. Same values, no atomics.
+
 ``use_grouped_experts`` selects ``grouped_mm`` (the trainer calls it for every MoE policy). With FSDP2
 the experts are parameters of their decoder layer, so they are gathered with the layer, one layer
 ahead of compute, like the attention weights.
@@ -28,6 +34,8 @@ from __future__ import annotations
 import torch
 
 GROUPED_MM = "grouped_mm"
+SORTED_GROUPED_MM = "grpo_grouped_mm"
+EXPERTS_IMPLEMENTATIONS = (GROUPED_MM, SORTED_GROUPED_MM)
 
 
 def expert_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -40,15 +48,19 @@ def expert_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return found
 
 
-def use_grouped_experts(model: torch.nn.Module) -> str | None:
-    """Run the model's experts as grouped GEMMs (module docstring); returns the implementation now in
-    use, or None for a model without such experts. A model class that cannot switch keeps its own and
-    says so in the returned name."""
+def use_grouped_experts(model: torch.nn.Module, implementation: str = GROUPED_MM) -> str | None:
+    """Run the model's experts as grouped GEMMs (module docstring; ``implementation``: one of
+    ``EXPERTS_IMPLEMENTATIONS``); returns the implementation now in use, or None for a model without such
+    experts. A model class that cannot switch keeps its own and says so in the returned name."""
+    if implementation not in EXPERTS_IMPLEMENTATIONS:
+        raise ValueError(f"experts implementation {implementation!r}: use one of {EXPERTS_IMPLEMENTATIONS}")
     if not expert_modules(model):
         return None
     setter = getattr(model, "set_experts_implementation", None)
     if setter is not None:
-        setter(GROUPED_MM)
+        if implementation == SORTED_GROUPED_MM:
+            register_sorted_experts()
+        setter(implementation)
     config = model.config
     return str(getattr(config, "_experts_implementation", None) or "eager")
 
@@ -79,3 +91,67 @@ def _top_k(layers: torch.nn.Module, experts: torch.nn.Module, count: int) -> int
             if isinstance(k, int):
                 return k
     raise ValueError(f"experts module with {count} experts: no router with a top_k beside it")
+
+
+# ---- grouped GEMMs with gather-only permutations ---------------------------------------------------------
+class _ExpandToSlots(torch.autograd.Function):
+    """``x[perm // k]``: every token's hidden state once per routed slot, in expert order. Backward: the slots'
+    gradients put back in token order (``inv_perm``) and each token's ``k`` rows summed in fp32."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inv_perm: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(inv_perm)
+        ctx.k = k
+        return x.index_select(0, perm // k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inv_perm,) = ctx.saved_tensors
+        per_slot = grad.index_select(0, inv_perm).view(-1, ctx.k, grad.shape[-1])
+        return per_slot.sum(1, dtype=torch.float32).to(grad.dtype), None, None, None
+
+
+class _Permute(torch.autograd.Function):
+    """``x[index]`` for a permutation ``index`` whose inverse is ``inverse``: the gradient is a gather too."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def sorted_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """An experts module's forward (transformers' experts interface) as grouped GEMMs over the (token, slot) pairs
+    sorted by expert; gated experts with ``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]`` (or
+    transposed, ``self.is_transposed``), no biases. Returns ``[T, H]`` in ``hidden_states``' dtype."""
+    from transformers.integrations.moe import _grouped_linear
+
+    if getattr(self, "has_bias", False) or not getattr(self, "has_gate", True) or getattr(self, "_is_expert_parallel", False):
+        raise ValueError(f"{type(self).__name__}: {SORTED_GROUPED_MM} runs gated experts without biases on one rank; "
+                         f"use {GROUPED_MM}")
+    tokens, k = top_k_index.shape
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
+    counts = torch.histc(expert_ids.int() if expert_ids.is_cuda else expert_ids.float(), bins=self.num_experts,
+                         min=0, max=self.num_experts - 1)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    slots = _ExpandToSlots.apply(hidden_states, perm, inv_perm, k)  # [T * k, H], expert order
+    up = _grouped_linear(slots, self.gate_up_proj, offsets, is_transposed=self.is_transposed)
+    down = _grouped_linear(self._apply_gate(up), self.down_proj, offsets, is_transposed=self.is_transposed)
+    per_slot = _Permute.apply(down, inv_perm, perm).view(tokens, k, -1)  # back in token order
+    # weighted and summed in the weights' dtype (the router's fp32), as transformers' grouped_mm does
+    return (per_slot * top_k_weights.unsqueeze(-1)).sum(1).to(hidden_states.dtype)
+
+
+def register_sorted_experts() -> None:
+    """Make ``grpo_grouped_mm`` a name transformers' experts interface knows (idempotent)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(SORTED_GROUPED_MM, sorted_experts_forward)
