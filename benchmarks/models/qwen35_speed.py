@@ -146,8 +146,8 @@ def with_gdn_conv(choice: str | None, run):
         return run()
 
 
-def run_speed(args, device, info, world) -> list[dict]:
-    results = []
+def run_speed(args, device, info, world, results: list[dict], save) -> list[dict]:
+    """The speed part's rows, appended to ``results``; ``save()`` after each model's (a run cut short keeps them)."""
     dense, hybrid = PAIRS[args.smoke]
     models = args.models.split(",")
     runs = ([(dense, None, None)] if "dense" in models else []) + (
@@ -162,6 +162,7 @@ def run_speed(args, device, info, world) -> list[dict]:
             print("speed", json.dumps({k: r.get(k) for k in ("model", "gdn_backend", "gdn_conv_backend", "workload",
                                                                "packing", "trained_tokens_per_s", "mfu_fwd_bwd",
                                                                "speedup_over_flop_ideal", "error")}), flush=True)
+        save()
     return results
 
 
@@ -171,8 +172,8 @@ def experts_choices(args) -> list[str | None]:
     return side_by_side(args.experts, "default", EXPERTS_IMPLEMENTATIONS, "--experts")
 
 
-def run_moe(args, device, info, world) -> list[dict]:
-    results = []
+def run_moe(args, device, info, world, results: list[dict], save) -> list[dict]:
+    """The moe part's rows, appended to ``results``; ``save()`` after each shape's (a run cut short keeps them)."""
     for shape, layers in MOE[args.smoke]:
         for experts in experts_choices(args):
             args.layers, args.workloads, args.experts_now = layers, "mfu", experts
@@ -180,6 +181,7 @@ def run_moe(args, device, info, world) -> list[dict]:
                 results.append(r)
                 print("moe", json.dumps({k: r.get(k) for k in ("model", "experts_implementation", "mfu_fwd_bwd",
                                                                  "tokens_per_s_fwd_bwd", "error")}), flush=True)
+            save()
     return results
 
 
@@ -465,6 +467,11 @@ def main() -> None:
     report.setdefault("commands", []).append(" ".join(sys.argv))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     world = dist.get_world_size()
+    def save(report: dict) -> None:
+        report["summary"] = summarize(report, args.smoke)
+        if info.rank == 0:
+            write_report(args.out, report)  # after each part, and each model of a part: a run cut short keeps them
+
     for part in ("conv", "delta", "gap", "speed", "moe"):
         if part not in args.parts.split(",") or part in report:
             continue
@@ -475,12 +482,10 @@ def main() -> None:
         elif part == "gap":
             report["gap"] = [logprob_gap(shape, device, dtype) for shape in PAIRS[args.smoke]]
         elif part == "speed":
-            report["speed"] = run_speed(args, device, info, world)
+            run_speed(args, device, info, world, report.setdefault("speed", []), lambda: save(report))
         else:
-            report["moe"] = run_moe(args, device, info, world)
-        report["summary"] = summarize(report, args.smoke)
-        if info.rank == 0:
-            write_report(args.out, report)  # after each part: a run cut short keeps what it measured
+            run_moe(args, device, info, world, report.setdefault("moe", []), lambda: save(report))
+        save(report)
     if info.rank == 0:
         print("summary", json.dumps(report.get("summary")), flush=True)
     dist.destroy_process_group()
