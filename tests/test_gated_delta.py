@@ -33,8 +33,10 @@ from transformers import Lfm2Config, Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_
 
 from grpo_core.models.attention import gated_delta as gd
 from grpo_core.models.attention import hybrid
+from grpo_core.models.attention import short_conv as sc
 from grpo_core.models.attention import tree as ta
 from grpo_core.models.attention.metadata import TreeAttentionMetadata
+from grpo_core.models.attention.probe_rows import probe_meta
 from grpo_core.packing.collator import pack_row
 from grpo_core.packing.planner import plan_step
 from grpo_core.packing.trie import TreeRow
@@ -99,7 +101,7 @@ def test_tree_kernels_follow_each_path(samples):
     out = gd.tree_gated_delta_rule(q, k, v, g, beta, meta, l2norm=True)
     x = torch.randn(1, 6, u, dtype=torch.float64)
     weight, bias = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
-    conv = gd.tree_causal_conv1d(x, weight, bias, meta)
+    conv = sc.tree_causal_conv1d(x, weight, bias, meta)
     for own, path in paths_of(meta):
         n = len(own)
         alone, _ = recurrence(gd.l2_normalize(q[path]) * 8**-0.5, gd.l2_normalize(k[path]), v[path], g[path], beta[path],
@@ -107,7 +109,7 @@ def test_tree_kernels_follow_each_path(samples):
         torch.testing.assert_close(out[own], alone[-n:], atol=1e-10, rtol=1e-8)
         plain = F.conv1d(x[:, :, path], weight[:, None], bias, padding=3, groups=6)[:, :, : len(path)]
         torch.testing.assert_close(conv[:, :, own], plain[:, :, -n:], atol=1e-12, rtol=1e-10)
-    torch.testing.assert_close(conv, gd.tree_causal_conv1d_grouped(x, weight, bias, meta), atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(conv, sc.tree_causal_conv1d_grouped(x, weight, bias, meta), atol=1e-12, rtol=1e-10)
 
 
 def test_conv_gradients_match_the_grouped_convolution():
@@ -120,7 +122,7 @@ def test_conv_gradients_match_the_grouped_convolution():
     inputs = [torch.randn(1, 5, u, generator=gen, dtype=torch.float64), torch.randn(5, 4, generator=gen, dtype=torch.float64),
               torch.randn(5, generator=gen, dtype=torch.float64)]
     grads = []
-    for fn in (gd.tree_causal_conv1d, gd.tree_causal_conv1d_grouped):
+    for fn in (sc.tree_causal_conv1d, sc.tree_causal_conv1d_grouped):
         xs = [t.clone().requires_grad_() for t in inputs]
         (fn(xs[0], xs[1], xs[2], meta) ** 2).sum().backward()
         grads.append([t.grad for t in xs])
@@ -135,7 +137,7 @@ def test_conv_window_crosses_into_the_parent_never_the_sibling():
     row.add(make_sample([1, 2, 3, 4, 9, 9, 3, 4], 2))
     meta = pack_row(row).attention
     assert gd.segment_parents(meta).tolist() == [-1, 0, 0, 2, 2]
-    source, keep = gd.conv_indices(meta, 4)
+    source, keep = sc.conv_indices(meta, 4)
     # Segment 2 ([4 9] at row 6-7) reads the root's last three tokens, not segment 1 (rows 3-5).
     assert source.tolist()[12:17] == [0, 1, 2, 6, 7]
     # Segment 3 (row 8) reads its parent's two tokens and the root's last one.
@@ -146,10 +148,10 @@ def test_conv_window_crosses_into_the_parent_never_the_sibling():
 def test_conv_context_reads_the_path_before_each_segment():
     """A root of 5 tokens (rows 0-4), a child of one token (5), its child (6-8), a second child (9-10): the context of
     the grandchild reaches past its one-token parent into the root."""
-    meta = gd._probe_meta(torch.device("cpu"), [5, 1, 3, 2])
-    assert gd.conv_context(meta, 4).tolist() == [[-1, -1, -1], [2, 3, 4], [3, 4, 5], [2, 3, 4]]
-    assert gd.conv_context(meta, 1).shape == (4, 0)
-    source, _ = gd.conv_indices(meta, 4)
+    meta = probe_meta(torch.device("cpu"), [5, 1, 3, 2])
+    assert sc.conv_context(meta, 4).tolist() == [[-1, -1, -1], [2, 3, 4], [3, 4, 5], [2, 3, 4]]
+    assert sc.conv_context(meta, 1).shape == (4, 0)
+    source, _ = sc.conv_indices(meta, 4)
     assert source.tolist()[:8] == [-1, -1, -1, 0, 1, 2, 3, 4] and source.tolist()[12:18] == [3, 4, 5, 6, 7, 8]
 
 
@@ -161,7 +163,7 @@ def test_a_row_of_roots_is_taken_as_it_is_and_a_tree_is_gathered():
     assert len(flat.depths) == 1 and flat.depths[0].whole_row and flat.unsort is None
     x = torch.randn(12, 2)
     assert gd.take_rows(x, flat.depths[0]) is x
-    tree = gd.build_segment_tree(gd._probe_meta(cpu, [5, 1, 3, 2]), cpu)
+    tree = gd.build_segment_tree(probe_meta(cpu, [5, 1, 3, 2]), cpu)
     assert [d.whole_row for d in tree.depths] == [False, False, False] and tree.unsort is not None
     assert gd.take_rows(torch.arange(11), tree.depths[1]).tolist() == [5, 9, 10]
 
@@ -169,10 +171,10 @@ def test_a_row_of_roots_is_taken_as_it_is_and_a_tree_is_gathered():
 def test_plans_read_the_collators_host_copy_not_the_device():
     """Moved rows keep their host copy, and the per-row plans read it: no copy back from the device (a sync on a GPU).
     ``meta`` tensors stand in for the device here: reading them back would raise."""
-    host = gd._probe_meta(torch.device("cpu"), [5, 1, 3, 2])
+    host = probe_meta(torch.device("cpu"), [5, 1, 3, 2])
     moved = host.to(torch.device("meta"))
     assert moved.on_host() is host and host.on_host() is host
-    assert gd.conv_context(moved, 4).tolist() == gd.conv_context(host, 4).tolist()
+    assert sc.conv_context(moved, 4).tolist() == sc.conv_context(host, 4).tolist()
     assert [d.cu_seqlens_cpu.tolist() for d in gd.build_segment_tree(moved, torch.device("cpu")).depths] == \
         [[0, 5], [0, 1, 3], [0, 3]]
     orphan = TreeAttentionMetadata(*(t.to("meta") for t in (host.cu_seq_q, host.cu_seq_k)), 5, 8, None)
@@ -182,24 +184,24 @@ def test_plans_read_the_collators_host_copy_not_the_device():
 def test_the_convolution_backend_follows_the_delta_rule_and_its_own_probe(monkeypatch, caplog):
     cpu = torch.device("cpu")
     asked = []
-    monkeypatch.setattr(gd, "probe_conv", lambda *a, **k: asked.append(a) or 1e-3)
-    assert gd.select_conv_backend(gd.GDN_BACKENDS["reference"], cpu, 64, 4).name == "torch" and not asked
-    assert gd.select_conv_backend(gd.GDN_BACKENDS["fla"], cpu, 96, 3).name == "fla"
-    assert [a[2:] for a in asked] == [(96, 3, tree) for tree in gd.PROBE_TREES]  # the layers' width, both trees
-    monkeypatch.setattr(gd, "probe_conv", lambda *a, **k: 0.2)
-    with caplog.at_level("WARNING", logger=gd.__name__):
-        assert gd.select_conv_backend(gd.GDN_BACKENDS["fla"], cpu, 64, 4).name == "torch"
+    monkeypatch.setattr(sc, "probe_conv", lambda *a, **k: asked.append(a) or 1e-3)
+    assert sc.select_conv_backend("reference", cpu, 64, 4).name == "torch" and not asked
+    assert sc.select_conv_backend("fla", cpu, 96, 3).name == "fla"
+    assert [a[2:] for a in asked] == [(96, 3, tree) for tree in sc.PROBE_TREES]  # the layers' width, both trees
+    monkeypatch.setattr(sc, "probe_conv", lambda *a, **k: 0.2)
+    with caplog.at_level("WARNING", logger=sc.__name__):
+        assert sc.select_conv_backend("fla", cpu, 64, 4).name == "torch"
 
     def missing(*args, **kwargs):
         raise ModuleNotFoundError("No module named 'fla'")
 
-    monkeypatch.setattr(gd, "probe_conv", missing)
-    with caplog.at_level("WARNING", logger=gd.__name__):
-        assert gd.select_conv_backend(gd.GDN_BACKENDS["fla"], cpu, 64, 4).name == "torch"
+    monkeypatch.setattr(sc, "probe_conv", missing)
+    with caplog.at_level("WARNING", logger=sc.__name__):
+        assert sc.select_conv_backend("fla", cpu, 64, 4).name == "torch"
     assert "convolution is not usable here (probe error 2.00e-01)" in caplog.text
     assert "(ModuleNotFoundError: No module named 'fla')" in caplog.text
     gd.register_gdn_backend("reference", "cpu")
-    assert gd.active_conv_backend().name == "torch"
+    assert sc.active_conv_backend().name == "torch"
 
 
 def fla_conv_device() -> str | None:
@@ -232,9 +234,9 @@ def test_fla_convolution_equals_the_pytorch_form_on_trees(monkeypatch):
         grad = torch.randn(1, 24, u, generator=gen).to(device)
         for activation in ("silu", None, "gelu"):
             results = []
-            for backend in (gd.CONV_BACKENDS["fla"], gd.CONV_BACKENDS["torch"]):
+            for backend in (sc.CONV_BACKENDS["fla"], sc.CONV_BACKENDS["torch"]):
                 xs = [t.to(device).requires_grad_() for t in inputs]
-                out = gd.tree_conv(*xs, activation, meta, backend=backend)
+                out = sc.tree_conv(*xs, activation, meta, backend=backend)
                 out.backward(grad)
                 results.append([out.detach()] + [t.grad for t in xs])
             for a, b in zip(*results):

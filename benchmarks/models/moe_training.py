@@ -44,7 +44,8 @@ import torch
 
 from grpo_core.config import AsyncGRPOConfig  # noqa: E402
 from grpo_core.models.attention import tree as ta  # noqa: E402
-from grpo_core.models.attention.gated_delta import active_conv_backend, active_gdn_backend, fla_kernel  # noqa: E402
+from grpo_core.models.attention.gated_delta import active_gdn_backend, fla_kernel  # noqa: E402
+from grpo_core.models.attention.short_conv import active_conv_backend  # noqa: E402
 from grpo_core.models.attention.hybrid import gated_delta_layers, head_sizes  # noqa: E402
 from grpo_core.models.fsdp import FSDPSettings, shard_policy  # noqa: E402
 from grpo_core.models.moe.experts import GROUPED_MM, active_expert_params, use_grouped_experts  # noqa: E402

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from grpo_core.config import AsyncGRPOConfig  # noqa: E402
 from grpo_core.models.attention import gated_delta as gd  # noqa: E402
+from grpo_core.models.attention import short_conv as sc  # noqa: E402
 from grpo_core.models.attention import tree as ta  # noqa: E402
 from grpo_core.models.attention.hybrid import gated_delta_layers, head_sizes  # noqa: E402
 from grpo_core.models.moe.experts import EXPERTS_IMPLEMENTATIONS, GROUPED_MM  # noqa: E402
@@ -139,10 +140,10 @@ def gdn_conv_choices(args) -> list[str | None]:
 
 def with_gdn_conv(choice: str | None, run):
     """``run()`` with the short convolutions held to the PyTorch form (``torch``); None or ``auto``: as the trainer
-    picks (``gated_delta.select_conv_backend``)."""
+    picks (``short_conv.select_conv_backend``)."""
     if choice != "torch":
         return run()
-    with mock.patch.object(gd, "select_conv_backend", lambda *args, **kwargs: gd.CONV_BACKENDS["torch"]):
+    with mock.patch.object(sc, "select_conv_backend", lambda *args, **kwargs: sc.CONV_BACKENDS["torch"]):
         return run()
 
 
@@ -261,13 +262,13 @@ def conv_timing(device: torch.device, smoke: bool) -> dict:
     out = {"tokens": u, "channels": channels}
     # Each form eagerly and compiled as a layer compiles it (dynamic shapes): the channel-last form is written
     # for the compiler, which fuses its shifted multiply-adds; eagerly each one is a kernel of its own.
-    torch_conv = gd.CONV_BACKENDS["torch"]
-    forms = [("channel_last", lambda x, w, meta: gd.tree_conv(x, w, None, "silu", meta, backend=torch_conv)),
-             ("grouped_conv1d", lambda x, w, meta: F.silu(gd.tree_causal_conv1d_grouped(x, w, None, meta)))]
+    torch_conv = sc.CONV_BACKENDS["torch"]
+    forms = [("channel_last", lambda x, w, meta: sc.tree_conv(x, w, None, "silu", meta, backend=torch_conv)),
+             ("grouped_conv1d", lambda x, w, meta: F.silu(sc.tree_causal_conv1d_grouped(x, w, None, meta)))]
     forms += [(f"{name}_compiled", torch.compile(fn, dynamic=True)) for name, fn in forms]
     try:
-        err = gd.probe_conv(gd.CONV_BACKENDS["fla"], device, channels)
-        forms.append(("fla", lambda x, w, meta: gd.tree_conv(x, w, None, "silu", meta, backend=gd.CONV_BACKENDS["fla"])))
+        err = sc.probe_conv(sc.CONV_BACKENDS["fla"], device, channels)
+        forms.append(("fla", lambda x, w, meta: sc.tree_conv(x, w, None, "silu", meta, backend=sc.CONV_BACKENDS["fla"])))
         out["fla_probe_error"] = err
     except Exception as exc:  # noqa: BLE001 - not importable here (the CPU smoke), or a kernel that fails
         out["fla_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"

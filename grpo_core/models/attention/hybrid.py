@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from grpo_core.models.attention import gated_delta as gd
+from grpo_core.models.attention import short_conv
 from grpo_core.models.attention.metadata import TreeAttentionMetadata
 
 # The module-level functions a GDN layer's forward calls; the first two carry packed rows.
@@ -66,7 +67,7 @@ def _tree_conv(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
     ) -> torch.Tensor:
         if tree_attention is None:
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
-        return gd.tree_conv(hidden_states, weight, bias, activation, tree_attention)
+        return short_conv.tree_conv(hidden_states, weight, bias, activation, tree_attention)
 
     causal_conv1d_fn.__doc__ = "Short causal convolution along each sample's trie path (grpo_core patch)."
     return causal_conv1d_fn

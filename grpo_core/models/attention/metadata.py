@@ -9,7 +9,9 @@ Kept on its own so that the row's producers and its readers depend on this recor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
+import numpy as np
 import torch
 
 from grpo_core.models.attention.split import AncestorLevel, levels_from_paths
@@ -50,6 +52,19 @@ class TreeAttentionMetadata:
         """This row's segments on the host without a copy from the device: this metadata where it is there, else the
         copy it was moved from (None if it was built on a device)."""
         return self if self.cu_seq_q.device.type == "cpu" else self.host
+
+    def host_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """int64 ``cu_seq_q``, ``cu_seq_k`` and ``kv_index`` (None for a flat row) as host arrays: from the collator's
+        host copy where the row has one, else copied from the device (one sync)."""
+        src = self.on_host() or self
+        as_np = lambda t: t.cpu().numpy().astype(np.int64)  # noqa: E731
+        return as_np(src.cu_seq_q), as_np(src.cu_seq_k), None if src.kv_index is None else as_np(src.kv_index)
+
+    def cached(self, key: tuple, build: Callable[[], object]) -> object:
+        """``build()`` once per row (``cache``): every layer of a forward reads the same plan."""
+        if key not in self.cache:
+            self.cache[key] = build()
+        return self.cache[key]
 
     def ancestor_levels(self, device: torch.device) -> tuple[AncestorLevel, ...]:
         """The split plan's level calls, on ``device`` (derived from the paths once if not given)."""

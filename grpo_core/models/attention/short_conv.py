@@ -1,0 +1,257 @@
+"""The short causal convolution of Gated DeltaNet layers over a packed prefix trie, exact per sample.
+
+A Gated DeltaNet layer (``grpo_core.models.attention.gated_delta``) runs a depthwise causal convolution (kernel
+``K``, 4 in Qwen3.5/Qwen3-Next) before its delta rule. It reads the ``K - 1`` tokens before each token. For a
+segment's first tokens those are the last tokens of its *path* (its parent's tail, or further up when the parent
+is short), never the sibling laid out just before it in the row (``conv_context``).
+
+Backends (picked with the delta rule's, ``select_conv_backend``; the active one is ``active_conv_backend``):
+
+- ``torch``: ``tree_causal_conv1d``, the row gathered per segment with its path context and run as channel-last
+  multiply-adds, which a compiled layer fuses;
+- ``fla``: flash-linear-attention's varlen Triton kernel, the row's segments as its sequences and each one's
+  path context as its initial state; accepted only if a probe at the layers' width agrees with ``torch``.
+
+Run its tests: ``.venv/bin/python -m pytest tests/test_gated_delta.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from grpo_core.models.attention.gather import gather_rows
+from grpo_core.models.attention.metadata import TreeAttentionMetadata
+from grpo_core.models.attention.probe_rows import PROBE_TREES, probe_meta
+
+log = logging.getLogger(__name__)
+
+
+# ---- the convolution's context ----------------------------------------------------------------------
+def conv_context(meta: TreeAttentionMetadata, kernel: int) -> np.ndarray:
+    """int64 ``[G, kernel - 1]``: per segment, the path positions just before its own tokens, oldest first
+    (-1 above the root): what the short convolution reads before a segment's first token."""
+    cu_q, cu_k, kv = meta.host_arrays()
+    ctx = kernel - 1
+    out = np.full((len(cu_q) - 1, ctx), -1, dtype=np.int64)
+    if kv is None or ctx == 0:
+        return out
+    for g in range(len(cu_q) - 1):
+        q = int(cu_q[g + 1] - cu_q[g])
+        before = kv[cu_k[g] : cu_k[g + 1]][: int(cu_k[g + 1] - cu_k[g]) - q][-ctx:]
+        out[g, ctx - len(before):] = before
+    return out
+
+
+def conv_indices(meta: TreeAttentionMetadata, kernel: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(source, keep)`` for ``tree_causal_conv1d``.
+
+    ``source`` (int64): per segment, the ``kernel - 1`` path positions before its own tokens (-1 above
+    the root, ``conv_context``) followed by its own positions. ``keep`` (int64 [U]): for each row position,
+    the index of its output among the valid convolution outputs over ``source``.
+    """
+    cu_q = meta.host_arrays()[0]
+    context = conv_context(meta, kernel)
+    ctx, parts, keep, offset = kernel - 1, [], [], 0
+    for g in range(len(cu_q) - 1):
+        q = int(cu_q[g + 1] - cu_q[g])
+        parts.append(np.concatenate([context[g], np.arange(cu_q[g], cu_q[g + 1])]))
+        # Valid output j covers source[j : j + kernel], so own token i (at source ctx + i) is output i.
+        keep.append(offset + np.arange(q))
+        offset += ctx + q
+    return np.concatenate(parts), np.concatenate(keep)
+
+
+# ---- the short convolution --------------------------------------------------------------------------
+def _conv_plan(x: torch.Tensor, kernel: int, meta: TreeAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    return meta.cached(
+        ("gdn_conv", kernel, x.device),
+        lambda: tuple(torch.as_tensor(a).to(x.device) for a in conv_indices(meta, kernel)),
+    )
+
+
+def tree_causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, meta: TreeAttentionMetadata
+) -> torch.Tensor:
+    """Depthwise causal convolution of ``x`` ``[1, C, U]`` along every sample's path; ``weight`` ``[C, K]``.
+
+    Returns ``[1, C, U]`` in ``weight``'s dtype (the activation is the caller's). Computed channel-last
+    as ``K`` shifted multiply-adds over the gathered ``[E, C]`` rows, accumulated in fp32 (what a
+    convolution kernel does inside): element-wise work, which a compiled layer can fuse. Run eagerly it
+    is slower than ``tree_causal_conv1d_grouped`` (benchmarks/README.md, "The Qwen3.5 family: hybrid against
+    dense, MoE MFU, packed log-prob gap").
+    """
+    if x.shape[0] != 1:
+        raise ValueError(f"a packed row is one sequence (batch 1), got batch {x.shape[0]}")
+    kernel = weight.shape[-1]
+    source, keep = _conv_plan(x, kernel, meta)
+    rows = x[0].t().to(weight.dtype)  # [U, C]
+    rows = torch.cat([rows.new_zeros(1, rows.shape[1]), rows])  # row 0: the zeros above a root
+    gathered = gather_rows(rows, source + 1)  # [E, C]
+    valid = gathered.shape[0] - kernel + 1  # output j covers gathered[j : j + kernel]
+    wide = torch.promote_types(weight.dtype, torch.float32)
+    taps = weight.to(wide).t()  # [K, C]
+    out = gathered[:valid].to(wide) * taps[0]
+    for i in range(1, kernel):
+        out = out + gathered[i : i + valid].to(wide) * taps[i]
+    out = out.index_select(0, keep)
+    if bias is not None:
+        out = out + bias.to(wide)
+    return out.to(weight.dtype).t().unsqueeze(0)
+
+
+def tree_causal_conv1d_grouped(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, meta: TreeAttentionMetadata
+) -> torch.Tensor:
+    """``tree_causal_conv1d`` as one grouped ``conv1d`` over the gathered, channel-first rows (the
+    comparison of the tests and of the speed benchmark)."""
+    kernel = weight.shape[-1]
+    source, keep = _conv_plan(x, kernel, meta)
+    rows = x[0].t().to(weight.dtype)
+    rows = torch.cat([rows.new_zeros(1, rows.shape[1]), rows])
+    gathered = gather_rows(rows, source + 1).t().unsqueeze(0)  # [1, C, E]
+    out = F.conv1d(gathered, weight.unsqueeze(1), bias, groups=weight.shape[0])
+    return out.index_select(2, keep)
+
+
+# ---- the short convolution: backends ----------------------------------------------------------------
+def activation_fn(name: str | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """transformers' activation of that name (identity for None)."""
+    if name is None:
+        return lambda x: x
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
+def _torch_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                meta: TreeAttentionMetadata) -> torch.Tensor:
+    return activation_fn(activation)(tree_causal_conv1d(x, weight, bias, meta)).to(x.dtype)
+
+
+FLA_ACTIVATIONS = (None, "silu", "swish")
+"""Activations flash-linear-attention's convolution applies inside its kernel; others run after it."""
+
+
+def _fla_conv_plan(x: torch.Tensor, kernel: int, meta: TreeAttentionMetadata) -> tuple[torch.Tensor, ...]:
+    """``(context, cu_seqlens, cu_seqlens_cpu, chunk_indices)`` of a row, once per row: the segments in row order
+    are the kernel's variable-length sequences, and each one's context its initial state."""
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    def build() -> tuple[torch.Tensor, ...]:
+        cu_cpu = torch.from_numpy(meta.host_arrays()[0])
+        cu = cu_cpu.to(x.device)
+        context = torch.as_tensor(conv_context(meta, kernel)).to(x.device)
+        return context, cu, cu_cpu, prepare_chunk_indices(cu, FLA_CONV_CHUNK, cu_seqlens_cpu=cu_cpu)
+
+    return meta.cached(("gdn_conv_fla", kernel, x.device), build)
+
+
+FLA_CONV_CHUNK = 64
+"""Tokens per program of flash-linear-attention's convolution (its default block)."""
+
+
+def _fla_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+              meta: TreeAttentionMetadata) -> torch.Tensor:
+    """flash-linear-attention's causal convolution (Triton; fused activation, fp32 accumulation) over the
+    row's segments as variable-length sequences, each started from the ``kernel - 1`` path tokens before it as
+    its initial state (zeros above a root). The state is gathered from the row, so gradients reach those
+    tokens through it. Returns ``[1, C, U]`` in ``x``'s dtype."""
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    if x.shape[0] != 1:
+        raise ValueError(f"a packed row is one sequence (batch 1), got batch {x.shape[0]}")
+    kernel = weight.shape[-1]
+    context, cu, cu_cpu, chunks = _fla_conv_plan(x, kernel, meta)
+    rows = x[0].t().contiguous()  # [U, C]: a layer hands over a transposed [1, U, C] projection, so no copy
+    # [G, K - 1, C]: only the context is gathered (a padded copy of the whole row would cost a pass over it)
+    before = rows[context.clamp(min=0)] * (context >= 0).unsqueeze(-1).to(rows.dtype)
+    # fla's state holds the last ``kernel`` inputs, oldest first; the convolution reads the last kernel - 1
+    state = torch.cat([before.new_zeros(before.shape[0], 1, before.shape[2]), before], 1).transpose(1, 2)
+    fused = activation if activation in FLA_ACTIVATIONS else None
+    y, _ = causal_conv1d(rows.unsqueeze(0), weight.to(rows.dtype), None if bias is None else bias.to(rows.dtype),
+                         initial_state=state.contiguous(), activation=fused, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+                         chunk_indices=chunks)
+    out = y[0].t().unsqueeze(0)
+    return out if fused == activation else activation_fn(activation)(out)
+
+
+@dataclass
+class ConvBackend:
+    name: str
+    run: Callable[..., torch.Tensor]
+    """``(x [1, C, U], weight [C, K], bias, activation, meta) -> [1, C, U]`` in ``x``'s dtype, activation applied."""
+    needs_cuda: bool
+
+
+CONV_BACKENDS: dict[str, ConvBackend] = {
+    "torch": ConvBackend("torch", _torch_conv, needs_cuda=False),
+    # A compiled layer runs the kernel as it is: fla keeps its own dispatch out of graphs, and the gathered
+    # context would otherwise be traced around a break.
+    "fla": ConvBackend("fla", torch.compiler.disable(_fla_conv, recursive=True), needs_cuda=True),
+}
+
+
+def tree_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+              meta: TreeAttentionMetadata, backend: ConvBackend | None = None) -> torch.Tensor:
+    """The short convolution of a Gated DeltaNet layer over a packed row, activation included, with ``backend``
+    (default: the one ``register_gdn_backend`` chose)."""
+    return (backend or _active).run(x, weight, bias, activation, meta)
+
+
+# ---- choosing the backend ---------------------------------------------------------------------------
+def probe_conv(backend: ConvBackend, device: torch.device, channels: int = 64, kernel: int = 4,
+               tree: str = "short") -> float:
+    """Largest relative error of ``backend``'s convolution (bf16, silu) in output and gradients of input, weight
+    and bias against the PyTorch form in fp32, on a probe tree (``PROBE_TREES``) at the layers' width."""
+    meta = probe_meta(device, PROBE_TREES[tree])
+    u = int(meta.cu_seq_q[-1])
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, u, channels, generator=gen).transpose(1, 2)  # as a layer hands it over
+    weight, bias = torch.randn(channels, kernel, generator=gen) / kernel, torch.randn(channels, generator=gen)
+    grad = torch.randn(1, channels, u, generator=gen)
+    results = []
+    for be, dtype in ((backend, torch.bfloat16), (CONV_BACKENDS["torch"], torch.float32)):
+        xs = [t.to(device, dtype).requires_grad_() for t in (x, weight, bias)]
+        out = tree_conv(*xs, "silu", meta, backend=be)
+        out.backward(grad.to(device, dtype))
+        results.append([out.detach().float()] + [t.grad.float() for t in xs])
+    return max(float((a - b).norm() / b.norm()) for a, b in zip(*results))
+
+
+def select_conv_backend(gdn_backend: str, device: torch.device, channels: int, kernel: int) -> ConvBackend:
+    """``fla`` where the delta rule runs flash-linear-attention (``gdn_backend``: the delta rule's backend name) and
+    its convolution passes ``probe_conv`` on both probe trees at the layers' width, else the PyTorch form
+    (``tree_causal_conv1d``)."""
+    if gdn_backend != "fla":
+        return CONV_BACKENDS["torch"]
+    try:
+        err = max(probe_conv(CONV_BACKENDS["fla"], device, channels, kernel, tree) for tree in PROBE_TREES)
+    except Exception as exc:  # noqa: BLE001 - an fla without the module, or a kernel that fails
+        err, failure = float("nan"), f"{type(exc).__name__}: {exc}"
+    else:
+        failure = None if err < 2e-2 else f"probe error {err:.2e}"
+    if failure is None:
+        log.info("short-convolution probe of fla (%d channels, kernel %d): error %.2e", channels, kernel, err)
+        return CONV_BACKENDS["fla"]
+    log.warning("flash-linear-attention's convolution is not usable here (%s); the short convolutions run the "
+                "PyTorch form", failure)
+    return CONV_BACKENDS["torch"]
+
+
+_active: ConvBackend = CONV_BACKENDS["torch"]
+
+
+def set_active_conv_backend(backend: ConvBackend) -> None:
+    """Make ``backend`` the one ``tree_conv`` runs by default (``gated_delta.register_gdn_backend`` picks it)."""
+    global _active
+    _active = backend
+
+
+def active_conv_backend() -> ConvBackend:
+    return _active
