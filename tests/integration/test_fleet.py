@@ -56,6 +56,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 DENSE_LOGPROB_ATOL = 1e-4  # what the dense push meets on a CPU server (tests/integration/test_async_loop.py)
 START_TIMEOUT_S = 1800  # a vLLM start on two busy cores has taken ten minutes
 STEPS_BEFORE_KILL = 16  # 30 groups trained before the kill: the groups-per-server share is read over them
+FROZEN_BEFORE_KILL_S = 2.0  # < server_drain_after_s (10): still serving, so its groups keep their requests there
 STEPS_AFTER_RETURN_LIMIT = 200  # a restarted server that serves nothing for this many steps fails the test
 UNBOUNDED = 1_000_000  # max_steps until the test ends the run (below), and max_staleness
 DRAIN_AFTER_S = 8.0  # the freeze test's server_drain_after_s
@@ -106,15 +107,23 @@ def trainer_core(fleet, monkeypatch):
 
 
 def wait_until_generating(url: str, timeout_s: float) -> int:
-    """Requests the server at ``url`` is running, once there are any (its ``/metrics``, read every 20 ms)."""
+    """Requests the server at ``url`` is running, once it decodes rollouts (its ``/metrics``, read every 20 ms).
+
+    That is: at least two requests running, and at least two tokens generated since the last read. vLLM's running
+    gauge keeps its last value while the engine idles, so a count alone can be stale; and the trainer's probe of
+    the served weights is one request that generates one token, so a lone request may be no rollout at all (a
+    kill then loses nothing to send again: CI saw that once)."""
     control = VLLMControlClient(url)
     deadline = time.monotonic() + timeout_s
+    generated: float | None = None
     try:
         while True:
-            running = parse_vllm_metrics(control.metrics_text() or "").num_requests_running or 0
-            if running > 0:
+            metrics = parse_vllm_metrics(control.metrics_text() or "")
+            running, before = metrics.num_requests_running or 0, generated
+            generated = metrics.generation_tokens_total
+            if running >= 2 and before is not None and generated is not None and generated - before >= 2:
                 return running
-            assert time.monotonic() < deadline, f"{url} ran no request for {timeout_s:.0f} s"
+            assert time.monotonic() < deadline, f"{url} decoded no rollout for {timeout_s:.0f} s"
             time.sleep(0.02)
     finally:
         control.close()
@@ -273,10 +282,15 @@ def test_two_servers_serve_hold_the_weights_and_survive_a_kill(fleet, tiny_model
         try:
             while len(trainer.state.log_history) < STEPS_BEFORE_KILL:
                 time.sleep(0.05)
-            # Killed while it generates, so that requests are lost in flight and must be sent to the other one.
+            # Killed while it generates, so that requests are lost in flight and must be sent to the other one. It
+            # is frozen first: a tiny model's request ends within tens of milliseconds, so without the freeze what it
+            # ran when read could end before the kill (CI saw a kill that lost nothing). Frozen, it finishes nothing,
+            # and the requests routed to it meanwhile wait in its sockets, to be lost with it.
             events["running_at_kill"] = wait_until_generating(victim.base_url, timeout_s=60.0)
+            os.killpg(victim.process.pid, signal.SIGSTOP)  # API server and engine: its own process group
             events["kill_after_step"] = len(trainer.state.log_history)
-            os.killpg(victim.process.pid, signal.SIGKILL)  # API server and engine: its own process group
+            time.sleep(FROZEN_BEFORE_KILL_S)
+            os.killpg(victim.process.pid, signal.SIGKILL)
             events["killed_at"] = time.time()
             events["killed_mono"] = time.monotonic()
             while not came_back():
