@@ -184,16 +184,18 @@ PROFILE_TOP = 30
 
 
 def run_shape(args, shape: str, device: torch.device, rank: int, world: int, build=build_model,
-              config: AsyncGRPOConfig | None = None) -> list[dict]:
-    """The shape's rows per workload, flat and tree, timed as the trainer runs them (``config``, default
-    ``AsyncGRPOConfig()``); ``build(shape, layers, device)`` makes the fp32 model
+              config: AsyncGRPOConfig | None = None, packings: tuple[str, ...] = ("flat", "tree"),
+              experts: str = GROUPED_MM) -> list[dict]:
+    """The shape's rows per workload, in each of ``packings`` (the ``mfu`` workload: tree only), timed as the trainer
+    runs them (``config``, default ``AsyncGRPOConfig()``), with the routed experts run by ``experts``
+    (``grpo_core.models.moe.experts.EXPERTS_IMPLEMENTATIONS``); ``build(shape, layers, device)`` makes the fp32 model
     (``benchmarks/models/qwen35_speed.py`` passes its dense shapes)."""
     config = config or AsyncGRPOConfig()
     cuda = device.type == "cuda"
     settings = FSDPSettings.from_config(config, bf16=cuda, device_type=device.type)
     model = build(shape, args.layers, device)
     torch._dynamo.utils.counters.clear()  # graph breaks of this shape's compiled layers (the profile's record)
-    experts_impl = use_grouped_experts(model, getattr(args, "experts_now", None) or GROUPED_MM)
+    experts_impl = use_grouped_experts(model, experts)
     attention = ta.enable_tree_attention(model, backend=config.attention_backend if cuda else "varlen_emulated",
                                          linear_backend=config.gdn_backend if cuda else "reference",
                                          compute_dtype=torch.bfloat16 if cuda else torch.float32,
@@ -211,12 +213,13 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
               "experts_implementation": experts_impl, "routing_replay": not args.no_replay,
               "attention_backend": attention, "gdn_backend": gdn_backend_label(model),
               "gdn_conv_backend": gdn_conv_label(model),
+              "gdn_layers": len(gated_delta_layers(model)),
               "token_budget": budget, "compile": settings.compile, "activation_checkpointing": settings.activation_checkpointing,
               "world_size": world}
     results = []
     for workload in args.workloads.split(","):
         samples = with_routes(workload_samples(workload, args, model.config.vocab_size, budget, world), model, seed=7)
-        modes = ("tree",) if workload == "mfu" else tuple(getattr(args, "packings", "flat,tree").split(","))
+        modes = ("tree",) if workload == "mfu" else packings
         per_mode = {}
         for mode in modes:
             rows_per_rank = args.rows_per_rank if workload == "mfu" else 10**6
@@ -237,7 +240,7 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
                 continue
             fb, st = statistics.median(fb_times), statistics.median(step_times)
             profile = None
-            if cuda and getattr(args, "profile", False) and mode == "tree":
+            if cuda and args.profile and mode == "tree":
                 loss_config = LossConfig.from_config(config)
                 profile = tree_packing.profile_call(
                     lambda: rows_backward(model, moe, rows, num_trained, loss_config), top=PROFILE_TOP)

@@ -93,17 +93,18 @@ def build_dense(shape: str, layers: int, device: torch.device, dtype: torch.dtyp
     return model.to(dtype)
 
 
-def shape_results(args, shape: str, device, info, world, build) -> list[dict]:
-    """``moe_training.run_shape`` with the default config; where that fails, the error and a run with layers
-    compiled pointwise only (the error says what the default config could not do)."""
+def shape_results(args, shape: str, device, info, world, build, **options) -> list[dict]:
+    """``moe_training.run_shape`` with the default config (``options``: its ``packings`` and ``experts``); where that
+    fails, the error and a run with layers compiled pointwise only (the error says what the default config could not
+    do)."""
     try:
-        return moe_training.run_shape(args, shape, device, info.rank, world, build=build)
+        return moe_training.run_shape(args, shape, device, info.rank, world, build=build, **options)
     except Exception as exc:  # noqa: BLE001 - recorded, then the fallback runs
         error = f"{type(exc).__name__}: {str(exc)[:600]}"
         print("failed", shape, error, flush=True)
         torch.cuda.empty_cache() if device.type == "cuda" else None
         config = AsyncGRPOConfig(compile_mode="pointwise")
-        results = moe_training.run_shape(args, shape, device, info.rank, world, build=build, config=config)
+        results = moe_training.run_shape(args, shape, device, info.rank, world, build=build, config=config, **options)
         return [{**r, "compile_mode": "pointwise", "default_config_error": error} for r in results]
 
 
@@ -157,7 +158,8 @@ def run_speed(args, device, info, world, results: list[dict], save) -> list[dict
     for shape, kernel, conv in runs:
         args.layers = DENSE[shape][1]["num_hidden_layers"]
         args.workloads = args.speed_workloads if not args.smoke else args.speed_workloads.replace("ratio~3.4", "ratio~3")
-        run = lambda: shape_results(args, shape, device, info, world, build_dense)  # noqa: E731
+        run = lambda: shape_results(args, shape, device, info, world, build_dense,  # noqa: E731
+                                    packings=tuple(args.packings.split(",")))
         for r in with_gdn_kernel(kernel, lambda: with_gdn_conv(conv, run)):
             results.append(r)
             print("speed", json.dumps({k: r.get(k) for k in ("model", "gdn_backend", "gdn_conv_backend", "workload",
@@ -177,8 +179,9 @@ def run_moe(args, device, info, world, results: list[dict], save) -> list[dict]:
     """The moe part's rows, appended to ``results``; ``save()`` after each shape's (a run cut short keeps them)."""
     for shape, layers in MOE[args.smoke]:
         for experts in experts_choices(args):
-            args.layers, args.workloads, args.experts_now = layers, "mfu", experts
-            for r in shape_results(args, shape, device, info, world, moe_training.build_model):
+            args.layers, args.workloads = layers, "mfu"
+            for r in shape_results(args, shape, device, info, world, moe_training.build_model,
+                                   experts=experts or GROUPED_MM):
                 results.append(r)
                 print("moe", json.dumps({k: r.get(k) for k in ("model", "experts_implementation", "mfu_fwd_bwd",
                                                                  "tokens_per_s_fwd_bwd", "error")}), flush=True)
@@ -357,6 +360,39 @@ def default_rank(row: dict) -> tuple[int, int]:
             0 if row.get("gdn_conv_backend") in ("fla", None) else 1)
 
 
+def kernel_bound(report: dict, speed: list[dict], dense: str, hybrid: str) -> dict:
+    """Per workload, how fast the hybrid could train if all but its delta rule ran at the dense model's TFLOP/s
+    in the same run, and the delta rule took what the ``delta`` part measured for the trainer's tree form
+    (``tree_ms`` per row of ``tokens``, scaled linearly to the step's forwarded tokens, once per GDN layer):
+
+        bound_s = hybrid step FLOPs / dense FLOP/s  +  GDN layers x tree_ms x step tokens / delta tokens
+
+    ``per_param`` is that speed against the dense model's, per parameter, as ``hybrid_per_param_vs_dense``: the
+    ratio the target can be met at with this delta-rule kernel. ``delta_share`` is the delta rule's share of
+    the hybrid's measured step: what is left to win outside the kernel is ``1 - delta_share`` of the step minus
+    ``rest_s``. A bound, not a measurement: the delta rule's FLOPs are counted twice (in the step's FLOPs, at
+    the dense rate, and in ``tree_ms``), which lowers it by their share (about 2% at 16k rows)."""
+    delta_rows = {r["workload"]: r for r in (report.get("delta") or {}).get("rows", []) if "tree_ms" in r}
+    out = {}
+    for workload, timed in delta_rows.items():
+        d = find(speed, model=dense, workload=workload, packing="tree")
+        hybrids = [r for r in speed if r.get("model") == hybrid and r.get("workload") == workload
+                   and r.get("packing") == "tree" and "error" not in r]
+        if not (d and hybrids) or not d.get("fwd_bwd_s"):
+            continue
+        h = min(hybrids, key=default_rank)
+        dense_rate = d["step_flops"] / d["fwd_bwd_s"]
+        rest_s = h["step_flops"] / dense_rate
+        delta_s = h.get("gdn_layers", 0) * timed["tree_ms"] / 1e3 * h["forwarded_tokens_per_step"] / timed["tokens"]
+        bound_s = rest_s + delta_s
+        out[workload] = {
+            "rest_s": rest_s, "delta_s": delta_s, "bound_s": bound_s, "measured_s": h["fwd_bwd_s"],
+            "delta_share": delta_s / h["fwd_bwd_s"],
+            "per_param": (h["trained_tokens_per_step"] / bound_s * h["params"]) / (d["trained_tokens_per_s"] * d["params"]),
+        }
+    return out
+
+
 def summarize(report: dict, smoke: bool) -> dict:
     dense, hybrid = PAIRS[smoke]
     speed, summary = report.get("speed", []), {"targets": TARGETS}
@@ -381,6 +417,9 @@ def summarize(report: dict, smoke: bool) -> dict:
                              "dense_mfu": d["mfu_fwd_bwd"], "hybrid_mfu": h["mfu_fwd_bwd"], "gdn_backend": h.get("gdn_backend"),
                              "gdn_conv_backend": h.get("gdn_conv_backend")}
     summary["hybrid_per_param_vs_dense"] = per_param
+    bound = kernel_bound(report, speed, dense, hybrid)
+    if bound:
+        summary["hybrid_per_param_bound_by_delta_kernel"] = bound
     if len(by_kernel) > 1:
         summary["hybrid_per_param_vs_dense_by_gdn_backend"] = by_kernel
     summary["tree_speedup_over_flop_ideal"] = reached
