@@ -109,10 +109,12 @@ def trainer_core(fleet, monkeypatch):
 def wait_until_generating(url: str, timeout_s: float) -> int:
     """Requests the server at ``url`` is running, once it decodes rollouts (its ``/metrics``, read every 20 ms).
 
-    That is: at least two requests running, and at least two tokens generated since the last read. vLLM's running
-    gauge keeps its last value while the engine idles, so a count alone can be stale; and the trainer's probe of
-    the served weights is one request that generates one token, so a lone request may be no rollout at all (a
-    kill then loses nothing to send again: CI saw that once)."""
+    That is: at least two requests running, and at least two tokens generated since the last read. A running
+    count alone did not say that (CI once killed a server read as running 3 requests, and the rollout worker had no
+    group there to send again): the trainer's probe of the served weights is one request of one token, and a
+    count read just before a group's last token is over by the kill. A group's rollouts decode in step, so two
+    tokens between reads are a group decoding. It can still be on its last token and end in the milliseconds
+    between this read and the caller's signal: that race is what is left."""
     control = VLLMControlClient(url)
     deadline = time.monotonic() + timeout_s
     generated: float | None = None
@@ -283,9 +285,8 @@ def test_two_servers_serve_hold_the_weights_and_survive_a_kill(fleet, tiny_model
             while len(trainer.state.log_history) < STEPS_BEFORE_KILL:
                 time.sleep(0.05)
             # Killed while it generates, so that requests are lost in flight and must be sent to the other one. It
-            # is frozen first: a tiny model's request ends within tens of milliseconds, so without the freeze what it
-            # ran when read could end before the kill (CI saw a kill that lost nothing). Frozen, it finishes nothing,
-            # and the requests routed to it meanwhile wait in its sockets, to be lost with it.
+            # is frozen as soon as it is seen decoding, then killed: frozen, it finishes nothing more, and requests
+            # routed to it meanwhile wait in its sockets, to be lost with it.
             events["running_at_kill"] = wait_until_generating(victim.base_url, timeout_s=60.0)
             os.killpg(victim.process.pid, signal.SIGSTOP)  # API server and engine: its own process group
             events["kill_after_step"] = len(trainer.state.log_history)
