@@ -347,6 +347,12 @@ def find(results: list[dict], **keys) -> dict | None:
     return next((r for r in results if all(r.get(k) == v for k, v in keys.items()) and "error" not in r), None)
 
 
+def tree_rows(speed: list[dict], model: str, workload: str) -> list[dict]:
+    """The model's tree rows of ``workload`` that ran (one per kernel variant timed side by side)."""
+    return [r for r in speed if r.get("model") == model and r.get("workload") == workload
+            and r.get("packing") == "tree" and "error" not in r]
+
+
 def kernels_label(row: dict) -> str:
     """A hybrid row's kernels: its delta rule's, and its short convolution's where the row names one."""
     conv = row.get("gdn_conv_backend")
@@ -376,8 +382,7 @@ def kernel_bound(report: dict, speed: list[dict], dense: str, hybrid: str) -> di
     out = {}
     for workload, timed in delta_rows.items():
         d = find(speed, model=dense, workload=workload, packing="tree")
-        hybrids = [r for r in speed if r.get("model") == hybrid and r.get("workload") == workload
-                   and r.get("packing") == "tree" and "error" not in r]
+        hybrids = tree_rows(speed, hybrid, workload)
         if not (d and hybrids) or not d.get("fwd_bwd_s"):
             continue
         h = min(hybrids, key=default_rank)
@@ -400,8 +405,7 @@ def summarize(report: dict, smoke: bool) -> dict:
     by_kernel: dict[str, dict] = {}
     for workload in ("ratio~1", "ratio~3" if smoke else "ratio~3.4"):
         d = find(speed, model=dense, workload=workload, packing="tree")
-        hybrids = [r for r in speed if r.get("model") == hybrid and r.get("workload") == workload
-                   and r.get("packing") == "tree" and "error" not in r]
+        hybrids = tree_rows(speed, hybrid, workload)
         if not (d and hybrids):
             continue
         per_kernel = {kernels_label(h): (h["trained_tokens_per_s"] * h["params"]) / (d["trained_tokens_per_s"] * d["params"])
