@@ -114,3 +114,14 @@ def print_table(results: list[dict[str, Any]], header: str, row: Callable[[dict[
 def percent(value: float | None) -> str:
     """An MFU-like share as a 7-wide percentage, or n/a."""
     return f"{100 * value:6.1f}%" if value is not None else "    n/a"
+
+
+def listed_choices(value: str, known: tuple[str, ...], flag: str, default: str | None = None) -> list[str]:
+    """The comma-separated choices of option ``flag``; one not in ``known`` stops the script with the flag, the
+    unknown values and what may be listed (``default`` too, where the option has a spelled-out default)."""
+    listed = value.split(",")
+    unknown = sorted(set(listed) - set(known))
+    if unknown:
+        allowed = f"{default}, or any of {','.join(known)}" if default else f"any of {','.join(known)}"
+        raise SystemExit(f"{flag}: unknown {unknown}; use {allowed}")
+    return listed

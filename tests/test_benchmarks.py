@@ -305,20 +305,21 @@ def test_index_names_a_document_without_markers(tmp_path: Path) -> None:
 
 def test_the_hybrids_bound_comes_from_the_delta_part_and_the_dense_rate() -> None:
     """``qwen35_speed.kernel_bound``: the step's FLOPs at the dense model's rate plus the delta rule's measured time,
-    scaled to the step's tokens, once per GDN layer; a workload without a delta row gets no bound."""
+    scaled to the step's tokens, once per GDN layer (the delta rule's FLOPs leave the first term); a workload without
+    a delta row gets no bound."""
     from benchmarks.models import qwen35_speed
 
     dense = {"model": "d", "workload": "ratio~1", "packing": "tree", "step_flops": 100.0, "fwd_bwd_s": 1.0,
              "trained_tokens_per_s": 50.0, "params": 10}
-    hybrid = {"model": "h", "workload": "ratio~1", "packing": "tree", "step_flops": 120.0, "fwd_bwd_s": 3.0,
-              "gdn_layers": 3, "forwarded_tokens_per_step": 2000, "trained_tokens_per_step": 60, "params": 20,
+    hybrid = {"model": "h", "workload": "ratio~1", "packing": "tree", "step_flops": 130.0, "fwd_bwd_s": 3.0,
+              "step_gdn_flops": 10.0, "gdn_layers": 3, "forwarded_tokens_per_step": 2000, "trained_tokens_per_step": 60, "params": 20,
               "gdn_backend": "fla/triton"}
     speed = [dense, hybrid, {**dense, "workload": "ratio~3.4"}, {**hybrid, "workload": "ratio~3.4"}]
     report = {"delta": {"rows": [{"workload": "ratio~1", "tokens": 1000, "tree_ms": 100.0}]}}
     bound = qwen35_speed.kernel_bound(report, speed, "d", "h")
     assert set(bound) == {"ratio~1"}
     b = bound["ratio~1"]
-    # rest 120 / 100 = 1.2 s; delta 3 layers x 0.1 s x 2000 / 1000 tokens = 0.6 s; 60 tokens / 1.8 s x 20 / (50 x 10)
+    # rest (130 - 10 delta-rule FLOPs) / 100 = 1.2 s; delta 3 layers x 0.1 s x 2000 / 1000 tokens = 0.6 s; 60 tokens / 1.8 s x 20 / (50 x 10)
     assert b["rest_s"] == pytest.approx(1.2) and b["delta_s"] == pytest.approx(0.6)
     assert b["bound_s"] == pytest.approx(1.8) and b["delta_share"] == pytest.approx(0.2)
     assert b["per_param"] == pytest.approx(60 / 1.8 * 20 / 500)

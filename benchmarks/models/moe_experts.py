@@ -32,7 +32,7 @@ import torch
 
 from grpo_core.models.moe.experts import EXPERTS_IMPLEMENTATIONS, register_sorted_experts  # noqa: E402
 from grpo_core.training.perf import device_peak_flops, synchronize  # noqa: E402
-from benchmarks.bench_io import write_report  # noqa: E402
+from benchmarks.bench_io import listed_choices, write_report  # noqa: E402
 
 IMPLEMENTATIONS = (*EXPERTS_IMPLEMENTATIONS, "eager", "batched_mm")
 MODES = ("eager", "compiled")
@@ -104,14 +104,6 @@ def run(call, block, tokens: int, repeats: int, device: torch.device, dtype: tor
             "step": step}
 
 
-def choices(value: str, known: tuple[str, ...], flag: str) -> list[str]:
-    listed = value.split(",")
-    unknown = [v for v in listed if v not in known]
-    if unknown:
-        raise SystemExit(f"{flag}: unknown {unknown}; use any of {','.join(known)}")
-    return listed
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="qwen3-30b-a3b,qwen3.5-moe", help="blocks, comma-separated: " + ",".join(SHAPES))
@@ -126,9 +118,9 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shapes = ["tiny", "tiny-shared"] if args.smoke else choices(args.shape, tuple(SHAPES), "--shape")
-    impls = choices(args.implementations, IMPLEMENTATIONS, "--implementations")
-    modes = choices(args.modes, MODES, "--modes")
+    shapes = ["tiny", "tiny-shared"] if args.smoke else listed_choices(args.shape, tuple(SHAPES), "--shape")
+    impls = listed_choices(args.implementations, IMPLEMENTATIONS, "--implementations")
+    modes = listed_choices(args.modes, MODES, "--modes")
     token_counts = [int(t) for t in ("64" if args.smoke else args.tokens).split(",")]
     register_sorted_experts()
     peak = device_peak_flops(device, dtype == torch.bfloat16)

@@ -258,6 +258,7 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
                 "forwarded_tokens_per_step": forwarded, "trained_tokens_per_step": num_trained,
                 "row_fill_frac": metrics["batch/row_fill_frac"], "packing_ratio": metrics["batch/packing_ratio"],
                 "samples_per_row": metrics["batch/samples_per_row"], "step_flops": step_flops,
+                "step_gdn_flops": sum(flops_model.gdn_flops(r) for r in plan.rows),
                 "fwd_bwd_s": fb, "step_s": st, "fwd_bwd_times_s": fb_times, "step_times_s": step_times,
                 "tokens_per_s_fwd_bwd": forwarded / fb, "trained_tokens_per_s": num_trained / fb,
                 "tflops_per_device_fwd_bwd": step_flops / fb / world / 1e12,

@@ -55,7 +55,7 @@ from grpo_core.packing.collator import pack_row  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
 from grpo_core.ranks import DistInfo, init_distributed  # noqa: E402
 from grpo_core.training.perf import device_peak_flops, synchronize  # noqa: E402
-from benchmarks.bench_io import write_report  # noqa: E402
+from benchmarks.bench_io import listed_choices, write_report  # noqa: E402
 from benchmarks.models import moe_training  # noqa: E402
 from benchmarks.packing import gdn_tree_packing, tree_packing  # noqa: E402
 
@@ -112,11 +112,7 @@ def side_by_side(value: str, default: str, known: tuple[str, ...], flag: str) ->
     """The runs of a side-by-side option: one run as configured (None) for ``default``, else one per listed choice."""
     if value == default:
         return [None]
-    listed = value.split(",")
-    unknown = set(listed) - set(known)
-    if unknown:
-        raise SystemExit(f"{flag}: unknown {sorted(unknown)}; use {default}, or any of {','.join(known)}")
-    return listed
+    return listed_choices(value, known, flag, default)
 
 
 def gdn_kernel_choices(args) -> list[str | None]:
@@ -371,13 +367,14 @@ def kernel_bound(report: dict, speed: list[dict], dense: str, hybrid: str) -> di
     in the same run, and the delta rule took what the ``delta`` part measured for the trainer's tree form
     (``tree_ms`` per row of ``tokens``, scaled linearly to the step's forwarded tokens, once per GDN layer):
 
-        bound_s = hybrid step FLOPs / dense FLOP/s  +  GDN layers x tree_ms x step tokens / delta tokens
+        bound_s = (hybrid step FLOPs - its delta-rule FLOPs) / dense FLOP/s
+                  + GDN layers x tree_ms x step tokens / delta tokens
 
     ``per_param`` is that speed against the dense model's, per parameter, as ``hybrid_per_param_vs_dense``: the
     ratio the target can be met at with this delta-rule kernel. ``delta_share`` is the delta rule's share of
     the hybrid's measured step: what is left to win outside the kernel is ``1 - delta_share`` of the step minus
-    ``rest_s``. A bound, not a measurement: the delta rule's FLOPs are counted twice (in the step's FLOPs, at
-    the dense rate, and in ``tree_ms``), which lowers it by their share (about 2% at 16k rows)."""
+    ``rest_s``. The delta rule's FLOPs (``step_gdn_flops``) leave the first term because ``tree_ms`` already
+    times them; a row written before that field existed counts them twice (about 2% of the step at 16k rows)."""
     delta_rows = {r["workload"]: r for r in (report.get("delta") or {}).get("rows", []) if "tree_ms" in r}
     out = {}
     for workload, timed in delta_rows.items():
@@ -387,7 +384,7 @@ def kernel_bound(report: dict, speed: list[dict], dense: str, hybrid: str) -> di
             continue
         h = min(hybrids, key=default_rank)
         dense_rate = d["step_flops"] / d["fwd_bwd_s"]
-        rest_s = h["step_flops"] / dense_rate
+        rest_s = (h["step_flops"] - h.get("step_gdn_flops", 0.0)) / dense_rate
         delta_s = h.get("gdn_layers", 0) * timed["tree_ms"] / 1e3 * h["forwarded_tokens_per_step"] / timed["tokens"]
         bound_s = rest_s + delta_s
         out[workload] = {
