@@ -247,7 +247,8 @@ def logprob_gap(shape: str, device: torch.device, dtype: torch.dtype) -> dict:
 def conv_timing(device: torch.device, smoke: bool) -> dict:
     """fwd+bwd of the tree convolution with its silu, as a layer runs it, on one ratio~3.4 row at the hybrid's width
     (16 + 16 + 16 heads of 128): the trainer's channel-last multiply-adds and a grouped ``conv1d``, each eager and
-    compiled, and flash-linear-attention's varlen kernel where it is usable (``<form>_ms``; ``fla_error`` else)."""
+    compiled, and flash-linear-attention's varlen kernel where it is usable (``<form>_ms``; ``fla_error`` else), each
+    also in row copies (``<form>_passes``: its time over ``row_copy_ms``, one read and one write of the row fwd+bwd)."""
 
     budget, channels = (256, 64) if smoke else (16384, 6144)
     workload = (tree_packing.SMOKE_WORKLOADS if smoke else tree_packing.WORKLOADS)[-1 if smoke else 2]
@@ -271,17 +272,27 @@ def conv_timing(device: torch.device, smoke: bool) -> dict:
         out["fla_probe_error"] = err
     except Exception as exc:  # noqa: BLE001 - not importable here (the CPU smoke), or a kernel that fails
         out["fla_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    # The gradient comes in the layout a layer hands back (the transpose of a contiguous [1, U, C]), so the times
+    # hold the convolution's passes and nothing of a loss's: a loss over the transposed output would add
+    # strided fp32 copies of the whole row to every form.
+    grad = torch.randn(1, u, channels, device=device, dtype=dtype).transpose(1, 2)
+    # One read and one write of the row in its dtype (a clone; its backward hands the gradient on): the unit the
+    # forms' times are read in (``<form>_passes``), the memory floor of a kernel that reads the input once.
+    forms.insert(0, ("row_copy", lambda x, w, meta: x.clone()))
     for name, fn in forms:
         xr = x.detach().clone().requires_grad_()
         times = []
         for i in range(3 if smoke else 12):
+            xr.grad = w.grad = None  # the gradient is handed over, not added to the last one's (as in a layer)
             synchronize(device)
             start = time.perf_counter()
-            fn(xr, w, meta).float().square().mean().backward()
+            fn(xr, w, meta).backward(grad)
             synchronize(device)
             if i >= 2:
                 times.append(time.perf_counter() - start)
         out[f"{name}_ms"] = 1e3 * float(np.median(times))
+    for name, _ in forms[1:]:
+        out[f"{name}_passes"] = out[f"{name}_ms"] / out["row_copy_ms"]
     print("conv", json.dumps(out), flush=True)
     return out
 
