@@ -18,8 +18,8 @@ One run measures, all with random weights and 16k-token rows:
 * ``delta``: the delta rule alone on a ratio~1 and a ratio~3.4 row, fwd+bwd: the trainer's tree form against the
   kernel on the same tokens as flat sequences and as one sequence;
 * ``conv``: the tree short convolution with its silu at a 16k row of the hybrid's width, fwd+bwd: the PyTorch
-  channel-last multiply-adds and a grouped ``conv1d``, each eager and compiled, and flash-linear-attention's
-  varlen kernel (what the trainer runs with fla).
+  channel-last multiply-adds and a grouped ``conv1d``, each eager and compiled, flash-linear-attention's
+  varlen kernel (what the trainer runs with fla) and the project's Triton kernels (``tree_conv_triton``).
 
 ``summary`` holds ``hybrid_per_param_vs_dense`` (per workload), ``qwen3_5_moe_mfu``, ``qwen3_30b_a3b_mfu``
 (fractions) and ``hybrid_logprob_gap_vs_dense`` (hybrid gap / dense gap), with the targets.
@@ -27,7 +27,7 @@ One run measures, all with random weights and 16k-token rows:
     python3 -m benchmarks.models.qwen35_speed --out $OUT/qwen35_speed.json
     python3 -m benchmarks.models.qwen35_speed --parts moe --resume benchmarks/results/qwen35_speed.json --out ...
     python3 -m benchmarks.models.qwen35_speed --parts speed --gdn-kernels triton,flash_qla --profile --out ...
-    python3 -m benchmarks.models.qwen35_speed --parts conv,speed --gdn-convs torch,auto --out ...
+    python3 -m benchmarks.models.qwen35_speed --parts conv,speed --gdn-convs torch,auto,triton --out ...
     python3 -m benchmarks.models.qwen35_speed --smoke --out /tmp/qwen35_smoke.json
 """
 
@@ -131,16 +131,29 @@ def with_gdn_kernel(choice: str | None, run):
 
 def gdn_conv_choices(args) -> list[str | None]:
     """``--gdn-convs``: None runs once with what the trainer picks; ``torch`` keeps the short convolutions on the
-    PyTorch form, ``auto`` lets them take fla's kernel where it passes its probe, for a run each."""
-    return side_by_side(args.gdn_convs, "default", ("torch", "auto"), "--gdn-convs")
+    PyTorch form, ``auto`` lets them take fla's kernel where it passes its probe, ``triton`` runs the project's
+    kernels (``short_conv``'s ``triton`` backend), for a run each."""
+    return side_by_side(args.gdn_convs, "default", ("torch", "auto", "triton"), "--gdn-convs")
+
+
+def held_conv_backend(name: str):
+    """A ``select_conv_backend`` that gives ``name``'s backend, after its probe passes at the layers' width."""
+    def select(gdn_backend, device, channels, kernel):
+        backend = sc.CONV_BACKENDS[name]
+        if name != "torch":
+            err = sc.probe_conv(backend, device, channels, kernel)
+            if not err < 2e-2:
+                raise RuntimeError(f"--gdn-convs {name}: probe error {err:.2e}")
+        return backend
+    return select
 
 
 def with_gdn_conv(choice: str | None, run):
-    """``run()`` with the short convolutions held to the PyTorch form (``torch``); None or ``auto``: as the trainer
-    picks (``short_conv.select_conv_backend``)."""
-    if choice != "torch":
+    """``run()`` with the short convolutions held to the PyTorch form (``torch``) or the project's kernels
+    (``triton``); None or ``auto``: as the trainer picks (``short_conv.select_conv_backend``)."""
+    if choice in (None, "auto"):
         return run()
-    with mock.patch.object(sc, "select_conv_backend", lambda *args, **kwargs: sc.CONV_BACKENDS["torch"]):
+    with mock.patch.object(sc, "select_conv_backend", held_conv_backend(choice)):
         return run()
 
 
@@ -247,7 +260,8 @@ def logprob_gap(shape: str, device: torch.device, dtype: torch.dtype) -> dict:
 def conv_timing(device: torch.device, smoke: bool) -> dict:
     """fwd+bwd of the tree convolution with its silu, as a layer runs it, on one ratio~3.4 row at the hybrid's width
     (16 + 16 + 16 heads of 128): the trainer's channel-last multiply-adds and a grouped ``conv1d``, each eager and
-    compiled, and flash-linear-attention's varlen kernel where it is usable (``<form>_ms``; ``fla_error`` else), each
+    compiled, flash-linear-attention's varlen kernel and the project's Triton kernels where usable (``<form>_ms``;
+    ``fla_error``/``triton_error`` else), each
     also in row copies (``<form>_passes``: its time over ``row_copy_ms``, one read and one write of the row fwd+bwd)."""
 
     budget, channels = (256, 64) if smoke else (16384, 6144)
@@ -266,12 +280,14 @@ def conv_timing(device: torch.device, smoke: bool) -> dict:
     forms = [("channel_last", lambda x, w, meta: sc.tree_conv(x, w, None, "silu", meta, backend=torch_conv)),
              ("grouped_conv1d", lambda x, w, meta: F.silu(sc.tree_causal_conv1d_grouped(x, w, None, meta)))]
     forms += [(f"{name}_compiled", torch.compile(fn, dynamic=True)) for name, fn in forms]
-    try:
-        err = sc.probe_conv(sc.CONV_BACKENDS["fla"], device, channels)
-        forms.append(("fla", lambda x, w, meta: sc.tree_conv(x, w, None, "silu", meta, backend=sc.CONV_BACKENDS["fla"])))
-        out["fla_probe_error"] = err
-    except Exception as exc:  # noqa: BLE001 - not importable here (the CPU smoke), or a kernel that fails
-        out["fla_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    for kernel in ("fla", "triton"):
+        try:
+            err = sc.probe_conv(sc.CONV_BACKENDS[kernel], device, channels)
+            backend = sc.CONV_BACKENDS[kernel]
+            forms.append((kernel, lambda x, w, meta, backend=backend: sc.tree_conv(x, w, None, "silu", meta, backend=backend)))
+            out[f"{kernel}_probe_error"] = err
+        except Exception as exc:  # noqa: BLE001 - not importable here (the CPU smoke), or a kernel that fails
+            out[f"{kernel}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     # The gradient comes in the layout a layer hands back (the transpose of a contiguous [1, U, C]), so the times
     # hold the convolution's passes and nothing of a loss's: a loss over the transposed output would add
     # strided fp32 copies of the whole row to every form.
@@ -477,8 +493,9 @@ def main() -> None:
                     help="the hybrid's delta-rule kernels: auto (what fla picks), or triton and/or flash_qla, each "
                          "timed in turn (FLA_FLASH_QLA=0/1; flash_qla needs the flash-qla package: pack_gdn.sh)")
     ap.add_argument("--gdn-convs", default="default",
-                    help="the hybrid's short convolutions: default (what the trainer picks), or torch and/or auto, each "
-                         "timed in turn (torch: the PyTorch form; auto: fla's kernel where it passes its probe)")
+                    help="the hybrid's short convolutions: default (what the trainer picks), or any of torch, auto and "
+                         "triton, each timed in turn (torch: the PyTorch form; auto: fla's kernel where it passes its "
+                         "probe; triton: the project's kernels)")
     ap.add_argument("--models", default="dense,hybrid",
                     help="the speed part's models: dense and/or hybrid (both for the per-parameter ratio)")
     ap.add_argument("--speed-workloads", default="ratio~1,ratio~3.4", help="the speed part's workloads")

@@ -73,7 +73,7 @@ def _emulated_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale) -> torch.Tensor:
 
 
 class _GatherRows(torch.autograd.Function):
-    """``x.index_select(0, index)`` whose backward sums the copies of a shared row in fp32.
+    """``x.index_select(0, index)`` whose backward sums the copies of a shared row in fp32 (or wider).
 
     A prompt shared by 16 samples gets 16 gradient contributions for its K/V; adding them in bf16
     (what the stock backward does) would round 15 times more than training without packing.
@@ -88,13 +88,14 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (index,) = ctx.saved_tensors
-        acc = grad.new_zeros((ctx.rows, *grad.shape[1:]), dtype=torch.float32)
-        acc.index_add_(0, index, grad.float())
+        wide = torch.promote_types(grad.dtype, torch.float32)  # fp64 stays fp64 (the exactness tests run in it)
+        acc = grad.new_zeros((ctx.rows, *grad.shape[1:]), dtype=wide)
+        acc.index_add_(0, index, grad.to(wide))
         return acc.to(ctx.dtype), None
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x.index_select(0, index)``; the gradient of a row gathered several times is summed in fp32."""
+    """``x.index_select(0, index)``; the gradient of a row gathered several times is summed in fp32 (fp64 for fp64)."""
     return _GatherRows.apply(x, index)
 
 

@@ -18,9 +18,12 @@ PROBE_TREES = {
 }
 
 
-def probe_meta(device: torch.device, q_lens: list[int] = PROBE_TREES["short"]) -> TreeAttentionMetadata:
-    """Segments of ``q_lens`` tokens: a root, two children, a grandchild under the first child."""
-    parents = [None, 0, 1, 0]
+def probe_meta(device: torch.device, q_lens: list[int] = PROBE_TREES["short"],
+               parents: tuple[int | None, ...] = (None, 0, 1, 0)) -> TreeAttentionMetadata:
+    """Segments of ``q_lens`` tokens laid out in that order, segment ``i`` under ``parents[i]`` (None: a root; a
+    parent comes before its children). The default: a root, two children, a grandchild under the first child."""
+    if len(parents) != len(q_lens) or any(p is not None and not 0 <= p < i for i, p in enumerate(parents)):
+        raise ValueError(f"parents {parents}: one per segment of {q_lens}, each None or an earlier segment")
     offsets = np.concatenate([[0], np.cumsum(q_lens)])
     paths: list[np.ndarray] = []
     for i, p in enumerate(parents):

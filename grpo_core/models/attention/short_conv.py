@@ -11,6 +11,9 @@ Backends (picked with the delta rule's, ``select_conv_backend``; the active one 
   multiply-adds, which a compiled layer fuses;
 - ``fla``: flash-linear-attention's varlen Triton kernel, the row's segments as its sequences and each one's
   path context as its initial state; accepted only if a probe at the layers' width agrees with ``torch``.
+- ``triton``: the project's own Triton kernels over the trie's index tables (``tree_conv_triton``), deterministic.
+  Not picked by default until a GPU measurement shows it faster than ``fla``; the speed benchmark runs it side by
+  side (``benchmarks/models/qwen35_speed.py --gdn-convs``).
 
 Run its tests: ``.venv/bin/python -m pytest tests/test_gated_delta.py``.
 """
@@ -181,6 +184,24 @@ def _fla_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     return out if fused == activation else activation_fn(activation)(out)
 
 
+def _triton_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                 meta: TreeAttentionMetadata) -> torch.Tensor:
+    """The project's Triton kernels (``tree_conv_triton``), reading the trie's index tables (``tree_conv_plan``,
+    built once per row). Returns ``[1, C, U]`` in ``x``'s dtype."""
+    from grpo_core.models.attention.tree_conv_plan import tree_conv_plan
+    from grpo_core.models.attention.tree_conv_triton import FUSED_ACTIVATIONS, tree_conv_triton
+
+    if x.shape[0] != 1:
+        raise ValueError(f"a packed row is one sequence (batch 1), got batch {x.shape[0]}")
+    kernel = weight.shape[-1]
+    plan = meta.cached(("gdn_conv_triton", kernel, x.device), lambda: tree_conv_plan(meta, kernel, x.device))
+    fused = activation if activation in FUSED_ACTIVATIONS else None
+    rows = x[0].t()  # [U, C]: contiguous where a layer hands over a transposed [1, U, C] projection
+    y = tree_conv_triton(rows, weight.to(rows.dtype), None if bias is None else bias.to(rows.dtype), fused, plan)
+    out = y.t().unsqueeze(0)
+    return out if fused == activation else activation_fn(activation)(out)
+
+
 @dataclass
 class ConvBackend:
     name: str
@@ -194,6 +215,7 @@ CONV_BACKENDS: dict[str, ConvBackend] = {
     # A compiled layer runs the kernel as it is: fla keeps its own dispatch out of graphs, and the gathered
     # context would otherwise be traced around a break.
     "fla": ConvBackend("fla", torch.compiler.disable(_fla_conv, recursive=True), needs_cuda=True),
+    "triton": ConvBackend("triton", torch.compiler.disable(_triton_conv, recursive=True), needs_cuda=True),
 }
 
 
