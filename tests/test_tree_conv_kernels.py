@@ -113,6 +113,16 @@ needs_kernels = pytest.mark.skipif(kernel_device() is None, reason="needs Triton
                                                                    "(TRITON_INTERPRET=1) on the CPU")
 
 
+@pytest.fixture(autouse=True)
+def untimed_autotuner_on_the_cpu(monkeypatch):
+    """The interpreter has no timer: there the autotuner takes its first config (each is checked on a GPU)."""
+    if kernel_device() == "cpu":
+        import triton.runtime.autotuner as autotuner
+
+        monkeypatch.setattr(autotuner.Autotuner, "do_bench", lambda self, fn, quantiles=None: [0.0, 0.0, 0.0],
+                            raising=False)
+
+
 @needs_kernels
 @pytest.mark.parametrize("activation", ["silu", None, "gelu"])
 def test_the_kernels_equal_the_pytorch_form(activation):
@@ -130,6 +140,29 @@ def test_the_kernels_equal_the_pytorch_form(activation):
             results.append([out.detach()] + [t.grad for t in xs])
         for a, b in zip(*results):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("config", range(4))
+def test_every_tile_config_gives_the_pytorch_form(config, monkeypatch):
+    """Each tile size the autotuner may pick, on its own (partial tiles of tokens and channels included)."""
+    from grpo_core.models.attention import tree_conv_triton as tct
+
+    for kernel in (tct._forward_kernel, tct._input_grad_kernel, tct._grad_pre_kernel):
+        monkeypatch.setattr(kernel, "configs", [kernel.configs[config % len(kernel.configs)]])
+        monkeypatch.setattr(kernel, "cache", {})
+    device = torch.device(kernel_device())
+    meta = probe_meta(device, [40, 7, 70, 3])
+    u = int(meta.cu_seq_q[-1])
+    rows, weight, bias, grad = (t.float().to(device) for t in random_conv(u, 200, 4, seed=config))
+    results = []
+    for backend in (sc.CONV_BACKENDS["triton"], sc.CONV_BACKENDS["torch"]):
+        xs = [t.clone().requires_grad_() for t in (rows.t().unsqueeze(0), weight, bias)]
+        out = sc.tree_conv(*xs, "silu", meta, backend=backend)
+        out.backward(grad.t().unsqueeze(0))
+        results.append([out.detach()] + [t.grad for t in xs])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 @needs_kernels

@@ -1,7 +1,7 @@
 """The short convolution over a packed prefix trie as Triton kernels that read the trie's index tables.
 
-Three kernels, each a pass over the row channel-last (``[U, C]``, tiles of ``BLOCK_T`` tokens by ``BLOCK_C``
-channels), with the activation (silu) fused:
+Three kernels, each a pass over the row channel-last (``[U, C]``, in tiles of tokens by channels whose sizes are
+timed on the first call, per channel count), with the activation (silu) fused:
 
 - forward: ``y = act(bias + sum_j w[:, j] * x[taps[:, j]])``, accumulated in fp32;
 - backward, first pass: recomputes the pre-activation, writes its gradient ``g`` (fp32) and, per tile of tokens,
@@ -26,12 +26,17 @@ import triton.language as tl
 
 from grpo_core.models.attention.tree_conv_plan import TreeConvPlan, cross_input_grad
 
-BLOCK_T = 32
-"""Tokens per tile."""
-BLOCK_C = 128
-"""Channels per tile: a Qwen3.5 layer's 6144 channels are 48 tiles."""
+GRAD_BLOCK_T = 64
+"""Tokens per tile of the first backward pass: each tile writes a partial weight gradient (``[C, K]`` fp32), so
+longer tiles write fewer (at 16k tokens and 6144 channels, 25 MB)."""
 FUSED_ACTIVATIONS = (None, "silu", "swish")
 """Activations the kernels apply themselves; others run after them."""
+
+# Tiles (tokens x channels) and warps, picked per channel count by timing each on the first call. A gathered
+# tile row is contiguous in channels, so wide tiles read whole cache lines.
+_PASS_CONFIGS = [triton.Config({"BLOCK_T": t, "BLOCK_C": c}, num_warps=w)
+                 for t, c, w in ((32, 128, 4), (64, 128, 8), (16, 256, 4), (64, 64, 4))]
+_GRAD_CONFIGS = [triton.Config({"BLOCK_C": c}, num_warps=w) for c, w in ((64, 4), (128, 4), (128, 8))]
 
 
 @triton.jit
@@ -48,6 +53,7 @@ def _pre_activation(x, w, b, taps, rt, rc, mt, mc, C, K: tl.constexpr, BLOCK_T: 
     return acc
 
 
+@triton.autotune(configs=_PASS_CONFIGS, key=["C"])
 @triton.jit
 def _forward_kernel(x, w, b, taps, y, U, C, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
                     HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
@@ -60,6 +66,7 @@ def _forward_kernel(x, w, b, taps, y, U, C, K: tl.constexpr, BLOCK_T: tl.constex
     tl.store(y + rt.to(tl.int64)[:, None] * C + rc[None, :], acc.to(y.dtype.element_ty), mask=mt[:, None] & mc[None, :])
 
 
+@triton.autotune(configs=_GRAD_CONFIGS, key=["C"])
 @triton.jit
 def _grad_pre_kernel(x, w, b, taps, dy, g, dw_part, db_part, U, C, K: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
@@ -84,6 +91,7 @@ def _grad_pre_kernel(x, w, b, taps, dy, g, dw_part, db_part, U, C, K: tl.constex
         tl.store(db_part + pid_t * C + rc, tl.sum(d, 0), mask=mc)
 
 
+@triton.autotune(configs=_PASS_CONFIGS, key=["C"])
 @triton.jit
 def _input_grad_kernel(g, w, succ, cross, cross_row, dx, U, C, K: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_C: tl.constexpr, HAS_CROSS: tl.constexpr):
@@ -104,8 +112,8 @@ def _input_grad_kernel(g, w, succ, cross, cross_row, dx, U, C, K: tl.constexpr, 
              mask=mt[:, None] & mc[None, :])
 
 
-def _grid(u: int, c: int) -> tuple[int, int]:
-    return triton.cdiv(u, BLOCK_T), triton.cdiv(c, BLOCK_C)
+def _grid(u: int, c: int, block_t: int | None = None):
+    return lambda meta: (triton.cdiv(u, block_t or meta["BLOCK_T"]), triton.cdiv(c, meta["BLOCK_C"]))
 
 
 class TreeConvFunction(torch.autograd.Function):
@@ -120,8 +128,7 @@ class TreeConvFunction(torch.autograd.Function):
         y = torch.empty_like(rows)
         if u:
             _forward_kernel[_grid(u, c)](rows, weight, weight if bias is None else bias, plan.taps, y, u, c,
-                                         K=plan.kernel, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, HAS_BIAS=bias is not None,
-                                         SILU=silu)
+                                         K=plan.kernel, HAS_BIAS=bias is not None, SILU=silu)
         ctx.save_for_backward(rows, weight, bias)
         ctx.plan, ctx.silu = plan, silu
         return y
@@ -132,18 +139,18 @@ class TreeConvFunction(torch.autograd.Function):
         plan: TreeConvPlan = ctx.plan
         u, c = rows.shape
         k = plan.kernel
-        tiles = triton.cdiv(u, BLOCK_T)
+        tiles = triton.cdiv(u, GRAD_BLOCK_T)
         g = torch.empty(u, c, dtype=torch.float32, device=rows.device)
         dw_part = torch.empty(tiles, c, k, dtype=torch.float32, device=rows.device)
         db_part = torch.empty(tiles, c, dtype=torch.float32, device=rows.device) if bias is not None else dw_part
         dx = torch.empty_like(rows)
         if u:
-            _grad_pre_kernel[_grid(u, c)](rows, weight, weight if bias is None else bias, plan.taps, dy.contiguous(),
-                                          g, dw_part, db_part, u, c, K=k, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
-                                          HAS_BIAS=bias is not None, SILU=ctx.silu)
+            _grad_pre_kernel[_grid(u, c, GRAD_BLOCK_T)](rows, weight, weight if bias is None else bias, plan.taps,
+                                                        dy.contiguous(), g, dw_part, db_part, u, c, K=k,
+                                                        BLOCK_T=GRAD_BLOCK_T, HAS_BIAS=bias is not None, SILU=ctx.silu)
             cross = cross_input_grad(g, weight, plan) if plan.has_cross else g
             _input_grad_kernel[_grid(u, c)](g, weight, plan.succ, cross, plan.cross_row, dx, u, c, K=k,
-                                            BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, HAS_CROSS=plan.has_cross)
+                                            HAS_CROSS=plan.has_cross)
         dw = dw_part.sum(0).to(weight.dtype)
         db = db_part.sum(0).to(bias.dtype) if bias is not None else None
         return dx, dw, db, None, None
