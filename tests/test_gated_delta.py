@@ -186,20 +186,27 @@ def test_the_convolution_backend_follows_the_delta_rule_and_its_own_probe(monkey
     asked = []
     monkeypatch.setattr(sc, "probe_conv", lambda *a, **k: asked.append(a) or 1e-3)
     assert sc.select_conv_backend("reference", cpu, 64, 4).name == "torch" and not asked
-    assert sc.select_conv_backend("fla", cpu, 96, 3).name == "fla"
-    assert [a[2:] for a in asked] == [(96, 3, tree) for tree in sc.PROBE_TREES]  # the layers' width, both trees
-    monkeypatch.setattr(sc, "probe_conv", lambda *a, **k: 0.2)
+    assert sc.select_conv_backend("fla", cpu, 96, 3).name == "triton"  # the project's kernels first
+    # the layers' width, both trees, and only the first kernel's probe where it passes
+    assert [(a[0].name, *a[2:]) for a in asked] == [("triton", 96, 3, tree) for tree in sc.PROBE_TREES]
+    # the Triton kernels failing their probe: fla's, with the reason in the log
+    monkeypatch.setattr(sc, "probe_conv", lambda backend, *a, **k: 0.2 if backend.name == "triton" else 1e-3)
     with caplog.at_level("WARNING", logger=sc.__name__):
-        assert sc.select_conv_backend("fla", cpu, 64, 4).name == "torch"
+        assert sc.select_conv_backend("fla", cpu, 64, 4).name == "fla"
+    assert "short convolutions run fla: triton's kernels are not usable here (probe error 2.00e-01)" in caplog.text
+    caplog.clear()
 
-    def missing(*args, **kwargs):
-        raise ModuleNotFoundError("No module named 'fla'")
+    def missing(backend, *args, **kwargs):
+        if backend.name == "fla":
+            raise ModuleNotFoundError("No module named 'fla'")
+        return 0.2
 
     monkeypatch.setattr(sc, "probe_conv", missing)
     with caplog.at_level("WARNING", logger=sc.__name__):
         assert sc.select_conv_backend("fla", cpu, 64, 4).name == "torch"
-    assert "convolution is not usable here (probe error 2.00e-01)" in caplog.text
-    assert "(ModuleNotFoundError: No module named 'fla')" in caplog.text
+    assert "triton's kernels are not usable here (probe error 2.00e-01)" in caplog.text
+    assert "fla's kernels are not usable here (ModuleNotFoundError: No module named 'fla')" in caplog.text
+    assert "the short convolutions run the PyTorch form" in caplog.text
     gd.register_gdn_backend("reference", "cpu")
     assert sc.active_conv_backend().name == "torch"
 

@@ -20,7 +20,7 @@ import torch
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from grpo_core.models.moe.balance import load_balancing_loss
-from grpo_core.models.moe.experts import SORTED_GROUPED_MM, active_expert_params, use_grouped_experts
+from grpo_core.models.moe.experts import SORTED_GROUPED_MM, active_expert_params, expert_modules, use_grouped_experts
 from grpo_core.models.moe.routing import NO_ROUTE, RoutingReplay, routing_mismatch
 
 VOCAB = 96
@@ -129,7 +129,11 @@ def test_load_balancing_loss():
 
 def test_active_params_and_grouped_experts():
     model = tiny_moe("qwen3_moe")
-    assert use_grouped_experts(model) == "grouped_mm"
+    assert use_grouped_experts(model) == SORTED_GROUPED_MM  # the default, where the experts are gated without biases
+    biased = tiny_moe("qwen3_moe")
+    for _, experts in expert_modules(biased):
+        experts.has_bias = True  # as GPT-OSS's experts: the sorted forward refuses them, transformers' runs them
+    assert use_grouped_experts(biased) == "grouped_mm"
     per_expert = 3 * 64 * 48
     active, total = active_expert_params(model.model.layers)
     router = EXPERTS * 64

@@ -48,7 +48,7 @@ from grpo_core.models.attention.gated_delta import active_gdn_backend, fla_kerne
 from grpo_core.models.attention.short_conv import active_conv_backend  # noqa: E402
 from grpo_core.models.attention.hybrid import gated_delta_layers, head_sizes  # noqa: E402
 from grpo_core.models.fsdp import FSDPSettings, shard_policy  # noqa: E402
-from grpo_core.models.moe.experts import GROUPED_MM, active_expert_params, use_grouped_experts  # noqa: E402
+from grpo_core.models.moe.experts import active_expert_params, use_grouped_experts  # noqa: E402
 from grpo_core.models.moe.policy import MoEPolicy  # noqa: E402
 from grpo_core.packing.collator import pack_row  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
@@ -185,10 +185,10 @@ PROFILE_TOP = 30
 
 def run_shape(args, shape: str, device: torch.device, rank: int, world: int, build=build_model,
               config: AsyncGRPOConfig | None = None, packings: tuple[str, ...] = ("flat", "tree"),
-              experts: str = GROUPED_MM) -> list[dict]:
+              experts: str | None = None) -> list[dict]:
     """The shape's rows per workload, in each of ``packings`` (the ``mfu`` workload: tree only), timed as the trainer
     runs them (``config``, default ``AsyncGRPOConfig()``), with the routed experts run by ``experts``
-    (``grpo_core.models.moe.experts.EXPERTS_IMPLEMENTATIONS``); ``build(shape, layers, device)`` makes the fp32 model
+    (``grpo_core.models.moe.experts.EXPERTS_IMPLEMENTATIONS``; None: the trainer's choice); ``build(shape, layers, device)`` makes the fp32 model
     (``benchmarks/models/qwen35_speed.py`` passes its dense shapes)."""
     config = config or AsyncGRPOConfig()
     cuda = device.type == "cuda"

@@ -50,7 +50,7 @@ from grpo_core.models.attention import gated_delta as gd  # noqa: E402
 from grpo_core.models.attention import short_conv as sc  # noqa: E402
 from grpo_core.models.attention import tree as ta  # noqa: E402
 from grpo_core.models.attention.hybrid import gated_delta_layers, head_sizes  # noqa: E402
-from grpo_core.models.moe.experts import EXPERTS_IMPLEMENTATIONS, GROUPED_MM  # noqa: E402
+from grpo_core.models.moe.experts import DEFAULT_EXPERTS, EXPERTS_IMPLEMENTATIONS  # noqa: E402
 from grpo_core.packing.collator import pack_row  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
 from grpo_core.ranks import DistInfo, init_distributed  # noqa: E402
@@ -179,7 +179,7 @@ def run_speed(args, device, info, world, results: list[dict], save) -> list[dict
 
 
 def experts_choices(args) -> list[str | None]:
-    """``--experts``: None runs once with the trainer's experts (transformers' ``grouped_mm``); else one run per
+    """``--experts``: None runs once with the trainer's experts (``DEFAULT_EXPERTS`` where they apply); else one run per
     listed implementation (``grpo_core.models.moe.experts.EXPERTS_IMPLEMENTATIONS``), side by side."""
     return side_by_side(args.experts, "default", EXPERTS_IMPLEMENTATIONS, "--experts")
 
@@ -189,8 +189,7 @@ def run_moe(args, device, info, world, results: list[dict], save) -> list[dict]:
     for shape, layers in MOE[args.smoke]:
         for experts in experts_choices(args):
             args.layers, args.workloads = layers, "mfu"
-            for r in shape_results(args, shape, device, info, world, moe_training.build_model,
-                                   experts=experts or GROUPED_MM):
+            for r in shape_results(args, shape, device, info, world, moe_training.build_model, experts=experts):
                 results.append(r)
                 print("moe", json.dumps({k: r.get(k) for k in ("model", "experts_implementation", "mfu_fwd_bwd",
                                                                  "tokens_per_s_fwd_bwd", "error")}), flush=True)
@@ -383,10 +382,12 @@ def kernels_label(row: dict) -> str:
 
 
 def default_rank(row: dict) -> tuple[int, int]:
-    """How near a hybrid row is to what the default config runs (0 first): ``DEFAULT_ORDER``, fla's convolution."""
+    """How near a hybrid row is to what the default config runs (0 first): ``DEFAULT_ORDER``, then the convolution
+    the trainer tries first (``short_conv.CONV_PREFERENCE``; a row that names none ran what the trainer picked)."""
     kernel = row.get("gdn_backend")
+    conv = row.get("gdn_conv_backend")
     return (DEFAULT_ORDER.index(kernel) if kernel in DEFAULT_ORDER else 9,
-            0 if row.get("gdn_conv_backend") in ("fla", None) else 1)
+            sc.CONV_PREFERENCE.index(conv) if conv in sc.CONV_PREFERENCE else 0 if conv is None else 9)
 
 
 def kernel_bound(report: dict, speed: list[dict], dense: str, hybrid: str) -> dict:
@@ -437,8 +438,8 @@ def summarize(report: dict, smoke: bool) -> dict:
         for kernel, ratio in per_kernel.items():
             by_kernel.setdefault(kernel, {})[workload] = ratio
         # The figure is the default config's: ``auto`` runs FlashQLA's kernels where they are installed and pass
-        # the probe, else fla's Triton kernels, and fla's convolution where it passes its own (the other rows are
-        # the side-by-side comparison).
+        # the probe, else fla's Triton kernels, and the first convolution of ``CONV_PREFERENCE`` that passes its own
+        # (the other rows are the side-by-side comparison).
         h = min(hybrids, key=default_rank)
         per_param[workload] = per_kernel[kernels_label(h)]
         reached[workload] = {"dense": d.get("speedup_over_flop_ideal"), "hybrid": h.get("speedup_over_flop_ideal"),
@@ -456,8 +457,8 @@ def summarize(report: dict, smoke: bool) -> dict:
         rows = [r for r in report.get("moe", []) if r.get("model") == shape and "error" not in r]
         for r in rows:
             by_experts.setdefault(str(r.get("experts_implementation")), {})[key] = r["mfu_fwd_bwd"]
-        # the figure is the trainer's experts' (grouped_mm); the others are the side-by-side comparison
-        r = next((r for r in rows if r.get("experts_implementation") == GROUPED_MM), rows[0] if rows else None)
+        # the figure is the trainer's default experts' (DEFAULT_EXPERTS); the others are the side-by-side comparison
+        r = next((r for r in rows if r.get("experts_implementation") == DEFAULT_EXPERTS), rows[0] if rows else None)
         summary[key] = r["mfu_fwd_bwd"] if r else None
     if len(by_experts) > 1:
         summary["moe_mfu_by_experts"] = by_experts

@@ -10,10 +10,9 @@ Backends (picked with the delta rule's, ``select_conv_backend``; the active one 
 - ``torch``: ``tree_causal_conv1d``, the row gathered per segment with its path context and run as channel-last
   multiply-adds, which a compiled layer fuses;
 - ``fla``: flash-linear-attention's varlen Triton kernel, the row's segments as its sequences and each one's
-  path context as its initial state; accepted only if a probe at the layers' width agrees with ``torch``.
-- ``triton``: the project's own Triton kernels over the trie's index tables (``tree_conv_triton``), deterministic.
-  Not picked by default until a GPU measurement shows it faster than ``fla``; the speed benchmark runs it side by
-  side (``benchmarks/models/qwen35_speed.py --gdn-convs``).
+  path context as its initial state; accepted only if a probe at the layers' width agrees with ``torch``;
+- ``triton``: the project's own Triton kernels over the trie's index tables (``tree_conv_triton``), deterministic;
+  tried before ``fla`` (``CONV_PREFERENCE``: faster in the measurement named there), on the same probe.
 
 Run its tests: ``.venv/bin/python -m pytest tests/test_gated_delta.py``.
 """
@@ -246,23 +245,40 @@ def probe_conv(backend: ConvBackend, device: torch.device, channels: int = 64, k
     return max(float((a - b).norm() / b.norm()) for a, b in zip(*results))
 
 
+CONV_PREFERENCE = ("triton", "fla")
+"""The kernels tried in turn where the delta rule runs flash-linear-attention (a GPU): the project's Triton kernels
+first, which measured faster than fla's at the same probe error (benchmarks/README.md, "The Qwen3.5 family: hybrid
+against dense, MoE MFU, packed log-prob gap")."""
+
+
+def _probe_failure(name: str, device: torch.device, channels: int, kernel: int) -> str | None:
+    """None where ``name``'s convolution passes ``probe_conv`` on both probe trees at the layers' width, else why not."""
+    try:
+        err = max(probe_conv(CONV_BACKENDS[name], device, channels, kernel, tree) for tree in PROBE_TREES)
+    except Exception as exc:  # noqa: BLE001 - a package missing, or a kernel that fails
+        return f"{type(exc).__name__}: {exc}"
+    if not err < 2e-2:
+        return f"probe error {err:.2e}"
+    log.info("short-convolution probe of %s (%d channels, kernel %d): error %.2e", name, channels, kernel, err)
+    return None
+
+
 def select_conv_backend(gdn_backend: str, device: torch.device, channels: int, kernel: int) -> ConvBackend:
-    """``fla`` where the delta rule runs flash-linear-attention (``gdn_backend``: the delta rule's backend name) and
-    its convolution passes ``probe_conv`` on both probe trees at the layers' width, else the PyTorch form
-    (``tree_causal_conv1d``)."""
+    """Where the delta rule runs flash-linear-attention (``gdn_backend``: the delta rule's backend name), the first of
+    ``CONV_PREFERENCE`` whose convolution passes ``probe_conv`` on both probe trees at the layers' width; else, and
+    where none passes, the PyTorch form (``tree_causal_conv1d``). A delta rule on its reference keeps the
+    convolution on its PyTorch form too."""
     if gdn_backend != "fla":
         return CONV_BACKENDS["torch"]
-    try:
-        err = max(probe_conv(CONV_BACKENDS["fla"], device, channels, kernel, tree) for tree in PROBE_TREES)
-    except Exception as exc:  # noqa: BLE001 - an fla without the module, or a kernel that fails
-        err, failure = float("nan"), f"{type(exc).__name__}: {exc}"
-    else:
-        failure = None if err < 2e-2 else f"probe error {err:.2e}"
-    if failure is None:
-        log.info("short-convolution probe of fla (%d channels, kernel %d): error %.2e", channels, kernel, err)
-        return CONV_BACKENDS["fla"]
-    log.warning("flash-linear-attention's convolution is not usable here (%s); the short convolutions run the "
-                "PyTorch form", failure)
+    failures = []
+    for name in CONV_PREFERENCE:
+        failure = _probe_failure(name, device, channels, kernel)
+        if failure is None:
+            if failures:
+                log.warning("short convolutions run %s: %s", name, "; ".join(failures))
+            return CONV_BACKENDS[name]
+        failures.append(f"{name}'s kernels are not usable here ({failure})")
+    log.warning("%s; the short convolutions run the PyTorch form", "; ".join(failures))
     return CONV_BACKENDS["torch"]
 
 

@@ -21,7 +21,8 @@ forward through its experts interface (``config._experts_implementation``):
   ``T * k`` rows); here a token's ``k`` gradient rows are gathered back into place and summed in fp32, and the
   unsorting's gradient is the sorting gather. Same values, no atomics.
 
-``use_grouped_experts`` selects ``grouped_mm`` (the trainer calls it for every MoE policy). With FSDP2
+``use_grouped_experts`` selects ``grpo_grouped_mm`` where the experts allow it and ``grouped_mm`` where not
+(``DEFAULT_EXPERTS``; the trainer calls it for every MoE policy). With FSDP2
 the experts are parameters of their decoder layer, so they are gathered with the layer, one layer
 ahead of compute, like the attention weights.
 
@@ -36,6 +37,10 @@ import torch
 GROUPED_MM = "grouped_mm"
 SORTED_GROUPED_MM = "grpo_grouped_mm"
 EXPERTS_IMPLEMENTATIONS = (GROUPED_MM, SORTED_GROUPED_MM)
+DEFAULT_EXPERTS = SORTED_GROUPED_MM
+"""What ``use_grouped_experts`` runs where the experts allow it (gated, no biases): faster than ``grouped_mm`` on
+both MoE shapes, eager and compiled (benchmarks/README.md, "Mixture-of-experts training"), and its input gradient sums a
+token's slots in fp32."""
 
 
 def expert_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -48,10 +53,20 @@ def expert_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return found
 
 
-def use_grouped_experts(model: torch.nn.Module, implementation: str = GROUPED_MM) -> str | None:
+def sorted_experts_apply(model: torch.nn.Module) -> bool:
+    """Whether ``grpo_grouped_mm`` can run every experts module of ``model``: gated, without biases, on one rank
+    (``sorted_experts_forward``)."""
+    return all(not getattr(m, "has_bias", False) and getattr(m, "has_gate", True)
+               and not getattr(m, "_is_expert_parallel", False) for _, m in expert_modules(model))
+
+
+def use_grouped_experts(model: torch.nn.Module, implementation: str | None = None) -> str | None:
     """Run the model's experts as grouped GEMMs (module docstring; ``implementation``: one of
-    ``EXPERTS_IMPLEMENTATIONS``); returns the implementation now in use, or None for a model without such
-    experts. A model class that cannot switch keeps its own and says so in the returned name."""
+    ``EXPERTS_IMPLEMENTATIONS``, or None for ``DEFAULT_EXPERTS`` where the experts allow it and ``grouped_mm``
+    where not); returns the implementation now in use, or None for a model without such experts. A model class
+    that cannot switch keeps its own and says so in the returned name."""
+    if implementation is None:
+        implementation = DEFAULT_EXPERTS if sorted_experts_apply(model) else GROUPED_MM
     if implementation not in EXPERTS_IMPLEMENTATIONS:
         raise ValueError(f"experts implementation {implementation!r}: use one of {EXPERTS_IMPLEMENTATIONS}")
     if not expert_modules(model):
