@@ -54,10 +54,11 @@ def expert_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def sorted_experts_apply(model: torch.nn.Module) -> bool:
-    """Whether ``grpo_grouped_mm`` can run every experts module of ``model``: gated, without biases, on one rank
-    (``sorted_experts_forward``)."""
+    """Whether ``grpo_grouped_mm`` can run every experts module of ``model``: gated, without biases, on one rank, with
+    the members ``sorted_experts_forward`` reads (transformers' experts modules have them; a model's own may not)."""
     return all(not getattr(m, "has_bias", False) and getattr(m, "has_gate", True)
-               and not getattr(m, "_is_expert_parallel", False) for _, m in expert_modules(model))
+               and not getattr(m, "_is_expert_parallel", False) and callable(getattr(m, "_apply_gate", None))
+               and hasattr(m, "num_experts") and hasattr(m, "is_transposed") for _, m in expert_modules(model))
 
 
 def use_grouped_experts(model: torch.nn.Module, implementation: str | None = None) -> str | None:
