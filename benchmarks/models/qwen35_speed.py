@@ -137,14 +137,13 @@ def gdn_conv_choices(args) -> list[str | None]:
 
 
 def held_conv_backend(name: str):
-    """A ``select_conv_backend`` that gives ``name``'s backend, after its probe passes at the layers' width."""
+    """A ``select_conv_backend`` that gives ``name``'s backend, after it passes the trainer's probe at the layers' width
+    (``short_conv.probe_failure``)."""
     def select(gdn_backend, device, channels, kernel):
-        backend = sc.CONV_BACKENDS[name]
-        if name != "torch":
-            err = sc.probe_conv(backend, device, channels, kernel)
-            if not err < 2e-2:
-                raise RuntimeError(f"--gdn-convs {name}: probe error {err:.2e}")
-        return backend
+        failure = None if name == "torch" else sc.probe_failure(name, device, channels, kernel)
+        if failure is not None:
+            raise RuntimeError(f"--gdn-convs {name}: {failure}")
+        return sc.CONV_BACKENDS[name]
     return select
 
 

@@ -251,7 +251,7 @@ first, which measured faster than fla's at the same probe error (benchmarks/READ
 against dense, MoE MFU, packed log-prob gap")."""
 
 
-def _probe_failure(name: str, device: torch.device, channels: int, kernel: int) -> str | None:
+def probe_failure(name: str, device: torch.device, channels: int, kernel: int) -> str | None:
     """None where ``name``'s convolution passes ``probe_conv`` on both probe trees at the layers' width, else why not."""
     try:
         err = max(probe_conv(CONV_BACKENDS[name], device, channels, kernel, tree) for tree in PROBE_TREES)
@@ -272,7 +272,7 @@ def select_conv_backend(gdn_backend: str, device: torch.device, channels: int, k
         return CONV_BACKENDS["torch"]
     failures = []
     for name in CONV_PREFERENCE:
-        failure = _probe_failure(name, device, channels, kernel)
+        failure = probe_failure(name, device, channels, kernel)
         if failure is None:
             if failures:
                 log.warning("short convolutions run %s: %s", name, "; ".join(failures))
