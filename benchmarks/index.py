@@ -114,6 +114,12 @@ def _qwen35(d: dict[str, Any]) -> str:
             f"30B-A3B {_pct(s['qwen3_30b_a3b_mfu'])}; log-prob gap {s['hybrid_logprob_gap_vs_dense']:.2f}x dense's")
 
 
+def _qwen35_defaults(d: dict[str, Any]) -> str:
+    s = d["summary"]
+    per_param = ", ".join(f"{w} {v:.2f}x" for w, v in s["hybrid_per_param_vs_dense"].items())
+    return f"hybrid per parameter / dense {per_param}; MoE MFU Qwen3.5 {_pct(s['qwen3_5_moe_mfu'])}"
+
+
 HEADLINES: tuple[Headline, ...] = (
     Headline("Ours ÷ TRL trained tokens/s, Qwen3-1.7B, one H200, by packing ratio", "peer_trl_gpu.json", _peer_ratios),
     Headline("Peak GPU memory, ours against TRL, Qwen3-1.7B", "peer_trl_gpu.json", _peer_memory),
@@ -122,6 +128,8 @@ HEADLINES: tuple[Headline, ...] = (
     Headline("MoE training, Qwen3-30B-A3B shape (8 layers), one H200", "moe_qwen3_30b_a3b.json", _moe_mfu),
     Headline("Qwen3.5 family, default config, one H200 (hybrid 2.39B against Qwen3-1.7B; MoE shapes of 4 and 8 layers)",
              "qwen35_speed.json", _qwen35),
+    Headline("Qwen3.5 family after the convolution and experts defaults changed (tree rows only, one H200)",
+             "qwen35_speed_defaults_h200.json", _qwen35_defaults),
     Headline("Sparse (delta) push against dense, Qwen3-1.7B, one H200", "sparse_push_gpu.json", _sparse_bytes),
     Headline("NCCL weight push, Qwen3-1.7B bf16, 2 x H200", "nccl_sync.json", _nccl),
     Headline("Fleet of two CPU servers against one", "fleet_throughput.json", _fleet),

@@ -323,3 +323,59 @@ def test_the_hybrids_bound_comes_from_the_delta_part_and_the_dense_rate() -> Non
     assert b["rest_s"] == pytest.approx(1.2) and b["delta_s"] == pytest.approx(0.6)
     assert b["bound_s"] == pytest.approx(1.8) and b["delta_share"] == pytest.approx(0.2)
     assert b["per_param"] == pytest.approx(60 / 1.8 * 20 / 500)
+
+
+def test_graph_break_sites_name_the_line_a_compiled_function_breaks_at() -> None:
+    """``moe_training.graph_break_sites``: the profile's record of where compiled layers break, by user-code line."""
+    import inspect
+
+    import torch
+
+    from benchmarks.models.moe_training import graph_break_sites
+
+    @torch.compiler.disable
+    def opaque(x):
+        return x + 1
+
+    def layer(x):
+        return opaque(x.sin()).cos()
+
+    line = inspect.getsourcelines(layer)[1] + 1
+    torch._dynamo.reset()
+    with graph_break_sites() as sites:
+        torch.compile(layer, backend="eager")(torch.randn(3))
+    torch._dynamo.reset()
+    assert dict(sites) == {f"{__file__}:{line}": 1}
+
+
+def test_a_host_wait_is_placed_by_its_ops_and_the_frames_outside_torch() -> None:
+    """``tree_packing.wait_site`` on a profiler-like event chain: the ops it ran under, innermost first (three at most),
+    then the nearest recorded Python frames that are not torch's own."""
+    from types import SimpleNamespace
+
+    from benchmarks.packing import tree_packing
+
+    root = SimpleNamespace(name="layer", stack=["/x/torch/nn/module.py(1): call", "/x/app/layer.py(9): run"],
+                           cpu_parent=None)
+    mid = SimpleNamespace(name="aten::copy_", stack=[], cpu_parent=root)
+    op = SimpleNamespace(name="aten::to", stack=[], cpu_parent=mid)
+    wait = SimpleNamespace(name="cudaStreamSynchronize", stack=[], cpu_parent=op)
+    assert tree_packing.wait_site(wait) == "aten::to < aten::copy_ < layer @ /x/app/layer.py(9): run"
+    assert tree_packing.wait_site(SimpleNamespace(cpu_parent=None)) == "(no op)"
+
+
+def test_misaligned_matmuls_names_an_operand_led_by_an_odd_row_length() -> None:
+    """``tree_packing.misaligned_matmuls``: a bf16 operand whose leading dimension is 7 rows (14 bytes) is named with
+    its shape and strides; the same product on 8 rows is not."""
+    import torch
+
+    from benchmarks.packing import tree_packing
+
+    w = torch.randn(8, 16, dtype=torch.bfloat16)
+
+    def product(rows: int):
+        return lambda: torch.randn(8, rows, dtype=torch.bfloat16).t() @ w  # [rows, 8] with leading dimension rows
+
+    assert tree_packing.misaligned_matmuls(product(8)) == []
+    assert tree_packing.misaligned_matmuls(product(7)) == [
+        {"op": "mm.default", "operands": [[[7, 8], [1, 7]], [[8, 16], [16, 1]]], "calls": 1}]

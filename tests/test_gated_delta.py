@@ -168,6 +168,26 @@ def test_a_row_of_roots_is_taken_as_it_is_and_a_tree_is_gathered():
     assert gd.take_rows(torch.arange(11), tree.depths[1]).tolist() == [5, 9, 10]
 
 
+def test_a_compiled_layer_keeps_the_input_preparation_in_its_graph():
+    """Under ``torch.compile`` the delta rule's kernels break the graph (fla's are ``torch.compiler.disable``d, as the
+    stand-in backend's are here). The break must come at ``run_segment_tree``, outside the loop over depths: a break
+    inside that loop makes the compiler run the whole calling frame eagerly ("graph break in a for/while loop"), the
+    l2 norms and casts before it included. Checked on a tree of three depths, the result equal to the eager call."""
+    import torch._dynamo
+
+    opaque = gd.GDNBackend("opaque", torch.compiler.disable(gd._reference_depth), needs_cuda=False)
+    meta = probe_meta(torch.device("cpu"), [5, 1, 3, 2])
+    xs = random_gdn_inputs(int(meta.cu_seq_q[-1]))
+    rule = lambda *xs: gd.tree_gated_delta_rule(*xs, meta, l2norm=True, backend=opaque)  # noqa: E731
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(rule)(*xs)
+    reasons = [str(b.reason) for b in explained.break_reasons]
+    assert reasons and all("run_segment_tree" in r and "loop" not in r for r in reasons), reasons
+    assert any("rsqrt" in str(graph.code) for graph in explained.graphs)  # the l2 norms were compiled
+    torch.testing.assert_close(torch.compile(rule, backend="eager")(*xs), rule(*xs), atol=0, rtol=0)
+    torch._dynamo.reset()
+
+
 def test_plans_read_the_collators_host_copy_not_the_device():
     """Moved rows keep their host copy, and the per-row plans read it: no copy back from the device (a sync on a GPU).
     ``meta`` tensors stand in for the device here: reading them back would raise."""

@@ -31,9 +31,13 @@ planned flat and as trees at the same ``token_budget``. FLOPs count active param
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import gc
+import logging
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -183,6 +187,36 @@ PROFILE_TOP = 30
 """Kernels listed by name in a ``--profile``'s record (the rest are summed by kind)."""
 
 
+class _BreakSites(logging.Handler):
+    """Counts the user-code locations in torch's ``graph_breaks`` log records."""
+
+    SITE = re.compile(r"in user code at (\S+:\d+)")
+
+    def __init__(self, sites: collections.Counter):
+        super().__init__(logging.DEBUG)
+        self.sites = sites
+
+    def emit(self, record: logging.LogRecord) -> None:
+        found = self.SITE.search(record.getMessage())
+        if found:
+            self.sites[found.group(1)] += 1
+
+
+@contextlib.contextmanager
+def graph_break_sites():
+    """Within: torch logs every graph break (with its stack, on stderr), and the Counter yielded counts them by the
+    user-code line they happened at, which the dynamo counters (reasons only) do not name."""
+    sites: collections.Counter = collections.Counter()
+    handler = _BreakSites(sites)
+    torch._logging.set_logs(graph_breaks=True)
+    logging.getLogger("torch._dynamo").addHandler(handler)
+    try:
+        yield sites
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(handler)
+        torch._logging.set_logs()
+
+
 def run_shape(args, shape: str, device: torch.device, rank: int, world: int, build=build_model,
               config: AsyncGRPOConfig | None = None, packings: tuple[str, ...] = ("flat", "tree"),
               experts: str | None = None) -> list[dict]:
@@ -217,64 +251,75 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
               "token_budget": budget, "compile": settings.compile, "activation_checkpointing": settings.activation_checkpointing,
               "world_size": world}
     results = []
-    for workload in args.workloads.split(","):
-        samples = with_routes(workload_samples(workload, args, model.config.vocab_size, budget, world), model, seed=7)
-        modes = ("tree",) if workload == "mfu" else packings
-        per_mode = {}
-        for mode in modes:
-            rows_per_rank = args.rows_per_rank if workload == "mfu" else 10**6
-            plan = plan_step(samples, world_size=world, gradient_accumulation_steps=rows_per_rank, token_budget=budget,
-                             flat=mode == "flat")
-            rows = [pack_row(r).to(device) for r in plan.rows_for_rank(rank)]
-            num_trained = sum(r.num_trained_tokens for r in plan.rows)
-            metrics = plan.metrics()
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-            try:
-                fb_times, step_times = time_rows(model, moe, rows, num_trained, optimizer, args, device)
-            except torch.OutOfMemoryError as exc:
-                per_mode[mode] = {**common, "workload": workload, "packing": mode, "error": f"OOM: {str(exc)[:200]}"}
+    # where the compiled layers break their graphs (logged while they compile, in the first steps), for the profile
+    with (graph_break_sites() if cuda and args.profile else contextlib.nullcontext()) as break_sites:
+        for workload in args.workloads.split(","):
+            samples = with_routes(workload_samples(workload, args, model.config.vocab_size, budget, world), model, seed=7)
+            modes = ("tree",) if workload == "mfu" else packings
+            per_mode = {}
+            for mode in modes:
+                rows_per_rank = args.rows_per_rank if workload == "mfu" else 10**6
+                plan = plan_step(samples, world_size=world, gradient_accumulation_steps=rows_per_rank, token_budget=budget,
+                                 flat=mode == "flat")
+                rows = [pack_row(r).to(device) for r in plan.rows_for_rank(rank)]
+                num_trained = sum(r.num_trained_tokens for r in plan.rows)
+                metrics = plan.metrics()
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats(device)
+                try:
+                    fb_times, step_times = time_rows(model, moe, rows, num_trained, optimizer, args, device)
+                except torch.OutOfMemoryError as exc:
+                    per_mode[mode] = {**common, "workload": workload, "packing": mode, "error": f"OOM: {str(exc)[:200]}"}
+                    del rows
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    continue
+                fb, st = statistics.median(fb_times), statistics.median(step_times)
+                profile = None
+                if cuda and args.profile and mode == "tree":
+                    loss_config = LossConfig.from_config(config)
+                    profile = tree_packing.profile_call(
+                        lambda: rows_backward(model, moe, rows, num_trained, loss_config), top=PROFILE_TOP,
+                        wait_sites=True)
+                    optimizer.zero_grad(set_to_none=True)
+                    try:
+                        profile["misaligned_matmuls"] = tree_packing.misaligned_matmuls(
+                            lambda: rows_backward(model, moe, rows, num_trained, loss_config))
+                    except Exception as exc:  # noqa: BLE001 - a diagnostic: its failure is recorded, the figures stand
+                        profile["misaligned_matmuls"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    optimizer.zero_grad(set_to_none=True)
+                    breaks = torch._dynamo.utils.counters["graph_break"]
+                    profile["graph_breaks"] = {"total": sum(breaks.values()), "unique_graphs":
+                                               torch._dynamo.utils.counters["stats"]["unique_graphs"],
+                                               "reasons": {k[:200]: v for k, v in breaks.most_common(8)},
+                                               "sites": dict(break_sites.most_common(12))}
+                    tree_packing.print_profile(f"{shape} {workload} {mode}", profile)
+                    print("graph breaks", profile["graph_breaks"], flush=True)
+                    print("misaligned matmuls", profile["misaligned_matmuls"], flush=True)
+                step_flops = flops_model.rows_flops(plan.rows)
+                forwarded = int(metrics["batch/forwarded_tokens_per_step"])
+                per_mode[mode] = {
+                    **common, "workload": workload, "packing": mode, "rows_per_rank": len(rows),
+                    "forwarded_tokens_per_step": forwarded, "trained_tokens_per_step": num_trained,
+                    "row_fill_frac": metrics["batch/row_fill_frac"], "packing_ratio": metrics["batch/packing_ratio"],
+                    "samples_per_row": metrics["batch/samples_per_row"], "step_flops": step_flops,
+                    "step_gdn_flops": sum(flops_model.gdn_flops(r) for r in plan.rows),
+                    "fwd_bwd_s": fb, "step_s": st, "fwd_bwd_times_s": fb_times, "step_times_s": step_times,
+                    "tokens_per_s_fwd_bwd": forwarded / fb, "trained_tokens_per_s": num_trained / fb,
+                    "tflops_per_device_fwd_bwd": step_flops / fb / world / 1e12,
+                    "mfu_fwd_bwd": step_flops / (fb * world * peak) if peak else None,
+                    "mfu_wall_clock": step_flops / (st * world * peak) if peak else None,
+                    "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+                    **({"profile": profile} if profile else {}),
+                }
                 del rows
-                gc.collect()
-                torch.cuda.empty_cache()
-                continue
-            fb, st = statistics.median(fb_times), statistics.median(step_times)
-            profile = None
-            if cuda and args.profile and mode == "tree":
-                loss_config = LossConfig.from_config(config)
-                profile = tree_packing.profile_call(
-                    lambda: rows_backward(model, moe, rows, num_trained, loss_config), top=PROFILE_TOP)
-                optimizer.zero_grad(set_to_none=True)
-                breaks = torch._dynamo.utils.counters["graph_break"]
-                profile["graph_breaks"] = {"total": sum(breaks.values()), "unique_graphs":
-                                           torch._dynamo.utils.counters["stats"]["unique_graphs"],
-                                           "reasons": {k[:200]: v for k, v in breaks.most_common(8)}}
-                tree_packing.print_profile(f"{shape} {workload} {mode}", profile)
-                print("graph breaks", profile["graph_breaks"], flush=True)
-            step_flops = flops_model.rows_flops(plan.rows)
-            forwarded = int(metrics["batch/forwarded_tokens_per_step"])
-            per_mode[mode] = {
-                **common, "workload": workload, "packing": mode, "rows_per_rank": len(rows),
-                "forwarded_tokens_per_step": forwarded, "trained_tokens_per_step": num_trained,
-                "row_fill_frac": metrics["batch/row_fill_frac"], "packing_ratio": metrics["batch/packing_ratio"],
-                "samples_per_row": metrics["batch/samples_per_row"], "step_flops": step_flops,
-                "step_gdn_flops": sum(flops_model.gdn_flops(r) for r in plan.rows),
-                "fwd_bwd_s": fb, "step_s": st, "fwd_bwd_times_s": fb_times, "step_times_s": step_times,
-                "tokens_per_s_fwd_bwd": forwarded / fb, "trained_tokens_per_s": num_trained / fb,
-                "tflops_per_device_fwd_bwd": step_flops / fb / world / 1e12,
-                "mfu_fwd_bwd": step_flops / (fb * world * peak) if peak else None,
-                "mfu_wall_clock": step_flops / (st * world * peak) if peak else None,
-                "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
-                **({"profile": profile} if profile else {}),
-            }
-            del rows
-        if set(per_mode) == {"flat", "tree"} and all("error" not in r for r in per_mode.values()):
-            flat, tree = per_mode["flat"], per_mode["tree"]
-            speedup = tree["trained_tokens_per_s"] / flat["trained_tokens_per_s"]
-            flop_ratio = flat["step_flops"] / tree["step_flops"]
-            tree.update(packing_ratio_vs_flat=flat["forwarded_tokens_per_step"] / tree["forwarded_tokens_per_step"],
-                        speedup=speedup, flop_ideal_speedup=flop_ratio, speedup_over_flop_ideal=speedup / flop_ratio)
-        results += list(per_mode.values())
+            if set(per_mode) == {"flat", "tree"} and all("error" not in r for r in per_mode.values()):
+                flat, tree = per_mode["flat"], per_mode["tree"]
+                speedup = tree["trained_tokens_per_s"] / flat["trained_tokens_per_s"]
+                flop_ratio = flat["step_flops"] / tree["step_flops"]
+                tree.update(packing_ratio_vs_flat=flat["forwarded_tokens_per_step"] / tree["forwarded_tokens_per_step"],
+                            speedup=speedup, flop_ideal_speedup=flop_ratio, speedup_over_flop_ideal=speedup / flop_ratio)
+            results += list(per_mode.values())
     del model, optimizer
     gc.collect()
     if cuda:

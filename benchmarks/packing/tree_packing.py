@@ -376,12 +376,27 @@ def profile_step(model, rows, total_trained: int, head: str, top: int = 15) -> d
 HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
-def profile_call(step, top: int = 15) -> dict:
-    """``profile_step`` of any ``step()`` (``benchmarks/models/moe_training.py --profile`` profiles the trainer's)."""
+def wait_site(event, frames: int = 4) -> str:
+    """Where a host wait came from: the ops it ran under (innermost first) and the nearest Python frames outside
+    torch's own code (recorded with ``with_stack``)."""
+    ops, stack, parent = [], [], event.cpu_parent
+    while parent is not None:
+        if len(ops) < 3:
+            ops.append(parent.name)
+        if not stack and parent.stack:
+            stack = [f for f in parent.stack if "/torch/" not in f][:frames]
+        parent = parent.cpu_parent
+    return " < ".join(ops or ["(no op)"]) + (" @ " + " | ".join(stack) if stack else "")
+
+
+def profile_call(step, top: int = 15, wait_sites: bool = False) -> dict:
+    """``profile_step`` of any ``step()`` (``benchmarks/models/moe_training.py --profile`` profiles the trainer's).
+    ``wait_sites``: also record Python stacks and report where the host waits for the GPU (``host_wait_sites``):
+    each wait drains the launch queue, so a few per layer leave the GPU idle while the host catches up."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=wait_sites) as prof:
         t0 = time.perf_counter()
         step()
         torch.cuda.synchronize()
@@ -389,10 +404,13 @@ def profile_call(step, top: int = 15) -> dict:
     per_kernel = collections.defaultdict(lambda: [0, 0.0])
     spans = []
     waits = collections.Counter()  # host calls that wait for the GPU: each one drains the launch queue
+    sites = collections.Counter()
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             if e.name in HOST_WAITS:
                 waits[e.name] += 1
+                if wait_sites:
+                    sites[wait_site(e)] += 1
             continue
         per_kernel[e.name][0] += 1
         per_kernel[e.name][1] += e.time_range.elapsed_us() / 1e3
@@ -413,10 +431,46 @@ def profile_call(step, top: int = 15) -> dict:
     # overhead inflates it, so compare it between modes rather than read it as absolute
     return {"kernel_ms": total, "busy_ms": busy_us / 1e3, "wall_ms": wall_ms, "kernels": len(spans),
             "host_waits": dict(waits),
+            **({"host_wait_sites": [{"site": k[:400], "calls": n} for k, n in sites.most_common(top)]}
+               if wait_sites else {}),
             "by_kind_ms": dict(kinds.most_common()),
             "top": [{"kernel": n[:160], "calls": c, "ms": ms, "share": ms / total} for n, (c, ms) in ranked],
             "ops": [{"op": a.key[:160], "calls": a.count, "ms": a.device_time_total / 1e3,
                      "self_ms": a.self_device_time_total / 1e3} for a in ops[:top]]}
+
+
+MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
+
+
+def misaligned_matmuls(step, top: int = 12) -> list[dict]:
+    """The matmuls of one ``step()`` with an operand whose leading dimension is not a multiple of 16 bytes, by op,
+    shapes and strides: cuBLAS serves those with slow kernels for narrow alignments (a leading dimension of an odd
+    row length, for example). Recorded by a dispatch mode, which also sees the matmuls compiled code calls."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    found = collections.Counter()
+
+    def misaligned(t: torch.Tensor) -> bool:
+        if t.dim() < 2:
+            return False
+        inner, outer = t.stride()[-1], t.stride()[-2]
+        if 0 in (inner, outer):  # a broadcast view: materialised before any kernel reads it
+            return False
+        lead = outer if inner == 1 else inner if outer == 1 else 1
+        return (lead * t.element_size()) % 16 != 0 or (t.data_ptr() % 16) != 0
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in MATMUL_OPS:
+                tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                if any(misaligned(t) for t in tensors):
+                    found[(func.__name__, tuple((tuple(t.shape), t.stride()) for t in tensors))] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        step()
+    return [{"op": op, "operands": [list(map(list, o)) for o in operands], "calls": n}
+            for (op, operands), n in found.most_common(top)]
 
 
 def print_profile(mode: str, prof: dict) -> None:
@@ -428,6 +482,10 @@ def print_profile(mode: str, prof: dict) -> None:
     print("  host ops by GPU time (with the ops under them; self)", flush=True)
     for o in prof.get("ops", []):
         print(f"  {o['ms']:8.1f} ms {o['self_ms']:8.1f} ms {o['calls']:6d}x  {o['op'][:100]}", flush=True)
+    if prof.get("host_wait_sites"):
+        print("  host waits by site (the ops they ran under < ...; Python frames)", flush=True)
+        for w in prof["host_wait_sites"]:
+            print(f"  {w['calls']:6d}x  {w['site'][:300]}", flush=True)
 
 
 def main() -> None:

@@ -211,7 +211,8 @@ def _fla_depth(q, k, v, g, beta, depth: Depth, initial: torch.Tensor | None):
         take(q), take(k), take(v), take(g), take(beta), scale=1.0, initial_state=initial,
         output_final_state=True, cu_seqlens=depth.cu_seqlens, cu_seqlens_cpu=depth.cu_seqlens_cpu,
     )
-    return out[0], final
+    # squeeze, not ``out[0]``: a select's backward writes a zero tensor of the whole output, then copies into it
+    return out.squeeze(0), final
 
 
 @dataclass
@@ -239,7 +240,8 @@ def tree_gated_delta_rule(
     """
     backend = backend or active_gdn_backend()
     out_dtype = v.dtype
-    # Normalise in fp32 (or wider); the fused kernel then takes the inputs in their own dtype.
+    # Normalise in fp32 (or wider); the fused kernel then takes the inputs in their own dtype. These element-wise
+    # steps stay in the compiled layer's graph, fused with the projections around them.
     wide = torch.promote_types(v.dtype, torch.float32)
     work = v.dtype if backend.needs_cuda else wide
     q, k = q.to(wide), k.to(wide)
@@ -247,6 +249,16 @@ def tree_gated_delta_rule(
         q, k = l2_normalize(q), l2_normalize(k)
     q = q * q.shape[-1] ** -0.5
     q, k, v, beta, g = q.to(work), k.to(work), v.to(work), beta.to(work), g.to(wide)
+    return run_segment_tree(q, k, v, g, beta, meta, backend).to(out_dtype)
+
+
+@torch.compiler.disable
+def run_segment_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     meta: TreeAttentionMetadata, backend: GDNBackend) -> torch.Tensor:
+    """The depths of the row's segment tree in turn (prepared inputs, as ``tree_gated_delta_rule`` hands them), each
+    depth's initial states the final states of its parents. Kept out of compiled graphs as one call: the kernels
+    inside break a graph anyway, and a break inside this loop would make the compiler give up the whole calling
+    frame (the input preparation above with it) and run it eagerly."""
     tree: SegmentTree = meta.cached(("gdn_tree", q.device), lambda: build_segment_tree(meta, q.device))
     outs, finals = [], None
     for depth in tree.depths:
@@ -254,7 +266,7 @@ def tree_gated_delta_rule(
         out, finals = backend.run_depth(q, k, v, g, beta, depth, initial)
         outs.append(out)
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return (out if tree.unsort is None else out.index_select(0, tree.unsort)).to(out_dtype)
+    return out if tree.unsort is None else out.index_select(0, tree.unsort)
 
 
 # ---- choosing the backend ---------------------------------------------------------------------------

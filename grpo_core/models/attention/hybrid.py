@@ -95,8 +95,9 @@ def _tree_chunk(original: Callable[..., Any]) -> Callable[..., Any]:
             raise ValueError("a packed row cannot continue or fill a generation cache: call the model with use_cache=False")
         if query.shape[0] != 1:
             raise ValueError(f"a packed row is one sequence (batch 1), got batch {query.shape[0]}")
-        out = gd.tree_gated_delta_rule(query[0], key[0], value[0], g[0], beta[0], tree_attention,
-                                       l2norm=use_qk_l2norm_in_kernel)
+        # squeeze, not ``[0]``: views, where a select's backward would write a zero tensor and copy into it
+        out = gd.tree_gated_delta_rule(query.squeeze(0), key.squeeze(0), value.squeeze(0), g.squeeze(0),
+                                       beta.squeeze(0), tree_attention, l2norm=use_qk_l2norm_in_kernel)
         return out.unsqueeze(0), None
 
     torch_chunk_gated_delta_rule.__doc__ = "Gated delta rule, each trie segment from its parent's state (grpo_core patch)."

@@ -92,7 +92,7 @@ def tree_causal_conv1d(
         raise ValueError(f"a packed row is one sequence (batch 1), got batch {x.shape[0]}")
     kernel = weight.shape[-1]
     source, keep = _conv_plan(x, kernel, meta)
-    rows = x[0].t().to(weight.dtype)  # [U, C]
+    rows = x.squeeze(0).t().to(weight.dtype)  # [U, C] (a view: a select would cost a zero-fill and a copy in backward)
     rows = torch.cat([rows.new_zeros(1, rows.shape[1]), rows])  # row 0: the zeros above a root
     gathered = gather_rows(rows, source + 1)  # [E, C]
     valid = gathered.shape[0] - kernel + 1  # output j covers gathered[j : j + kernel]
@@ -131,9 +131,10 @@ def activation_fn(name: str | None) -> Callable[[torch.Tensor], torch.Tensor]:
     return ACT2FN[name]
 
 
-def _torch_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+def _torch_conv(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
                 meta: TreeAttentionMetadata) -> torch.Tensor:
-    return activation_fn(activation)(tree_causal_conv1d(x, weight, bias, meta)).to(x.dtype)
+    out = activation_fn(activation)(tree_causal_conv1d(rows.t().unsqueeze(0), weight, bias, meta)).to(rows.dtype)
+    return out.squeeze(0).t()
 
 
 FLA_ACTIVATIONS = (None, "silu", "swish")
@@ -158,19 +159,17 @@ FLA_CONV_CHUNK = 64
 """Tokens per program of flash-linear-attention's convolution (its default block)."""
 
 
-def _fla_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+def _fla_conv(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
               meta: TreeAttentionMetadata) -> torch.Tensor:
     """flash-linear-attention's causal convolution (Triton; fused activation, fp32 accumulation) over the
     row's segments as variable-length sequences, each started from the ``kernel - 1`` path tokens before it as
     its initial state (zeros above a root). The state is gathered from the row, so gradients reach those
-    tokens through it. Returns ``[1, C, U]`` in ``x``'s dtype."""
+    tokens through it."""
     from fla.modules.causal_conv1d import causal_conv1d
 
-    if x.shape[0] != 1:
-        raise ValueError(f"a packed row is one sequence (batch 1), got batch {x.shape[0]}")
     kernel = weight.shape[-1]
-    context, cu, cu_cpu, chunks = _fla_conv_plan(x, kernel, meta)
-    rows = x[0].t().contiguous()  # [U, C]: a layer hands over a transposed [1, U, C] projection, so no copy
+    context, cu, cu_cpu, chunks = _fla_conv_plan(rows, kernel, meta)
+    rows = rows.contiguous()
     # [G, K - 1, C]: only the context is gathered (a padded copy of the whole row would cost a pass over it)
     before = rows[context.clamp(min=0)] * (context >= 0).unsqueeze(-1).to(rows.dtype)
     # fla's state holds the last ``kernel`` inputs, oldest first; the convolution reads the last kernel - 1
@@ -179,33 +178,30 @@ def _fla_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     y, _ = causal_conv1d(rows.unsqueeze(0), weight.to(rows.dtype), None if bias is None else bias.to(rows.dtype),
                          initial_state=state.contiguous(), activation=fused, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
                          chunk_indices=chunks)
-    out = y[0].t().unsqueeze(0)
+    out = y.squeeze(0)
     return out if fused == activation else activation_fn(activation)(out)
 
 
-def _triton_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+def _triton_conv(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
                  meta: TreeAttentionMetadata) -> torch.Tensor:
     """The project's Triton kernels (``tree_conv_triton``), reading the trie's index tables (``tree_conv_plan``,
-    built once per row). Returns ``[1, C, U]`` in ``x``'s dtype."""
+    built once per row)."""
     from grpo_core.models.attention.tree_conv_plan import tree_conv_plan
     from grpo_core.models.attention.tree_conv_triton import FUSED_ACTIVATIONS, tree_conv_triton
 
-    if x.shape[0] != 1:
-        raise ValueError(f"a packed row is one sequence (batch 1), got batch {x.shape[0]}")
     kernel = weight.shape[-1]
-    plan = meta.cached(("gdn_conv_triton", kernel, x.device), lambda: tree_conv_plan(meta, kernel, x.device))
+    plan = meta.cached(("gdn_conv_triton", kernel, rows.device), lambda: tree_conv_plan(meta, kernel, rows.device))
     fused = activation if activation in FUSED_ACTIVATIONS else None
-    rows = x[0].t()  # [U, C]: contiguous where a layer hands over a transposed [1, U, C] projection
     y = tree_conv_triton(rows, weight.to(rows.dtype), None if bias is None else bias.to(rows.dtype), fused, plan)
-    out = y.t().unsqueeze(0)
-    return out if fused == activation else activation_fn(activation)(out)
+    return y if fused == activation else activation_fn(activation)(y)
 
 
 @dataclass
 class ConvBackend:
     name: str
     run: Callable[..., torch.Tensor]
-    """``(x [1, C, U], weight [C, K], bias, activation, meta) -> [1, C, U]`` in ``x``'s dtype, activation applied."""
+    """``(rows [U, C], weight [C, K], bias, activation, meta) -> [U, C]`` in ``rows``' dtype, activation applied:
+    channel-last, as the layer's projection produced them."""
     needs_cuda: bool
 
 
@@ -221,8 +217,17 @@ CONV_BACKENDS: dict[str, ConvBackend] = {
 def tree_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
               meta: TreeAttentionMetadata, backend: ConvBackend | None = None) -> torch.Tensor:
     """The short convolution of a Gated DeltaNet layer over a packed row, activation included, with ``backend``
-    (default: the one ``register_gdn_backend`` chose)."""
-    return (backend or _active).run(x, weight, bias, activation, meta)
+    (default: the one ``register_gdn_backend`` chose): ``x`` ``[1, C, U]`` (the layer's transposed projection) in,
+    the same layout out."""
+    if x.shape[0] != 1:
+        raise ValueError(f"a packed row is one sequence (batch 1), got batch {x.shape[0]}")
+    # The backends take and give channel-last rows [U, C]; the views to and from them are taken here, in the calling
+    # (compiled) layer's graph, so that what crosses into a kernel backend, and its gradient back, is a plain [U, C]
+    # tensor (the projection's own layout), not a transposed view whose gradient could come back channel-first and
+    # leave the projection's backward matmuls reading a tensor whose leading dimension is the row's length.
+    # Squeezes rather than ``x[0]``: a select's backward writes a zero tensor of the whole row, then copies into it.
+    rows = x.squeeze(0).t()
+    return (backend or _active).run(rows, weight, bias, activation, meta).t().unsqueeze(0)
 
 
 # ---- choosing the backend ---------------------------------------------------------------------------
