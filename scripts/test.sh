@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 # base set, where those tests are skipped.
 export GRPO_CORE_EXTRAS=${GRPO_CORE_EXTRAS-environments}
 bash scripts/setup.sh
+bash scripts/triton_interpreter.sh  # Triton beside the environment, for the kernel tests under its interpreter
 if [ "$GRPO_CORE_EXTRAS" = environments ] && ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vf_tiny_sums') is None)"; then
   # built with the setuptools of the lock: no build environment fetched from an index
   .venv/bin/uv pip install --quiet --python .venv/bin/python --no-deps --no-build-isolation -e tests/environments/vf_tiny_sums

@@ -6,14 +6,21 @@
 * The kernels (a GPU, or the CPU under ``TRITON_INTERPRET=1`` with Triton installed): output and gradients of input,
   weight and bias equal the PyTorch form, and the backward gives the same bits twice.
 
-Run: ``.venv/bin/python -m pytest tests/test_tree_conv_kernels.py``; the kernels' half on a CPU:
-``TRITON_INTERPRET=1 PYTHONPATH=<a folder with triton> .venv/bin/python -m pytest tests/test_tree_conv_kernels.py``.
+Run: ``.venv/bin/python -m pytest tests/test_tree_conv_kernels.py``. Where this session has no Triton (the project
+environment's lock leaves it out), the kernels' half runs in a child process under Triton's interpreter with
+Triton from ``.triton-interpreter/`` (``scripts/triton_interpreter.sh``, which ``scripts/test.sh`` runs), and none
+of it may be skipped there. By hand: ``TRITON_INTERPRET=1 PYTHONPATH=.triton-interpreter .venv/bin/python -m pytest
+tests/test_tree_conv_kernels.py``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,6 +118,28 @@ def kernel_device() -> str | None:
 
 needs_kernels = pytest.mark.skipif(kernel_device() is None, reason="needs Triton and CUDA, or Triton's interpreter "
                                                                    "(TRITON_INTERPRET=1) on the CPU")
+
+
+INTERPRETER_SITE = Path(__file__).resolve().parents[1] / ".triton-interpreter"
+
+
+@pytest.mark.skipif(kernel_device() is not None, reason="this session runs the kernel tests itself")
+def test_the_kernels_run_under_the_interpreter_with_triton_of_their_own():
+    """This file's kernel tests, in a child process under Triton's CPU interpreter with Triton from
+    ``.triton-interpreter/``: all of them must run (no skip) and pass, so that a session without Triton still
+    checks the kernels the GPU runs."""
+    if not (INTERPRETER_SITE / "triton").is_dir():
+        pytest.fail(f"no Triton in {INTERPRETER_SITE}: run `bash scripts/triton_interpreter.sh` (scripts/test.sh does)")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(INTERPRETER_SITE), os.environ.get("PYTHONPATH")) if p)}
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", __file__,
+         "-k", "not under_the_interpreter"],
+        env=env, cwd=INTERPRETER_SITE.parent, capture_output=True, text=True, timeout=900)
+    tail = child.stdout[-4000:] + child.stderr[-2000:]
+    assert child.returncode == 0, tail
+    counts = dict((kind, int(n)) for n, kind in re.findall(r"(\d+) (passed|skipped|failed|deselected)", tail))
+    assert counts.get("skipped", 0) == 0 and counts.get("passed", 0) >= 9, counts
 
 
 @pytest.fixture(autouse=True)
