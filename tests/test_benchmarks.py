@@ -128,7 +128,7 @@ RUN_BY: dict[str, str] = {
 }
 
 # Shared code and tools that measure nothing: their own tests cover them.
-LIBRARY = {"benchmarks.bench_io", "benchmarks.index"}
+LIBRARY = {"benchmarks.bench_io", "benchmarks.index", "benchmarks.profiling"}
 
 
 def benchmark_modules() -> list[str]:
@@ -326,12 +326,12 @@ def test_the_hybrids_bound_comes_from_the_delta_part_and_the_dense_rate() -> Non
 
 
 def test_graph_break_sites_name_the_line_a_compiled_function_breaks_at() -> None:
-    """``moe_training.graph_break_sites``: the profile's record of where compiled layers break, by user-code line."""
+    """``profiling.graph_break_sites``: the profile's record of where compiled layers break, by user-code line."""
     import inspect
 
     import torch
 
-    from benchmarks.models.moe_training import graph_break_sites
+    from benchmarks.profiling import graph_break_sites
 
     @torch.compiler.disable
     def opaque(x):
@@ -349,33 +349,33 @@ def test_graph_break_sites_name_the_line_a_compiled_function_breaks_at() -> None
 
 
 def test_a_host_wait_is_placed_by_its_ops_and_the_frames_outside_torch() -> None:
-    """``tree_packing.wait_site`` on a profiler-like event chain: the ops it ran under, innermost first (three at most),
+    """``profiling.wait_site`` on a profiler-like event chain: the ops it ran under, innermost first (three at most),
     then the nearest recorded Python frames that are not torch's own."""
     from types import SimpleNamespace
 
-    from benchmarks.packing import tree_packing
+    from benchmarks import profiling
 
     root = SimpleNamespace(name="layer", stack=["/x/torch/nn/module.py(1): call", "/x/app/layer.py(9): run"],
                            cpu_parent=None)
     mid = SimpleNamespace(name="aten::copy_", stack=[], cpu_parent=root)
     op = SimpleNamespace(name="aten::to", stack=[], cpu_parent=mid)
     wait = SimpleNamespace(name="cudaStreamSynchronize", stack=[], cpu_parent=op)
-    assert tree_packing.wait_site(wait) == "aten::to < aten::copy_ < layer @ /x/app/layer.py(9): run"
-    assert tree_packing.wait_site(SimpleNamespace(cpu_parent=None)) == "(no op)"
+    assert profiling.wait_site(wait) == "aten::to < aten::copy_ < layer @ /x/app/layer.py(9): run"
+    assert profiling.wait_site(SimpleNamespace(cpu_parent=None)) == "(no op)"
 
 
 def test_misaligned_matmuls_names_an_operand_led_by_an_odd_row_length() -> None:
-    """``tree_packing.misaligned_matmuls``: a bf16 operand whose leading dimension is 7 rows (14 bytes) is named with
+    """``profiling.misaligned_matmuls``: a bf16 operand whose leading dimension is 7 rows (14 bytes) is named with
     its shape and strides; the same product on 8 rows is not."""
     import torch
 
-    from benchmarks.packing import tree_packing
+    from benchmarks import profiling
 
     w = torch.randn(8, 16, dtype=torch.bfloat16)
 
     def product(rows: int):
         return lambda: torch.randn(8, rows, dtype=torch.bfloat16).t() @ w  # [rows, 8] with leading dimension rows
 
-    assert tree_packing.misaligned_matmuls(product(8)) == []
-    assert tree_packing.misaligned_matmuls(product(7)) == [
+    assert profiling.misaligned_matmuls(product(8)) == []
+    assert profiling.misaligned_matmuls(product(7)) == [
         {"op": "mm.default", "operands": [[[7, 8], [1, 7]], [[8, 16], [16, 1]]], "calls": 1}]

@@ -154,10 +154,10 @@ def main() -> None:
                              "out_max_diff": (r["out"] - base["out"]).abs().max().item(),
                              "dx_max_diff": (r["dx"] - base["dx"]).abs().max().item()}
                     if args.profile and device.type == "cuda" and tokens == max(token_counts):
-                        from benchmarks.packing import tree_packing
+                        from benchmarks import profiling
 
-                        entry["profile"] = tree_packing.profile_call(r["step"], top=PROFILE_TOP)
-                        tree_packing.print_profile(f"{shape} {tokens} {impl} {mode}", entry["profile"])
+                        entry["profile"] = profiling.profile_call(r["step"], top=PROFILE_TOP)
+                        profiling.print_profile(f"{shape} {tokens} {impl} {mode}", entry["profile"])
                     report["results"].append(entry)
                     print(f"{shape:14s} {tokens:6d} {impl:15s} {mode:8s} {1e3 * r['seconds']:9.2f} ms "
                           f"{entry['tflops']:7.1f} TFLOP/s  {entry['vs_first']:5.2f}x first  "

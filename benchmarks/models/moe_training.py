@@ -31,13 +31,10 @@ planned flat and as trees at the same ``token_budget``. FLOPs count active param
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import gc
-import logging
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -187,36 +184,6 @@ PROFILE_TOP = 30
 """Kernels listed by name in a ``--profile``'s record (the rest are summed by kind)."""
 
 
-class _BreakSites(logging.Handler):
-    """Counts the user-code locations in torch's ``graph_breaks`` log records."""
-
-    SITE = re.compile(r"in user code at (\S+:\d+)")
-
-    def __init__(self, sites: collections.Counter):
-        super().__init__(logging.DEBUG)
-        self.sites = sites
-
-    def emit(self, record: logging.LogRecord) -> None:
-        found = self.SITE.search(record.getMessage())
-        if found:
-            self.sites[found.group(1)] += 1
-
-
-@contextlib.contextmanager
-def graph_break_sites():
-    """Within: torch logs every graph break (with its stack, on stderr), and the Counter yielded counts them by the
-    user-code line they happened at, which the dynamo counters (reasons only) do not name."""
-    sites: collections.Counter = collections.Counter()
-    handler = _BreakSites(sites)
-    torch._logging.set_logs(graph_breaks=True)
-    logging.getLogger("torch._dynamo").addHandler(handler)
-    try:
-        yield sites
-    finally:
-        logging.getLogger("torch._dynamo").removeHandler(handler)
-        torch._logging.set_logs()
-
-
 def run_shape(args, shape: str, device: torch.device, rank: int, world: int, build=build_model,
               config: AsyncGRPOConfig | None = None, packings: tuple[str, ...] = ("flat", "tree"),
               experts: str | None = None) -> list[dict]:
@@ -252,7 +219,7 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
               "world_size": world}
     results = []
     # where the compiled layers break their graphs (logged while they compile, in the first steps), for the profile
-    with (graph_break_sites() if cuda and args.profile else contextlib.nullcontext()) as break_sites:
+    with (profiling.graph_break_sites() if cuda and args.profile else contextlib.nullcontext()) as break_sites:
         for workload in args.workloads.split(","):
             samples = with_routes(workload_samples(workload, args, model.config.vocab_size, budget, world), model, seed=7)
             modes = ("tree",) if workload == "mfu" else packings
@@ -278,12 +245,12 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
                 profile = None
                 if cuda and args.profile and mode == "tree":
                     loss_config = LossConfig.from_config(config)
-                    profile = tree_packing.profile_call(
+                    profile = profiling.profile_call(
                         lambda: rows_backward(model, moe, rows, num_trained, loss_config), top=PROFILE_TOP,
                         wait_sites=True)
                     optimizer.zero_grad(set_to_none=True)
                     try:
-                        profile["misaligned_matmuls"] = tree_packing.misaligned_matmuls(
+                        profile["misaligned_matmuls"] = profiling.misaligned_matmuls(
                             lambda: rows_backward(model, moe, rows, num_trained, loss_config))
                     except Exception as exc:  # noqa: BLE001 - a diagnostic: its failure is recorded, the figures stand
                         profile["misaligned_matmuls"] = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -293,7 +260,7 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
                                                torch._dynamo.utils.counters["stats"]["unique_graphs"],
                                                "reasons": {k[:200]: v for k, v in breaks.most_common(8)},
                                                "sites": dict(break_sites.most_common(12))}
-                    tree_packing.print_profile(f"{shape} {workload} {mode}", profile)
+                    profiling.print_profile(f"{shape} {workload} {mode}", profile)
                     print("graph breaks", profile["graph_breaks"], flush=True)
                     print("misaligned matmuls", profile["misaligned_matmuls"], flush=True)
                 step_flops = flops_model.rows_flops(plan.rows)

@@ -24,7 +24,6 @@ profile of one step of each mode of that workload (top kernels, and time per kin
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import platform
@@ -47,6 +46,7 @@ from grpo_core.packing.planner import plan_step  # noqa: E402
 from grpo_core.rollout.types import RolloutSample  # noqa: E402
 from grpo_core.training.forward import row_logprobs  # noqa: E402
 from benchmarks.bench_io import write_report  # noqa: E402
+from benchmarks import profiling  # noqa: E402
 
 SHAPES = {  # Qwen3 dense shapes (config.json of the public checkpoints)
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -348,144 +348,10 @@ def regather_check(row, shape: str, device: torch.device, dtype: torch.dtype) ->
     return {"regather_vs_saved": diff(regathered, saved), "saved_vs_saved": diff(saved_again, saved)}
 
 
-KERNEL_KINDS = (  # substrings of CUDA kernel names, first match wins
-    ("short convolution", ("causal_conv", "conv1d", "conv_depthwise")),
-    ("gated delta rule", ("gated_delta", "delta_rule", "chunk_fwd", "chunk_bwd", "chunk_local", "chunk_scaled", "wy_",
-                          "w_u", "solve_tril", "inverse_kernel", "kkt", "l2norm")),
-    ("grouped matmul (experts)", ("grouped", "moe")),
-    ("attention backward", ("flash_bwd", "attn_bwd", "_bwd_")),
-    ("attention forward", ("flash_fwd", "attn_fwd", "_fwd_")),
-    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "sm100_", "cublas")),
-    ("gather / scatter", ("index", "gather", "scatter")),
-    ("reduction", ("reduce", "softmax", "norm", "triton_red", "triton_per")),
-    ("elementwise / copy", ("elementwise", "vectorized", "copy", "fill", "cat", "triton_poi")),
-)
-
-
-def kernel_kind(name: str) -> str:
-    low = name.lower()
-    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
-
-
 def profile_step(model, rows, total_trained: int, head: str, top: int = 15) -> dict:
-    """CUDA kernel time of one step: the ``top`` kernels by time, and the time per ``kernel_kind``."""
+    """CUDA kernel time of one step: the ``top`` kernels by time, and the time per kind (``profiling.profile_call``)."""
     model.zero_grad(set_to_none=True)
-    return profile_call(lambda: run_step(model, rows, total_trained, head), top)
-
-
-HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-
-
-def wait_site(event, frames: int = 4) -> str:
-    """Where a host wait came from: the ops it ran under (innermost first) and the nearest Python frames outside
-    torch's own code (recorded with ``with_stack``)."""
-    ops, stack, parent = [], [], event.cpu_parent
-    while parent is not None:
-        if len(ops) < 3:
-            ops.append(parent.name)
-        if not stack and parent.stack:
-            stack = [f for f in parent.stack if "/torch/" not in f][:frames]
-        parent = parent.cpu_parent
-    return " < ".join(ops or ["(no op)"]) + (" @ " + " | ".join(stack) if stack else "")
-
-
-def profile_call(step, top: int = 15, wait_sites: bool = False) -> dict:
-    """``profile_step`` of any ``step()`` (``benchmarks/models/moe_training.py --profile`` profiles the trainer's).
-    ``wait_sites``: also record Python stacks and report where the host waits for the GPU (``host_wait_sites``):
-    each wait drains the launch queue, so a few per layer leave the GPU idle while the host catches up."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=wait_sites) as prof:
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        wall_ms = (time.perf_counter() - t0) * 1e3
-    per_kernel = collections.defaultdict(lambda: [0, 0.0])
-    spans = []
-    waits = collections.Counter()  # host calls that wait for the GPU: each one drains the launch queue
-    sites = collections.Counter()
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            if e.name in HOST_WAITS:
-                waits[e.name] += 1
-                if wait_sites:
-                    sites[wait_site(e)] += 1
-            continue
-        per_kernel[e.name][0] += 1
-        per_kernel[e.name][1] += e.time_range.elapsed_us() / 1e3
-        spans.append((e.time_range.start, e.time_range.end))
-    total = sum(ms for _, ms in per_kernel.values())
-    busy_us, reach = 0.0, float("-inf")  # union of kernel spans: time the GPU ran anything
-    for start, end in sorted(spans):
-        busy_us += max(0.0, end - max(start, reach))
-        reach = max(reach, end)
-    kinds = collections.Counter()
-    for name, (_, ms) in per_kernel.items():
-        kinds[kernel_kind(name)] += ms
-    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top]
-    # host ops by the GPU time of the kernels they (and the ops under them) launched: compiled regions, custom
-    # autograd functions and their backwards name the layer's parts that kernel names alone do not
-    ops = sorted((a for a in prof.key_averages() if a.device_time_total > 0), key=lambda a: -a.device_time_total)
-    # wall - busy is time the GPU waited for the host (launches, Python, graph breaks); the profiler's own
-    # overhead inflates it, so compare it between modes rather than read it as absolute
-    return {"kernel_ms": total, "busy_ms": busy_us / 1e3, "wall_ms": wall_ms, "kernels": len(spans),
-            "host_waits": dict(waits),
-            **({"host_wait_sites": [{"site": k[:400], "calls": n} for k, n in sites.most_common(top)]}
-               if wait_sites else {}),
-            "by_kind_ms": dict(kinds.most_common()),
-            "top": [{"kernel": n[:160], "calls": c, "ms": ms, "share": ms / total} for n, (c, ms) in ranked],
-            "ops": [{"op": a.key[:160], "calls": a.count, "ms": a.device_time_total / 1e3,
-                     "self_ms": a.self_device_time_total / 1e3} for a in ops[:top]]}
-
-
-MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
-
-
-def misaligned_matmuls(step, top: int = 12) -> list[dict]:
-    """The matmuls of one ``step()`` with an operand whose leading dimension is not a multiple of 16 bytes, by op,
-    shapes and strides: cuBLAS serves those with slow kernels for narrow alignments (a leading dimension of an odd
-    row length, for example). Recorded by a dispatch mode, which also sees the matmuls compiled code calls."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    found = collections.Counter()
-
-    def misaligned(t: torch.Tensor) -> bool:
-        if t.dim() < 2:
-            return False
-        inner, outer = t.stride()[-1], t.stride()[-2]
-        if 0 in (inner, outer):  # a broadcast view: materialised before any kernel reads it
-            return False
-        lead = outer if inner == 1 else inner if outer == 1 else 1
-        return (lead * t.element_size()) % 16 != 0 or (t.data_ptr() % 16) != 0
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.__name__.split(".")[0] in MATMUL_OPS:
-                tensors = [a for a in args if isinstance(a, torch.Tensor)]
-                if any(misaligned(t) for t in tensors):
-                    found[(func.__name__, tuple((tuple(t.shape), t.stride()) for t in tensors))] += 1
-            return func(*args, **(kwargs or {}))
-
-    with Record():
-        step()
-    return [{"op": op, "operands": [list(map(list, o)) for o in operands], "calls": n}
-            for (op, operands), n in found.most_common(top)]
-
-
-def print_profile(mode: str, prof: dict) -> None:
-    print(f"profile {mode}: {prof['kernel_ms']:.0f} ms of CUDA kernels ({prof['kernels']} launches), GPU busy "
-          f"{prof['busy_ms']:.0f} of {prof['wall_ms']:.0f} ms wall; host waits {prof.get('host_waits')}; by kind: "
-          + ", ".join(f"{k} {ms:.0f}" for k, ms in prof["by_kind_ms"].items()), flush=True)
-    for t in prof["top"]:
-        print(f"  {t['ms']:8.1f} ms {t['share']:6.1%} {t['calls']:6d}x  {t['kernel'][:110]}", flush=True)
-    print("  host ops by GPU time (with the ops under them; self)", flush=True)
-    for o in prof.get("ops", []):
-        print(f"  {o['ms']:8.1f} ms {o['self_ms']:8.1f} ms {o['calls']:6d}x  {o['op'][:100]}", flush=True)
-    if prof.get("host_wait_sites"):
-        print("  host waits by site (the ops they ran under < ...; Python frames)", flush=True)
-        for w in prof["host_wait_sites"]:
-            print(f"  {w['calls']:6d}x  {w['site'][:300]}", flush=True)
+    return profiling.profile_call(lambda: run_step(model, rows, total_trained, head), top)
 
 
 def main() -> None:
@@ -636,7 +502,7 @@ def main() -> None:
                     entry["profile"] = {m: profile_step(model, rows, trained, head)
                                         for m, (rows, trained) in modes.items()}
                     for m, prof in entry["profile"].items():
-                        print_profile(m, prof)
+                        profiling.print_profile(m, prof)
                 report["results"].append(entry)
                 print(f"{shape:11s} {w.name:10s} {head:7s} {attention:16s} regather {regather:5s} "
                       f"ratio {ratio:5.2f} speedup {speedup:5.2f} "
