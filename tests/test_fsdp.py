@@ -190,6 +190,42 @@ def test_settings_reject_unknown_compile_mode_and_cpu_bf16():
         shard_policy(model, FSDPSettings(bf16=True), torch.device("cpu"))
 
 
+def test_one_rank_reduces_gradients_after_the_last_micro_batch_only():
+    """``reduce_gradients_after`` on one FSDP2 rank (gloo, fp32): the micro-batches before the last leave the sharded
+    gradients unset (no reduce ran), and after the last they equal the unsharded model's accumulated gradients."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from grpo_core.models.fsdp import reduce_gradients_after
+    from grpo_core.vllm_server.process import free_port
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        unsharded = copy.deepcopy(model)
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        batches = [torch.randn(5, 8) for _ in range(3)]
+        reduced = []
+        for i, x in enumerate(batches):
+            reduce_gradients_after(model, last_micro_batch=i == len(batches) - 1)
+            model(x).pow(2).sum().backward()
+            unsharded(x).pow(2).sum().backward()
+            reduced.append(all(p.grad is not None for p in model.parameters()))
+        assert reduced == [False, False, True]
+        for p, q in zip(model.parameters(), unsharded.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, atol=1e-6, rtol=1e-6)
+    finally:
+        dist.destroy_process_group()
+
+
 # ------------------------------------------------------------------------------------------ two ranks
 def _report(item) -> GroupReport:
     return GroupReport(position=item, row_index=item, epoch=0, rewards=np.ones(4), rewards_per_func={},

@@ -48,7 +48,7 @@ from grpo_core.models.attention import tree as ta  # noqa: E402
 from grpo_core.models.attention.gated_delta import active_gdn_backend, fla_kernel  # noqa: E402
 from grpo_core.models.attention.short_conv import active_conv_backend  # noqa: E402
 from grpo_core.models.attention.hybrid import gated_delta_layers, head_sizes  # noqa: E402
-from grpo_core.models.fsdp import FSDPSettings, shard_policy  # noqa: E402
+from grpo_core.models.fsdp import FSDPSettings, reduce_gradients_after, shard_policy  # noqa: E402
 from grpo_core.models.moe.experts import active_expert_params, use_grouped_experts  # noqa: E402
 from grpo_core.models.moe.policy import MoEPolicy  # noqa: E402
 from grpo_core.packing.collator import pack_row  # noqa: E402
@@ -138,7 +138,8 @@ def row_backward(model, row, num_trained: int, loss_config: LossConfig) -> None:
 
 def rows_backward(model, moe, rows, num_trained: int, loss_config: LossConfig) -> None:
     """Forward and backward over every row of a step, with the expert routes replayed where the model has them."""
-    for row in rows:
+    for i, row in enumerate(rows):
+        reduce_gradients_after(model, last_micro_batch=i == len(rows) - 1)  # as the trainer's step
         if moe is not None:
             moe.before_forward(row.routes)
         row_backward(model, row, num_trained, loss_config)

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from grpo_core.config import AsyncGRPOConfig  # noqa: E402
 from grpo_core.models.attention import tree as ta  # noqa: E402
-from grpo_core.models.fsdp import FSDPSettings, iter_full_layers, shard_policy  # noqa: E402
+from grpo_core.models.fsdp import FSDPSettings, iter_full_layers, reduce_gradients_after, shard_policy  # noqa: E402
 from grpo_core.models.head.lm_head import vocab_size  # noqa: E402
 from grpo_core.models.head.reference import token_logprobs  # noqa: E402
 from grpo_core.packing.collator import pack_row  # noqa: E402
@@ -177,7 +177,10 @@ def run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, 
         model.train()
         synchronize(device)
         start = time.perf_counter()
-        parts = [row_backward(model, row, num_trained, loss_config, chunk, fused) for row in rows]
+        parts = []
+        for i, row in enumerate(rows):
+            reduce_gradients_after(model, last_micro_batch=i == len(rows) - 1)  # as the trainer's step
+            parts.append(row_backward(model, row, num_trained, loss_config, chunk, fused))
         synchronize(device)
         fb = time.perf_counter() - start
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

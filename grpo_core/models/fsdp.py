@@ -11,6 +11,10 @@
   master weights, the gradient reduction and the optimizer state stay fp32;
 * optional CPU offload of the sharded parameters, gradients and optimizer state.
 
+On one rank, the gradients of a step's micro-batches accumulate unsharded and are reduced once, after the last
+(``reduce_gradients_after``, which the trainer's step calls before each backward); several ranks reduce after
+every micro-batch.
+
 Gradients are reduced as a *sum* over ranks, not FSDP's default mean: the GRPO loss of every rank is
 already divided by the trained tokens of the whole step (``grpo_core.training.loss.grpo_loss``), so the sum is
 the step's gradient and a 2-rank step equals a 1-rank step on the same samples.
@@ -160,6 +164,17 @@ def compile_layers(model: torch.nn.Module, pointwise_only: bool) -> None:
             leaf = name.rsplit(".", 1)[-1]
             if leaf == "mlp" or (leaf.endswith("norm") and not list(module.children())):
                 module.compile(dynamic=True)
+
+
+def reduce_gradients_after(model: torch.nn.Module, last_micro_batch: bool) -> None:
+    """Call before each micro-batch's backward: on one rank, FSDP2 reduces the gradients into the sharded fp32 ones
+    only after the step's last micro-batch, and the backwards before it accumulate the unsharded gradients (FSDP2
+    accumulates those in its reduce dtype, fp32). One rank's unsharded gradients take the memory its sharded ones
+    would, so this drops a copy of every gradient (the single-rank reduce) per micro-batch at no cost. On several
+    ranks every micro-batch is still reduced: accumulating unsharded gradients there would hold the whole model's
+    gradients on every rank. Without FSDP2 (one rank in fp32) there is nothing to do."""
+    if hasattr(model, "set_requires_gradient_sync") and (not dist.is_initialized() or dist.get_world_size() == 1):
+        model.set_requires_gradient_sync(last_micro_batch)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

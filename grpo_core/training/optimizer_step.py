@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from grpo_core.models.fsdp import full_value
+from grpo_core.models.fsdp import full_value, reduce_gradients_after
 from grpo_core.models.moe.policy import finalize_moe_metrics
 from grpo_core.packing.collator import pack_row
 from grpo_core.training.collector import StepBatch
@@ -29,7 +29,8 @@ def optimizer_step(batch: StepBatch, rank: int, device: torch.device, micro_batc
     parts: list[dict[str, torch.Tensor]] = []
     losses = []
     start = time.perf_counter()
-    for row in rows:
+    for i, row in enumerate(rows):
+        reduce_gradients_after(model, last_micro_batch=i == len(rows) - 1)
         loss, part = micro_batch.run(row.to(device), num_tokens, step_positions)
         losses.append(loss)
         parts.append(part)
