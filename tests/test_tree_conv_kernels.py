@@ -117,7 +117,9 @@ def kernel_device() -> str | None:
 
 
 needs_kernels = pytest.mark.skipif(kernel_device() is None, reason="needs Triton and CUDA, or Triton's interpreter "
-                                                                   "(TRITON_INTERPRET=1) on the CPU")
+                                                                   "(TRITON_INTERPRET=1) on the CPU; without them, "
+                                                                   "test_the_kernels_run_under_the_interpreter_with_"
+                                                                   "triton_of_their_own runs it in a child process")
 
 
 INTERPRETER_SITE = Path(__file__).resolve().parents[1] / ".triton-interpreter"
