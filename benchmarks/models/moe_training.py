@@ -185,6 +185,28 @@ PROFILE_TOP = 30
 """Kernels listed by name in a ``--profile``'s record (the rest are summed by kind)."""
 
 
+def profile_step(step, optimizer, break_sites, label: str) -> dict:
+    """``--profile``'s record of one ``step()`` (``profiling.profile_call`` with the host waits' sites), then the
+    misaligned matmuls of one more, and the graph breaks of the shape's compiled layers with their lines
+    (``break_sites``, collected while they compiled); printed under ``label``. Gradients are cleared after each."""
+    profile = profiling.profile_call(step, top=PROFILE_TOP, wait_sites=True)
+    optimizer.zero_grad(set_to_none=True)
+    try:
+        profile["misaligned_matmuls"] = profiling.misaligned_matmuls(step)
+    except Exception as exc:  # noqa: BLE001 - a diagnostic: its failure is recorded, the figures stand
+        profile["misaligned_matmuls"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    optimizer.zero_grad(set_to_none=True)
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    profile["graph_breaks"] = {"total": sum(breaks.values()),
+                               "unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+                               "reasons": {k[:200]: v for k, v in breaks.most_common(8)},
+                               "sites": dict(break_sites.most_common(12))}
+    profiling.print_profile(label, profile)
+    print("graph breaks", profile["graph_breaks"], flush=True)
+    print("misaligned matmuls", profile["misaligned_matmuls"], flush=True)
+    return profile
+
+
 def run_shape(args, shape: str, device: torch.device, rank: int, world: int, build=build_model,
               config: AsyncGRPOConfig | None = None, packings: tuple[str, ...] = ("flat", "tree"),
               experts: str | None = None) -> list[dict]:
@@ -246,24 +268,8 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
                 profile = None
                 if cuda and args.profile and mode == "tree":
                     loss_config = LossConfig.from_config(config)
-                    profile = profiling.profile_call(
-                        lambda: rows_backward(model, moe, rows, num_trained, loss_config), top=PROFILE_TOP,
-                        wait_sites=True)
-                    optimizer.zero_grad(set_to_none=True)
-                    try:
-                        profile["misaligned_matmuls"] = profiling.misaligned_matmuls(
-                            lambda: rows_backward(model, moe, rows, num_trained, loss_config))
-                    except Exception as exc:  # noqa: BLE001 - a diagnostic: its failure is recorded, the figures stand
-                        profile["misaligned_matmuls"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                    optimizer.zero_grad(set_to_none=True)
-                    breaks = torch._dynamo.utils.counters["graph_break"]
-                    profile["graph_breaks"] = {"total": sum(breaks.values()), "unique_graphs":
-                                               torch._dynamo.utils.counters["stats"]["unique_graphs"],
-                                               "reasons": {k[:200]: v for k, v in breaks.most_common(8)},
-                                               "sites": dict(break_sites.most_common(12))}
-                    profiling.print_profile(f"{shape} {workload} {mode}", profile)
-                    print("graph breaks", profile["graph_breaks"], flush=True)
-                    print("misaligned matmuls", profile["misaligned_matmuls"], flush=True)
+                    step = lambda: rows_backward(model, moe, rows, num_trained, loss_config)  # noqa: E731
+                    profile = profile_step(step, optimizer, break_sites, f"{shape} {workload} {mode}")
                 step_flops = flops_model.rows_flops(plan.rows)
                 forwarded = int(metrics["batch/forwarded_tokens_per_step"])
                 per_mode[mode] = {
