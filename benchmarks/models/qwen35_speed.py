@@ -55,6 +55,7 @@ from grpo_core.packing.collator import pack_row  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
 from grpo_core.ranks import DistInfo, init_distributed  # noqa: E402
 from grpo_core.training.perf import device_peak_flops, synchronize  # noqa: E402
+from benchmarks import profiling  # noqa: E402
 from benchmarks.bench_io import listed_choices, write_report  # noqa: E402
 from benchmarks.models import moe_training  # noqa: E402
 from benchmarks.packing import gdn_tree_packing, tree_packing  # noqa: E402
@@ -312,12 +313,14 @@ def conv_timing(device: torch.device, smoke: bool) -> dict:
 
 
 # ---- the delta rule ------------------------------------------------------------------------------------
-def delta_timing(device: torch.device, smoke: bool) -> dict:
+def delta_timing(device: torch.device, smoke: bool, profile: bool = False) -> dict:
     """fwd+bwd of the hybrid's delta rule (16 heads of 128) on one row of ``ratio~1`` and one of ``ratio~3.4``, with
     the delta-rule backend the trainer picks: ``tree`` (``gated_delta.tree_gated_delta_rule``: the l2 norms, one
     kernel call per depth of the segment tree with the parents' states, the gathers), against the kernel alone on
     the same tokens as flat variable-length sequences (``varlen``: one call over the row's segments, no states) and
-    as one sequence (``one_sequence``): what the tree costs over the kernel, and the kernel's floor."""
+    as one sequence (``one_sequence``): what the tree costs over the kernel, and the kernel's floor. ``profile`` (CUDA):
+    also one profiled fwd+bwd per form, for its host waits and where they come from (``<form>_profile``): a wait
+    per call of the kernel drains the launch queue once per layer in a model."""
     heads, dim = (2, 16) if smoke else (16, 128)
     backend = gd.select_gdn_backend("auto", device, dim, dim)
     out: dict = {"heads": heads, "head_dim": dim, "backend": backend.name,
@@ -339,6 +342,13 @@ def delta_timing(device: torch.device, smoke: bool) -> dict:
         row = {"workload": workload.name, "tokens": u, "segments": len(meta.cu_seq_q) - 1,
                "depths": len(gd.build_segment_tree(meta, device).depths)}
         forms = {"tree": lambda xs: gd.tree_gated_delta_rule(*xs, meta, l2norm=True, backend=backend)}
+        if backend.name == "fla" and out["kernels"] == "flash_qla":
+            # the same tree with no chunk plans attached (``gated_delta.plan_varlen_chunks``): what the plans save
+            unplanned = pack_row(plan.rows[0]).to(device).attention
+            with mock.patch.object(gd, "plan_varlen_chunks", lambda cu, cu_cpu: cu):
+                on = unplanned.cu_seq_q.device  # the key ``run_segment_tree`` looks the tree up by
+                unplanned.cached(("gdn_tree", on), lambda: gd.build_segment_tree(unplanned, on))
+            forms["tree_unplanned"] = lambda xs: gd.tree_gated_delta_rule(*xs, unplanned, l2norm=True, backend=backend)
         if backend.name == "fla":
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -358,6 +368,11 @@ def delta_timing(device: torch.device, smoke: bool) -> dict:
                 if i >= 2:
                     times.append(time.perf_counter() - start)
             row[f"{name}_ms"] = 1e3 * float(np.median(times))
+            if profile and device.type == "cuda":
+                xs = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
+                prof = profiling.profile_call(lambda: fn(xs).backward(grad), top=8, wait_sites=True)
+                row[f"{name}_profile"] = {key: prof[key] for key in
+                                          ("busy_ms", "wall_ms", "kernels", "host_waits", "host_wait_sites")}
         out["rows"].append(row)
         print("delta", json.dumps(row), flush=True)
     return out
@@ -548,7 +563,7 @@ def main() -> None:
         if part == "conv":
             report["conv"] = conv_timing(device, args.smoke)
         elif part == "delta":
-            report["delta"] = delta_timing(device, args.smoke)
+            report["delta"] = delta_timing(device, args.smoke, args.profile)
         elif part == "gap":
             report["gap"] = [logprob_gap(shape, device, dtype) for shape in PAIRS[args.smoke]]
         elif part == "speed":

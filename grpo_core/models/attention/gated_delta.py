@@ -90,6 +90,22 @@ def segment_parents(meta: TreeAttentionMetadata) -> np.ndarray:
     return parents
 
 
+def plan_varlen_chunks(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor) -> torch.Tensor:
+    """``cu_seqlens`` with FlashQLA's chunk plan attached, where ``flash-qla`` is installed and it is on CUDA.
+
+    FlashQLA's kernels find each sequence's chunks from a plan that they take from the ``cu_seqlens`` tensor itself
+    where one is attached, and otherwise compute on the GPU and read back (a host wait) into small caches of a few
+    entries. A row's depths, over many layers, forwards and backwards, overrun those caches, so without a plan the
+    host waits for the GPU several times per layer. The plan is made once per row here, from the host's copy."""
+    if cu_seqlens.device.type != "cuda" or importlib.util.find_spec("flash_qla") is None:
+        return cu_seqlens
+    try:
+        from flash_qla.utils.index import prepare_varlen_metadata
+    except ImportError:  # a FlashQLA without plans: its kernels compute them as before
+        return cu_seqlens
+    return prepare_varlen_metadata(cu_seqlens, cu_seqlens_cpu)
+
+
 def build_segment_tree(meta: TreeAttentionMetadata, device: torch.device) -> SegmentTree:
     """Group the segments of ``meta`` by depth (parents are laid out before their children)."""
     cu_q = meta.host_arrays()[0]
@@ -112,7 +128,8 @@ def build_segment_tree(meta: TreeAttentionMetadata, device: torch.device) -> Seg
         to = lambda a: torch.as_tensor(a, dtype=torch.int64).to(device)  # noqa: E731
         cu_seqlens = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
         depths.append(Depth(
-            rows=to(rows), padded=to(padded), cu_seqlens=cu_seqlens.to(device), cu_seqlens_cpu=cu_seqlens,
+            rows=to(rows), padded=to(padded), cu_seqlens=plan_varlen_chunks(cu_seqlens.to(device), cu_seqlens),
+            cu_seqlens_cpu=cu_seqlens,
             parent=None if d == 0 else to(place[parents[segs]]),
             whole_row=len(rows) == int(cu_q[-1]) and bool((rows == np.arange(len(rows))).all()),
         ))
