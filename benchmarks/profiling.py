@@ -37,16 +37,24 @@ HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 
 
 def wait_site(event, frames: int = 4) -> str:
-    """Where a host wait came from: the ops it ran under (innermost first) and the nearest Python frames outside
-    torch's own code (recorded with ``with_stack``)."""
-    ops, stack, parent = [], [], event.cpu_parent
+    """Where a host wait came from: the ops it ran under (the three innermost, then the autograd node it ran in, or
+    else the outermost op), the innermost op's input shapes (recorded with ``record_shapes``), and the nearest
+    Python frames outside torch's own code (recorded with ``with_stack``; a backward on autograd's own thread has
+    none, so its node names it instead)."""
+    chain, stack, parent = [], [], event.cpu_parent
     while parent is not None:
-        if len(ops) < 3:
-            ops.append(parent.name)
+        chain.append(parent)
         if not stack and parent.stack:
             stack = [f for f in parent.stack if "/torch/" not in f][:frames]
         parent = parent.cpu_parent
-    return " < ".join(ops or ["(no op)"]) + (" @ " + " | ".join(stack) if stack else "")
+    names = [p.name for p in chain]
+    shown = names[:3]
+    if len(names) > 3:
+        nodes = [n for n in names[3:] if n.startswith("autograd::engine::evaluate_function")]
+        shown += ["...", (nodes or names[3:])[-1]]
+    shapes = getattr(chain[0], "input_shapes", None) if chain else None
+    return (" < ".join(shown or ["(no op)"]) + (f" {list(shapes)}" if shapes else "")
+            + (" @ " + " | ".join(stack) if stack else ""))
 
 
 def profile_call(step, top: int = 15, wait_sites: bool = False) -> dict:
@@ -57,7 +65,8 @@ def profile_call(step, top: int = 15, wait_sites: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=wait_sites) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=wait_sites,
+                 record_shapes=wait_sites) as prof:
         t0 = time.perf_counter()
         step()
         torch.cuda.synchronize()
@@ -92,7 +101,7 @@ def profile_call(step, top: int = 15, wait_sites: bool = False) -> dict:
     # overhead inflates it, so compare it between modes rather than read it as absolute
     return {"kernel_ms": total, "busy_ms": busy_us / 1e3, "wall_ms": wall_ms, "kernels": len(spans),
             "host_waits": dict(waits),
-            **({"host_wait_sites": [{"site": k[:400], "calls": n} for k, n in sites.most_common(top)]}
+            **({"host_wait_sites": [{"site": k[:600], "calls": n} for k, n in sites.most_common(top)]}
                if wait_sites else {}),
             "by_kind_ms": dict(kinds.most_common()),
             "top": [{"kernel": n[:160], "calls": c, "ms": ms, "share": ms / total} for n, (c, ms) in ranked],
@@ -106,7 +115,8 @@ MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
 def misaligned_matmuls(step, top: int = 12) -> list[dict]:
     """The matmuls of one ``step()`` with an operand whose leading dimension is not a multiple of 16 bytes, by op,
     shapes and strides: cuBLAS serves those with slow kernels for narrow alignments (a leading dimension of an odd
-    row length, for example). Recorded by a dispatch mode, which also sees the matmuls compiled code calls."""
+    row length, for example). Recorded by a dispatch mode, which also sees the matmuls compiled code calls; a matmul
+    of a backward names the autograd node that ran it (``backward_of``)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     found = collections.Counter()
@@ -125,13 +135,16 @@ def misaligned_matmuls(step, top: int = 12) -> list[dict]:
             if func.__name__.split(".")[0] in MATMUL_OPS:
                 tensors = [a for a in args if isinstance(a, torch.Tensor)]
                 if any(misaligned(t) for t in tensors):
-                    found[(func.__name__, tuple((tuple(t.shape), t.stride()) for t in tensors))] += 1
+                    node = torch._C._current_autograd_node()  # the backward node running it; None in a forward
+                    found[(func.__name__, tuple((tuple(t.shape), t.stride()) for t in tensors),
+                           None if node is None else node.name())] += 1
             return func(*args, **(kwargs or {}))
 
     with Record():
         step()
-    return [{"op": op, "operands": [list(map(list, o)) for o in operands], "calls": n}
-            for (op, operands), n in found.most_common(top)]
+    return [{"op": op, "operands": [list(map(list, o)) for o in operands], "calls": n,
+             **({"backward_of": node} if node else {})}
+            for (op, operands, node), n in found.most_common(top)]
 
 
 def print_profile(mode: str, prof: dict) -> None:

@@ -14,8 +14,12 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
+
+if TYPE_CHECKING:  # imported where used: the CLI's --help does not load the trainer's modules
+    from grpo_core.launch.job import JobConfig
 
 # The demo must finish in minutes on two cores; these values were measured to learn within that.
 DEMO_TRAINER = {
@@ -34,7 +38,7 @@ DEMO_TRAINER = {
 }
 
 
-def _job_from_yaml(path: str, output_dir: str | None, server_url: str | None = None) -> "JobConfig":  # noqa: F821
+def _job_from_yaml(path: str, output_dir: str | None, server_url: str | None = None) -> JobConfig:
     from grpo_core.launch.job import JobConfig
 
     data = yaml.safe_load(Path(path).read_text()) or {}

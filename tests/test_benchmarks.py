@@ -364,6 +364,23 @@ def test_a_host_wait_is_placed_by_its_ops_and_the_frames_outside_torch() -> None
     assert profiling.wait_site(SimpleNamespace(cpu_parent=None)) == "(no op)"
 
 
+def test_a_host_wait_in_a_backward_is_placed_by_its_autograd_node_and_shapes() -> None:
+    """A wait deep in a backward (autograd's thread: no Python frames) names the three innermost ops, the autograd
+    node it ran in, and the innermost op's input shapes."""
+    from types import SimpleNamespace
+
+    from benchmarks import profiling
+
+    def op(name, parent, shapes=None):
+        return SimpleNamespace(name=name, stack=[], cpu_parent=parent, input_shapes=shapes)
+
+    node = op("autograd::engine::evaluate_function: ToCopyBackward0", None)
+    chain = op("aten::copy_", op("aten::_to_copy", op("aten::to", op("ToCopyBackward0", node))), [[16], [16]])
+    wait = SimpleNamespace(name="cudaStreamSynchronize", stack=[], cpu_parent=chain)
+    assert profiling.wait_site(wait) == ("aten::copy_ < aten::_to_copy < aten::to < ... < "
+                                         "autograd::engine::evaluate_function: ToCopyBackward0 [[16], [16]]")
+
+
 def test_misaligned_matmuls_names_an_operand_led_by_an_odd_row_length() -> None:
     """``profiling.misaligned_matmuls``: a bf16 operand whose leading dimension is 7 rows (14 bytes) is named with
     its shape and strides; the same product on 8 rows is not."""
@@ -379,3 +396,10 @@ def test_misaligned_matmuls_names_an_operand_led_by_an_odd_row_length() -> None:
     assert profiling.misaligned_matmuls(product(8)) == []
     assert profiling.misaligned_matmuls(product(7)) == [
         {"op": "mm.default", "operands": [[[7, 8], [1, 7]], [[8, 16], [16, 1]]], "calls": 1}]
+
+    # in a backward, the node that ran the matmul is named: the input's gradient here, from a gradient led by 7 rows
+    x = torch.randn(8, 7, dtype=torch.bfloat16).t().requires_grad_()  # [7, 8], led by 7 rows
+    grad = torch.randn(7, 16, dtype=torch.bfloat16).t().contiguous().t()  # [7, 16], also led by 7 rows
+    found = profiling.misaligned_matmuls(lambda: (x @ w).backward(grad))
+    assert [f.get("backward_of") for f in found] == [None, "MmBackward0"]
+    assert any(7 in stride for _, stride in found[1]["operands"])

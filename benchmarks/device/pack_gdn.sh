@@ -6,6 +6,10 @@
 # z3-solver, which tilelang imports, and pydantic). Python 3.12, manylinux x86_64, as the device image has.
 #
 #     bash benchmarks/device/pack_gdn.sh        # writes .gdna/ and .gdnb/ at the repository root
+#     bash benchmarks/device/pack_gdn.sh tilelang_cache.tgz   # the same, with TileLang's compiled kernels
+#
+# The cache argument: a device call's `tar czf $OUT/tilelang_cache.tgz -C ~ .tilelang` after a run that compiled
+# FlashQLA's kernels (about 2 MB). .gdna's setup restores it, and the next machine skips the compile (about 7 minutes).
 #
 # On the device: `source .gdna/setup.sh` in call 1, `source .gdnb/setup.sh` in call 2 (both install into
 # /tmp/site, which outlives the checkout's carried folders on a warm machine). tilelang pins
@@ -23,4 +27,5 @@ get .gdna/w tilelang==0.1.15 fla-core==0.6.0 flash-qla==0.1.3 einops==0.8.2 apac
 # pydantic: the project's config imports it and the device image lacks it (same versions as the lock file)
 get .gdnb/w z3-solver==4.15.4.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
 cp benchmarks/device/gdna_setup.sh .gdna/setup.sh && cp benchmarks/device/gdnb_setup.sh .gdnb/setup.sh
+if [ -n "${1:-}" ]; then cp "$1" .gdna/tilelang_cache.tgz; fi
 du -sh .gdna .gdnb

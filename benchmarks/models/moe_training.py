@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import os
 import platform
@@ -57,6 +58,7 @@ from grpo_core.ranks import DistInfo, init_distributed  # noqa: E402
 from grpo_core.training.forward import row_logprobs  # noqa: E402
 from grpo_core.training.loss import LossConfig, LossInputs, grpo_loss  # noqa: E402
 from grpo_core.training.perf import ModelFlops, device_peak_flops, synchronize  # noqa: E402
+from benchmarks import profiling  # noqa: E402
 from benchmarks.bench_io import percent, print_table, record, write_report  # noqa: E402
 from benchmarks.trainer import fsdp_mfu  # noqa: E402
 from benchmarks.packing import tree_packing  # noqa: E402
@@ -260,7 +262,7 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
                     fb_times, step_times = time_rows(model, moe, rows, num_trained, optimizer, args, device)
                 except torch.OutOfMemoryError as exc:
                     per_mode[mode] = {**common, "workload": workload, "packing": mode, "error": f"OOM: {str(exc)[:200]}"}
-                    del rows
+                    rows.clear()  # the packed rows on the device, freed before the next workload or mode
                     gc.collect()
                     torch.cuda.empty_cache()
                     continue
@@ -268,7 +270,7 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
                 profile = None
                 if cuda and args.profile and mode == "tree":
                     loss_config = LossConfig.from_config(config)
-                    step = lambda: rows_backward(model, moe, rows, num_trained, loss_config)  # noqa: E731
+                    step = functools.partial(rows_backward, model, moe, rows, num_trained, loss_config)
                     profile = profile_step(step, optimizer, break_sites, f"{shape} {workload} {mode}")
                 step_flops = flops_model.rows_flops(plan.rows)
                 forwarded = int(metrics["batch/forwarded_tokens_per_step"])
@@ -286,7 +288,7 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
                     "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
                     **({"profile": profile} if profile else {}),
                 }
-                del rows
+                rows.clear()  # the packed rows on the device, freed before the next workload or mode
             if set(per_mode) == {"flat", "tree"} and all("error" not in r for r in per_mode.values()):
                 flat, tree = per_mode["flat"], per_mode["tree"]
                 speedup = tree["trained_tokens_per_s"] / flat["trained_tokens_per_s"]
