@@ -36,25 +36,33 @@ def kernel_kind(name: str) -> str:
 HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
+PYTHON_FRAME = re.compile(r"\(\d+\): ")  # how the profiler names a Python function's event ("file.py(12): f")
+
+
 def wait_site(event, frames: int = 4) -> str:
     """Where a host wait came from: the ops it ran under (the three innermost, then the autograd node it ran in, or
     else the outermost op), the innermost op's input shapes (recorded with ``record_shapes``), and the nearest
-    Python frames outside torch's own code (recorded with ``with_stack``; a backward on autograd's own thread has
-    none, so its node names it instead)."""
-    chain, stack, parent = [], [], event.cpu_parent
+    Python frames outside torch's own code (with ``with_stack``, the profiler records them as parent events; older
+    profilers as an event's ``stack``). A backward on autograd's own thread has no Python frames; its node names it."""
+    ops, python, stack, parent = [], [], [], event.cpu_parent
     while parent is not None:
-        chain.append(parent)
-        if not stack and parent.stack:
+        if PYTHON_FRAME.search(parent.name):
+            if "/torch/" not in parent.name and len(python) < frames:
+                python.append(parent.name)
+        elif not parent.name.startswith("<built-in"):
+            ops.append(parent)
+        if not stack and getattr(parent, "stack", None):
             stack = [f for f in parent.stack if "/torch/" not in f][:frames]
         parent = parent.cpu_parent
-    names = [p.name for p in chain]
+    names = [op.name for op in ops]
     shown = names[:3]
     if len(names) > 3:
         nodes = [n for n in names[3:] if n.startswith("autograd::engine::evaluate_function")]
         shown += ["...", (nodes or names[3:])[-1]]
-    shapes = getattr(chain[0], "input_shapes", None) if chain else None
+    shapes = getattr(ops[0], "input_shapes", None) if ops else None
+    where = python or stack
     return (" < ".join(shown or ["(no op)"]) + (f" {list(shapes)}" if shapes else "")
-            + (" @ " + " | ".join(stack) if stack else ""))
+            + (" @ " + " | ".join(where) if where else ""))
 
 
 def profile_call(step, top: int = 15, wait_sites: bool = False) -> dict:

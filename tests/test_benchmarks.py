@@ -381,6 +381,27 @@ def test_a_host_wait_in_a_backward_is_placed_by_its_autograd_node_and_shapes() -
                                          "autograd::engine::evaluate_function: ToCopyBackward0 [[16], [16]]")
 
 
+def test_a_host_wait_is_placed_by_the_python_frames_a_real_profile_records() -> None:
+    """On a real (CPU) profile with ``with_stack``, the profiler records Python frames as parent events: a copy made
+    in a function of this file is placed there, innermost frame first."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks import profiling
+
+    def build_plan(x):
+        return x.to(torch.float64)
+
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True, record_shapes=True) as prof:
+        build_plan(torch.ones(3))
+    copy = next(e for e in prof.events() if e.name == "aten::copy_")
+    site = profiling.wait_site(SimpleNamespace(name="cudaStreamSynchronize", cpu_parent=copy))
+    assert site.startswith("aten::copy_ < aten::_to_copy < aten::to [[3], [3], []]")
+    assert "test_benchmarks.py(" in site.split(" @ ")[1].split(" | ")[0] and "build_plan" in site
+
+
 def test_misaligned_matmuls_names_an_operand_led_by_an_odd_row_length() -> None:
     """``profiling.misaligned_matmuls``: a bf16 operand whose leading dimension is 7 rows (14 bytes) is named with
     its shape and strides; the same product on 8 rows is not."""

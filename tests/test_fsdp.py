@@ -226,6 +226,56 @@ def test_one_rank_reduces_gradients_after_the_last_micro_batch_only():
         dist.destroy_process_group()
 
 
+def test_row_plans_are_built_once_however_fsdp_copies_the_layers_inputs():
+    """FSDP2's mixed precision rebuilds each sharded layer's dataclass and dict inputs (``cast_forward_inputs``), so
+    every layer receives a copy of the row's metadata. The plans built from it (``TreeAttentionMetadata.cached``) must
+    still be built once per row and shared by all layers: one rank (gloo), bf16 parameters, three sharded layers."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from grpo_core.models.attention.probe_rows import probe_meta
+    from grpo_core.vllm_server.process import free_port
+
+    builds, received = [], []
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x, tree_attention=None):
+            received.append(tree_attention)
+            plan = tree_attention.cached(("plan",), lambda: builds.append(1) or torch.arange(3))
+            return self.linear(x) + plan.sum()
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Layer() for _ in range(3))
+
+        def forward(self, x, tree_attention=None):
+            for layer in self.layers:
+                x = layer(x, tree_attention=tree_attention)
+            return x
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model, mesh = Model(), init_device_mesh("cpu", (1,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        meta = probe_meta(torch.device("cpu"))
+        model(torch.randn(2, 4), tree_attention=meta).float().sum().backward()
+        assert any(r is not meta for r in received), "FSDP2 handed every layer the caller's own metadata: nothing to test"
+        assert len(builds) == 1
+        assert ("plan",) in meta.cache  # and the caller's record holds it for the row's next forward
+    finally:
+        dist.destroy_process_group()
+
+
 # ------------------------------------------------------------------------------------------ two ranks
 def _report(item) -> GroupReport:
     return GroupReport(position=item, row_index=item, epoch=0, rewards=np.ones(4), rewards_per_func={},

@@ -17,6 +17,33 @@ import torch
 from grpo_core.models.attention.split import AncestorLevel, levels_from_paths
 
 
+class RowPlans:
+    """The plans derived from one row's segments (gated delta's segment depths, the convolutions' gathers, the split
+    plan's levels on a device, the dense mask), built by the first layer that needs one and read by the rest.
+
+    A class of its own, not a dict: FSDP2 casts every sharded layer's inputs by rebuilding each dataclass, dict and
+    list among them (its mixed-precision ``cast_forward_inputs``). A dict of plans would reach every layer as a fresh
+    copy, and every layer would build the row's plans again, each with its host work and device copies (measured: the
+    host waited for the GPU about eight times per Gated DeltaNet layer and row). An object of another type passes
+    through as it is, so every copy of the metadata shares this one."""
+
+    __slots__ = ("_plans",)
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple, object] = {}
+
+    def get(self, key: tuple, build: Callable[[], object]) -> object:
+        if key not in self._plans:
+            self._plans[key] = build()
+        return self._plans[key]
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self._plans
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
 @dataclass
 class TreeAttentionMetadata:
     """Segments of one packed row (``G`` segments, ``K`` gathered keys)."""
@@ -29,10 +56,9 @@ class TreeAttentionMetadata:
     # The split plan's calls per ancestor depth (``split.plan_levels``; the collator builds them on
     # the host); None: derived from ``kv_index`` when first needed.
     levels: tuple[AncestorLevel, ...] | None = None
-    _dense_mask: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    # Per-row plans other token mixers derive from the segments (gated delta: segment depths, conv
-    # gathers), built by the first layer that needs them and read by the rest of the forward.
-    cache: dict = field(default_factory=dict, repr=False, compare=False)
+    # Per-row plans derived from the segments, built by the first layer that needs them and read by the rest of the
+    # forward, whatever copies of this record the layers receive (``RowPlans``).
+    cache: RowPlans = field(default_factory=RowPlans, repr=False, compare=False)
     # The host copy this metadata was moved from (``to``): plans built on the host read it without a device sync.
     host: TreeAttentionMetadata | None = field(default=None, repr=False, compare=False)
 
@@ -62,29 +88,28 @@ class TreeAttentionMetadata:
 
     def cached(self, key: tuple, build: Callable[[], object]) -> object:
         """``build()`` once per row (``cache``): every layer of a forward reads the same plan."""
-        if key not in self.cache:
-            self.cache[key] = build()
-        return self.cache[key]
+        return self.cache.get(key, build)
 
     def ancestor_levels(self, device: torch.device) -> tuple[AncestorLevel, ...]:
         """The split plan's level calls, on ``device`` (derived from the paths once if not given)."""
-        if self.levels is None:
-            self.levels = levels_from_paths(self.cu_seq_q, self.cu_seq_k, self.kv_index)
-        if self.levels and self.levels[0].q_index.device != device:
-            self.levels = tuple(lv.to(device) for lv in self.levels)
-        return self.levels
+        levels = self.levels if self.levels is not None else self.cached(
+            ("split_levels",), lambda: levels_from_paths(self.cu_seq_q, self.cu_seq_k, self.kv_index))
+        if levels and levels[0].q_index.device != device:
+            levels = self.cached(("split_levels", device), lambda: tuple(lv.to(device) for lv in levels))
+        return levels
 
     def dense_mask(self, device: torch.device) -> torch.Tensor:
         """bool ``[U, U]``: ``mask[i, j]`` iff query ``i`` may see key ``j``. Built once per row."""
-        if self._dense_mask is None or self._dense_mask.device != device:
-            cu_q, cu_k = self.cu_seq_q.tolist(), self.cu_seq_k.tolist()
-            kv = None if self.kv_index is None else self.kv_index.cpu()
-            u = cu_q[-1]
-            mask = torch.zeros(u, u, dtype=torch.bool)
-            for g in range(len(cu_q) - 1):
-                qs, qe, ks, ke = cu_q[g], cu_q[g + 1], cu_k[g], cu_k[g + 1]
-                cols = torch.arange(qs, qe) if kv is None else kv[ks:ke]
-                ql, kl = qe - qs, ke - ks
-                mask[qs:qe, cols] = torch.ones(ql, kl, dtype=torch.bool).tril(kl - ql)
-            self._dense_mask = mask.to(device)
-        return self._dense_mask
+        return self.cached(("dense_mask", device), lambda: self._build_dense_mask(device))
+
+    def _build_dense_mask(self, device: torch.device) -> torch.Tensor:
+        cu_q, cu_k = self.cu_seq_q.tolist(), self.cu_seq_k.tolist()
+        kv = None if self.kv_index is None else self.kv_index.cpu()
+        u = cu_q[-1]
+        mask = torch.zeros(u, u, dtype=torch.bool)
+        for g in range(len(cu_q) - 1):
+            qs, qe, ks, ke = cu_q[g], cu_q[g + 1], cu_k[g], cu_k[g + 1]
+            cols = torch.arange(qs, qe) if kv is None else kv[ks:ke]
+            ql, kl = qe - qs, ke - ks
+            mask[qs:qe, cols] = torch.ones(ql, kl, dtype=torch.bool).tril(kl - ql)
+        return mask.to(device)
