@@ -94,9 +94,10 @@ def plan_varlen_chunks(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor) -
     """``cu_seqlens`` with FlashQLA's chunk plan attached, where ``flash-qla`` is installed and it is on CUDA.
 
     FlashQLA's kernels find each sequence's chunks from a plan that they take from the ``cu_seqlens`` tensor itself
-    where one is attached, and otherwise compute on the GPU and read back (a host wait) into small caches of a few
-    entries. A row's depths, over many layers, forwards and backwards, overrun those caches, so without a plan the
-    host waits for the GPU several times per layer. The plan is made once per row here, from the host's copy."""
+    where one is attached, and otherwise compute it on the GPU and read it back (a host wait each) into caches of
+    four entries keyed by tensor identity: a miss at each row's first layer, and at every layer in a row of more than
+    four depths, whose ``cu_seqlens`` tensors take turns. Made here once per row from the host's copy, the plan costs
+    no wait."""
     if cu_seqlens.device.type != "cuda" or importlib.util.find_spec("flash_qla") is None:
         return cu_seqlens
     try:
