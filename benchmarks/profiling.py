@@ -39,12 +39,12 @@ HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 PYTHON_FRAME = re.compile(r"\(\d+\): ")  # how the profiler names a Python function's event ("file.py(12): f")
 
 
-def wait_site(event, frames: int = 4) -> str:
-    """Where a host wait came from: the ops it ran under (the three innermost, then the autograd node it ran in, or
-    else the outermost op), the innermost op's input shapes (recorded with ``record_shapes``), and the nearest
-    Python frames outside torch's own code (with ``with_stack``, the profiler records them as parent events; older
-    profilers as an event's ``stack``). A backward on autograd's own thread has no Python frames; its node names it."""
-    ops, python, stack, parent = [], [], [], event.cpu_parent
+def op_site(op, frames: int = 4) -> str:
+    """Where a host op ran: it and the ops it ran under (the three innermost, then the autograd node it ran in, or
+    else the outermost op), the innermost op's input shapes (recorded with ``record_shapes``), and the nearest Python
+    frames outside torch's own code (with ``with_stack``, the profiler records them as parent events; older profilers
+    as an event's ``stack``). A backward on autograd's own thread has no Python frames; its node names it."""
+    ops, python, stack, parent = [], [], [], op
     while parent is not None:
         if PYTHON_FRAME.search(parent.name):
             if "/torch/" not in parent.name and len(python) < frames:
@@ -54,7 +54,7 @@ def wait_site(event, frames: int = 4) -> str:
         if not stack and getattr(parent, "stack", None):
             stack = [f for f in parent.stack if "/torch/" not in f][:frames]
         parent = parent.cpu_parent
-    names = [op.name for op in ops]
+    names = [o.name for o in ops]
     shown = names[:3]
     if len(names) > 3:
         nodes = [n for n in names[3:] if n.startswith("autograd::engine::evaluate_function")]
@@ -65,11 +65,30 @@ def wait_site(event, frames: int = 4) -> str:
             + (" @ " + " | ".join(where) if where else ""))
 
 
+def wait_site(event, frames: int = 4) -> str:
+    """Where a host wait (a runtime call such as ``cudaStreamSynchronize``) came from: the site of the op it ran under
+    (``op_site``)."""
+    return op_site(event.cpu_parent, frames)
+
+
+def launch_sites(events, kernels: set[str], per_kernel: int = 3) -> dict[str, list[dict]]:
+    """For each kernel named in ``kernels``, the host sites (``op_site``) that launched it most often: the profiler
+    attaches each kernel to the op that launched it (a CPU event's ``kernels``)."""
+    sites: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for e in events:
+        for k in getattr(e, "kernels", None) or ():
+            if k.name in kernels:
+                sites[k.name][op_site(e)] += 1
+    return {name[:160]: [{"site": site[:600], "calls": n} for site, n in counter.most_common(per_kernel)]
+            for name, counter in sites.items()}
+
+
 def profile_call(step, top: int = 15, wait_sites: bool = False) -> dict:
     """CUDA kernel time of one ``step()``: the ``top`` kernels by time, the time per ``kernel_kind``, the host ops by the
     GPU time of what they launched, the host's waits for the GPU, and GPU busy time against wall time.
-    ``wait_sites``: also record Python stacks and report where the host waits for the GPU (``host_wait_sites``):
-    each wait drains the launch queue, so a few per layer leave the GPU idle while the host catches up."""
+    ``wait_sites``: also record Python stacks and input shapes, and report where the host waits for the GPU
+    (``host_wait_sites``: each wait drains the launch queue, so a few per layer leave the GPU idle while the host
+    catches up) and where the top kernels were launched from (``launch_sites``)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -109,7 +128,8 @@ def profile_call(step, top: int = 15, wait_sites: bool = False) -> dict:
     # overhead inflates it, so compare it between modes rather than read it as absolute
     return {"kernel_ms": total, "busy_ms": busy_us / 1e3, "wall_ms": wall_ms, "kernels": len(spans),
             "host_waits": dict(waits),
-            **({"host_wait_sites": [{"site": k[:600], "calls": n} for k, n in sites.most_common(top)]}
+            **({"host_wait_sites": [{"site": k[:600], "calls": n} for k, n in sites.most_common(top)],
+                "launch_sites": launch_sites(prof.events(), {name for name, _ in ranked})}
                if wait_sites else {}),
             "by_kind_ms": dict(kinds.most_common()),
             "top": [{"kernel": n[:160], "calls": c, "ms": ms, "share": ms / total} for n, (c, ms) in ranked],

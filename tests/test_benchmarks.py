@@ -381,6 +381,31 @@ def test_a_host_wait_in_a_backward_is_placed_by_its_autograd_node_and_shapes() -
                                          "autograd::engine::evaluate_function: ToCopyBackward0 [[16], [16]]")
 
 
+def test_a_kernel_is_placed_by_the_ops_that_launched_it() -> None:
+    """``profiling.launch_sites``: each named kernel's launching ops (the CPU events the profiler attaches it to),
+    most frequent first; kernels not asked for are left out."""
+    from types import SimpleNamespace
+
+    from benchmarks import profiling
+
+    def op(name, parent=None, kernels=(), shapes=None):
+        return SimpleNamespace(name=name, stack=[], cpu_parent=parent, input_shapes=shapes,
+                               kernels=[SimpleNamespace(name=k) for k in kernels])
+
+    backward = op("autograd::engine::evaluate_function: CompiledFunctionBackward")
+    forward = op("layer.py(7): forward")
+    events = [op("aten::mm", backward, ["gemm_align1"], [[7, 8], [8, 16]]),
+              op("aten::mm", backward, ["gemm_align1"], [[7, 8], [8, 16]]),
+              op("aten::mm", forward, ["gemm_align1", "gemm_align8"], [[8, 8], [8, 16]]),
+              op("aten::copy_", forward, ["copy"])]
+    sites = profiling.launch_sites(events, {"gemm_align1"})
+    assert list(sites) == ["gemm_align1"]
+    assert sites["gemm_align1"] == [
+        {"site": "aten::mm < autograd::engine::evaluate_function: CompiledFunctionBackward [[7, 8], [8, 16]]",
+         "calls": 2},
+        {"site": "aten::mm [[8, 8], [8, 16]] @ layer.py(7): forward", "calls": 1}]
+
+
 def test_a_host_wait_is_placed_by_the_python_frames_a_real_profile_records() -> None:
     """On a real (CPU) profile with ``with_stack``, the profiler records Python frames as parent events: a copy made
     in a function of this file is placed there, innermost frame first."""
