@@ -57,6 +57,7 @@ DENSE_LOGPROB_ATOL = 1e-4  # what the dense push meets on a CPU server (tests/in
 START_TIMEOUT_S = 1800  # a vLLM start on two busy cores has taken ten minutes
 STEPS_BEFORE_KILL = 16  # 30 groups trained before the kill: the groups-per-server share is read over them
 FROZEN_BEFORE_KILL_S = 2.0  # < server_drain_after_s (10): still serving, so its groups keep their requests there
+REQUEST_AT_KILL_S = 6.0  # the most the kill waits, frozen, for a request to reach it (also < server_drain_after_s)
 STEPS_AFTER_RETURN_LIMIT = 200  # a restarted server that serves nothing for this many steps fails the test
 UNBOUNDED = 1_000_000  # max_steps until the test ends the run (below), and max_staleness
 DRAIN_AFTER_S = 8.0  # the freeze test's server_drain_after_s
@@ -129,6 +130,34 @@ def wait_until_generating(url: str, timeout_s: float) -> int:
             time.sleep(0.02)
     finally:
         control.close()
+
+
+def unread_request_bytes(port: int) -> int:
+    """Bytes sent to the server listening on ``port`` that it has not read yet: the receive queues of its accepted
+    TCP connections (``/proc/net/tcp`` and ``tcp6``, Linux). A frozen server reads nothing, so a request sent to it
+    waits there, and is lost when the server is killed."""
+    waiting = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state, queues = fields[1], fields[3], fields[4]
+            if int(local.rsplit(":", 1)[1], 16) == port and state == "01":  # 01: established
+                waiting += int(queues.split(":")[1], 16)
+    return waiting
+
+
+def wait_for_unread_request(port: int, timeout_s: float) -> bool:
+    """Whether a request reaches the frozen server on ``port`` within ``timeout_s`` (read every 20 ms)."""
+    deadline = time.monotonic() + timeout_s
+    while unread_request_bytes(port) == 0:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def groups_per_server(history: list[dict[str, float]], names: list[str], steps: set[int]) -> dict[str, float]:
@@ -288,9 +317,14 @@ def test_two_servers_serve_hold_the_weights_and_survive_a_kill(fleet, tiny_model
             # is frozen as soon as it is seen decoding, then killed: frozen, it finishes nothing more, and requests
             # routed to it meanwhile wait in its sockets, to be lost with it.
             events["running_at_kill"] = wait_until_generating(victim.base_url, timeout_s=60.0)
+            frozen = time.monotonic()
             os.killpg(victim.process.pid, signal.SIGSTOP)  # API server and engine: its own process group
             events["kill_after_step"] = len(trainer.state.log_history)
-            time.sleep(FROZEN_BEFORE_KILL_S)
+            # The requests it was decoding can finish between the read above and the signal; a request sent to it
+            # after the signal cannot. So it is killed once one waits unread in its sockets (the worker keeps sending
+            # it groups within the drain window), and the test's resend check does not hang on that race.
+            events["request_waiting_at_kill"] = wait_for_unread_request(victim.port, timeout_s=REQUEST_AT_KILL_S)
+            time.sleep(max(0.0, FROZEN_BEFORE_KILL_S - (time.monotonic() - frozen)))
             os.killpg(victim.process.pid, signal.SIGKILL)
             events["killed_at"] = time.time()
             events["killed_mono"] = time.monotonic()
@@ -371,6 +405,7 @@ def test_two_servers_serve_hold_the_weights_and_survive_a_kill(fleet, tiny_model
     returned = min(s for s, v in serving.items() if v == 1.0 and s > left)
     print(f"requests sent again after the kill: {resent:.0f} (the victim ran {events['running_at_kill']:.0f} as it was "
           f"killed); frontier {frontier}; victim left at step {left}, serving again at step {returned}")
+    assert events["request_waiting_at_kill"], "no request reached the frozen server before the kill: nothing to resend"
     assert resent >= 1, "requests lost in flight with the killed server were not sent to the other one"
     assert serving[killed - 1] == 1.0 and serving[steps] == 1.0
     assert groups_per_server(history, [names[0]], set(range(left, returned)))[names[0]] > 0
