@@ -193,6 +193,8 @@ def profile_step(step, optimizer, break_sites, label: str) -> dict:
     (``break_sites``, collected while they compiled); printed under ``label``. Gradients are cleared after each."""
     profile = profiling.profile_call(step, top=PROFILE_TOP, wait_sites=True)
     optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    torch.cuda.empty_cache()  # the profiler's step leaves cached blocks that a second step on 80 GB could not use
     try:
         profile["misaligned_matmuls"] = profiling.misaligned_matmuls(step)
     except Exception as exc:  # noqa: BLE001 - a diagnostic: its failure is recorded, the figures stand
