@@ -267,6 +267,10 @@ def tree_gated_delta_rule(
         q, k = l2_normalize(q), l2_normalize(k)
     q = q * q.shape[-1] ** -0.5
     q, k, v, beta, g = q.to(work), k.to(work), v.to(work), beta.to(work), g.to(wide)
+    if backend.needs_cuda:
+        # The kernels take contiguous tensors, and the value heads are a strided slice of the convolution's channels:
+        # copied here, in the compiled layer's graph, rather than by the kernel's own guard, eagerly.
+        q, k, v, beta, g = (t.contiguous() for t in (q, k, v, beta, g))
     return run_segment_tree(q, k, v, g, beta, meta, backend).to(out_dtype)
 
 
