@@ -82,5 +82,12 @@ fi
 # (their PyPI builds break `import transformers` beside CPU torch).
 "$uv" pip sync "$lock" --python .venv/bin/python --index-strategy unsafe-best-match "${extra[@]}"
 "$uv" pip install --python .venv/bin/python --no-deps -e . --quiet
+# vLLM's oss-harmony and the environments' openai-harmony both install the module `openai_harmony`: a sync from the
+# environments lock back to this one uninstalls openai-harmony and its files with it, leaving vLLM without the module.
+harmony=$(grep -m1 '^oss-harmony==' "$lock" || true)
+if [ -n "$harmony" ] && ! .venv/bin/python -c "import openai_harmony" >/dev/null 2>&1; then
+  "$uv" pip install --python .venv/bin/python --no-deps --reinstall "$harmony" --quiet \
+    --index-strategy unsafe-best-match "${extra[@]}"
+fi
 echo "$want" > "$stamp"
 echo "environment ready: $(pwd)/.venv" >&2
