@@ -40,9 +40,6 @@ class RowPlans:
     def __contains__(self, key: tuple) -> bool:
         return key in self._plans
 
-    def __len__(self) -> int:
-        return len(self._plans)
-
 
 @dataclass
 class TreeAttentionMetadata:
