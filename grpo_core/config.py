@@ -142,6 +142,16 @@ class AsyncGRPOConfig:
     both the fastest and, against an fp32 reference, no less accurate than eager bf16 in loss, log-probs and
     gradients; the first step pays the compilation. Figures: benchmarks/README.md, "MFU: FA2 against FA4" and
     "Compile numerics: the rule for the default"."""
+    compile_graph_breaks: Literal["auto", "nested", "outer"] = "auto"
+    """Where a compiled layer's graph ends when a kernel from outside PyTorch breaks it (tree attention's and Gated
+    DeltaNet's kernels do; ``compile_mode="layers"`` only). ``nested``: the compiler resumes tracing inside the
+    project's function that calls the kernel, so what crosses the break is the tensor that function hands the
+    kernel, row-major (PyTorch's ``nested_graph_breaks``). ``outer``: PyTorch's default; the graph ends where the
+    model's own code (transformers') calls that function, so what crosses is the model's transposed view, and the
+    backward gets its gradient copied channel-first: a Gated DeltaNet layer's input projection then runs its two
+    backward matmuls on a gradient whose leading dimension is the row's length, slow where that is not a multiple
+    of 8 (``tests/test_compiled_layers.py``). ``auto``: ``nested`` where the installed PyTorch has it (2.9 and
+    later), else ``outer``. The run's ``resolved.compile_graph_breaks`` tag records the choice."""
     attention_backend: AttentionBackendName = "auto"
     """Kernel of tree attention. ``auto``: the first that loads and passes a start-up probe on a small tree (output and
     gradients against the dense reference), in the order of the GPU type (``BACKEND_ORDER`` in

@@ -79,7 +79,8 @@ SMOKES: dict[str, Smoke] = {
     "benchmarks.models.moe_experts": Smoke(),
     "benchmarks.models.moe_training": Smoke(("--smoke", "--steps", "1")),
     "benchmarks.models.qwen35_speed": Smoke(("--smoke", "--steps", "1", "--warmup", "0", "--gdn-kernels", "triton,flash_qla",
-                                             "--gdn-convs", "torch,auto", "--experts", "grouped_mm,grpo_grouped_mm")),
+                                             "--gdn-convs", "torch,auto", "--experts", "grouped_mm,grpo_grouped_mm",
+                                             "--graph-breaks", "nested,outer")),
     "benchmarks.packing.gather_grad_sum": Smoke(),
     "benchmarks.packing.gdn_tree_packing": Smoke(("--smoke", "--repeats", "1")),
     "benchmarks.packing.tree_packing": Smoke(("--smoke", "--repeats", "1", "--heads", "fused")),
@@ -323,6 +324,31 @@ def test_the_hybrids_bound_comes_from_the_delta_part_and_the_dense_rate() -> Non
     assert b["rest_s"] == pytest.approx(1.2) and b["delta_s"] == pytest.approx(0.6)
     assert b["bound_s"] == pytest.approx(1.8) and b["delta_share"] == pytest.approx(0.2)
     assert b["per_param"] == pytest.approx(60 / 1.8 * 20 / 500)
+
+
+def test_the_summary_takes_the_default_graph_breaks_and_lists_both_settings() -> None:
+    """``qwen35_speed.summarize`` with ``--graph-breaks nested,outer``: each setting's ratio pairs the models compiled
+    with it, and the headline ratio is the default config's setting (``resolve_graph_breaks("auto")``)."""
+    from benchmarks.models import qwen35_speed
+    from grpo_core.models.fsdp import resolve_graph_breaks
+
+    def row(model: str, breaks: str, tokens_per_s: float, params: int) -> dict:
+        return {"model": model, "workload": "ratio~1", "packing": "tree", "compile_graph_breaks": breaks,
+                "trained_tokens_per_s": tokens_per_s, "params": params, "gdn_backend": "fla/flash_qla",
+                "mfu_fwd_bwd": 0.5, "step_flops": 1.0, "fwd_bwd_s": 1.0}
+
+    dense, hybrid = qwen35_speed.PAIRS[False]
+    speed = [row(dense, "nested", 100.0, 10), row(hybrid, "nested", 90.0, 10),
+             row(dense, "outer", 80.0, 10), row(hybrid, "outer", 40.0, 10)]
+    summary = qwen35_speed.summarize({"speed": speed}, smoke=False)
+    assert summary["hybrid_per_param_vs_dense_by_graph_breaks"] == {"nested": {"ratio~1": pytest.approx(0.9)},
+                                                                    "outer": {"ratio~1": pytest.approx(0.5)}}
+    expected = 0.9 if resolve_graph_breaks("auto") == "nested" else 0.5
+    assert summary["hybrid_per_param_vs_dense"] == {"ratio~1": pytest.approx(expected)}
+    # one setting: no comparison, and its rows are the figure
+    single = qwen35_speed.summarize({"speed": speed[2:]}, smoke=False)
+    assert "hybrid_per_param_vs_dense_by_graph_breaks" not in single
+    assert single["hybrid_per_param_vs_dense"] == {"ratio~1": pytest.approx(0.5)}
 
 
 def test_graph_break_sites_name_the_line_a_compiled_function_breaks_at() -> None:

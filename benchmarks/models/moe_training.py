@@ -242,7 +242,10 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
               "attention_backend": attention, "gdn_backend": gdn_backend_label(model),
               "gdn_conv_backend": gdn_conv_label(model),
               "gdn_layers": len(gated_delta_layers(model)),
-              "token_budget": budget, "compile": settings.compile, "activation_checkpointing": settings.activation_checkpointing,
+              "token_budget": budget, "compile": settings.compile,
+              "compile_graph_breaks": (("nested" if settings.nested_graph_breaks else "outer")
+                                       if settings.compile == "layers" else None),
+              "activation_checkpointing": settings.activation_checkpointing,
               "world_size": world}
     results = []
     # where the compiled layers break their graphs (logged while they compile, in the first steps), for the profile

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from grpo_core.config import AsyncGRPOConfig  # noqa: E402
 from grpo_core.models.attention import gated_delta as gd  # noqa: E402
+from grpo_core.models.fsdp import resolve_graph_breaks  # noqa: E402
 from grpo_core.models.attention import short_conv as sc  # noqa: E402
 from grpo_core.models.attention import tree as ta  # noqa: E402
 from grpo_core.models.attention.hybrid import gated_delta_layers, head_sizes  # noqa: E402
@@ -94,12 +95,13 @@ def build_dense(shape: str, layers: int, device: torch.device, dtype: torch.dtyp
     return model.to(dtype)
 
 
-def shape_results(args, shape: str, device, info, world, build, **options) -> list[dict]:
-    """``moe_training.run_shape`` with the default config (``options``: its ``packings`` and ``experts``); where that
-    fails, the error and a run with layers compiled pointwise only (the error says what the default config could not
-    do)."""
+def shape_results(args, shape: str, device, info, world, build, config: AsyncGRPOConfig | None = None,
+                  **options) -> list[dict]:
+    """``moe_training.run_shape`` with ``config`` (default: the default config; ``options``: its ``packings`` and
+    ``experts``); where that fails, the error and a run with layers compiled pointwise only (the error says what the
+    config could not do)."""
     try:
-        return moe_training.run_shape(args, shape, device, info.rank, world, build=build, **options)
+        return moe_training.run_shape(args, shape, device, info.rank, world, build=build, config=config, **options)
     except Exception as exc:  # noqa: BLE001 - recorded, then the fallback runs
         error = f"{type(exc).__name__}: {str(exc)[:600]}"
         print("failed", shape, error, flush=True)
@@ -157,21 +159,36 @@ def with_gdn_conv(choice: str | None, run):
         return run()
 
 
+def graph_breaks_choices(args) -> list[str | None]:
+    """``--graph-breaks``: None runs once with the default config's ``compile_graph_breaks`` (``auto``); ``nested`` and
+    ``outer`` a run each of both models, side by side (``AsyncGRPOConfig.compile_graph_breaks``)."""
+    return side_by_side(args.graph_breaks, "default", ("nested", "outer"), "--graph-breaks")
+
+
 def run_speed(args, device, info, world, results: list[dict], save) -> list[dict]:
     """The speed part's rows, appended to ``results``; ``save()`` after each model's (a run cut short keeps them)."""
     dense, hybrid = PAIRS[args.smoke]
     models = args.models.split(",")
-    runs = ([(dense, None, None)] if "dense" in models else []) + (
-        [(hybrid, kernel, conv) for kernel in gdn_kernel_choices(args) for conv in gdn_conv_choices(args)]
-        if "hybrid" in models else [])
-    for shape, kernel, conv in runs:
+    runs = [run for breaks in graph_breaks_choices(args) for run in (
+        ([(dense, None, None, breaks)] if "dense" in models else []) + (
+            [(hybrid, kernel, conv, breaks) for kernel in gdn_kernel_choices(args) for conv in gdn_conv_choices(args)]
+            if "hybrid" in models else []))]
+    compiled_with = graph_breaks_choices(args)[0]
+    for shape, kernel, conv, breaks in runs:
+        if breaks != compiled_with:
+            # Compiled frames are kept per code object and shared by every model of a class, whatever setting they
+            # were traced under: start afresh so that each setting's runs trace their own.
+            torch._dynamo.reset()
+            compiled_with = breaks
         args.layers = DENSE[shape][1]["num_hidden_layers"]
         args.workloads = args.speed_workloads if not args.smoke else args.speed_workloads.replace("ratio~3.4", "ratio~3")
-        run = lambda: shape_results(args, shape, device, info, world, build_dense,  # noqa: E731
+        config = None if breaks is None else AsyncGRPOConfig(compile_graph_breaks=breaks)
+        run = lambda: shape_results(args, shape, device, info, world, build_dense, config=config,  # noqa: E731
                                     packings=tuple(args.packings.split(",")))
         for r in with_gdn_kernel(kernel, lambda: with_gdn_conv(conv, run)):
             results.append(r)
-            print("speed", json.dumps({k: r.get(k) for k in ("model", "gdn_backend", "gdn_conv_backend", "workload",
+            print("speed", json.dumps({k: r.get(k) for k in ("model", "gdn_backend", "gdn_conv_backend",
+                                                               "compile_graph_breaks", "workload",
                                                                "packing", "trained_tokens_per_s", "mfu_fwd_bwd",
                                                                "speedup_over_flop_ideal", "error")}), flush=True)
         save()
@@ -437,9 +454,34 @@ def kernel_bound(report: dict, speed: list[dict], dense: str, hybrid: str) -> di
     return out
 
 
+def rows_with_breaks(speed: list[dict], setting: str | None) -> list[dict]:
+    """The speed rows compiled with graph breaks ``setting`` (``nested``/``outer``), and those that name none."""
+    return [r for r in speed if r.get("compile_graph_breaks") in (setting, None)]
+
+
+def per_param_by_graph_breaks(speed: list[dict], dense: str, hybrid: str) -> dict:
+    """Per setting of ``--graph-breaks`` that ran, the default kernels' per-parameter ratio per workload, each model
+    compiled with that setting."""
+    out = {}
+    for setting in sorted({r["compile_graph_breaks"] for r in speed if r.get("compile_graph_breaks")}):
+        rows = rows_with_breaks(speed, setting)
+        for workload in {r.get("workload") for r in rows}:
+            d, hybrids = find(rows, model=dense, workload=workload, packing="tree"), tree_rows(rows, hybrid, workload)
+            if d and hybrids:
+                h = min(hybrids, key=default_rank)
+                out.setdefault(setting, {})[workload] = (h["trained_tokens_per_s"] * h["params"]) / (
+                    d["trained_tokens_per_s"] * d["params"])
+    return out
+
+
 def summarize(report: dict, smoke: bool) -> dict:
     dense, hybrid = PAIRS[smoke]
     speed, summary = report.get("speed", []), {"targets": TARGETS}
+    by_breaks = per_param_by_graph_breaks(speed, dense, hybrid)
+    if len(by_breaks) > 1:
+        # the figures are the default config's (``compile_graph_breaks="auto"`` as resolved here); both settings listed
+        summary["hybrid_per_param_vs_dense_by_graph_breaks"] = by_breaks
+        speed = rows_with_breaks(speed, resolve_graph_breaks("auto"))
     per_param, reached = {}, {}
     by_kernel: dict[str, dict] = {}
     for workload in ("ratio~1", "ratio~3" if smoke else "ratio~3.4"):
@@ -512,6 +554,9 @@ def main() -> None:
                     help="the hybrid's short convolutions: default (what the trainer picks), or any of torch, auto and "
                          "triton, each timed in turn (torch: the PyTorch form; auto: fla's kernel where it passes its "
                          "probe; triton: the project's kernels)")
+    ap.add_argument("--graph-breaks", default="default",
+                    help="the speed part's compiled layers: default (the config's compile_graph_breaks, auto), or "
+                         "nested and/or outer, each a run of both models in turn")
     ap.add_argument("--models", default="dense,hybrid",
                     help="the speed part's models: dense and/or hybrid (both for the per-parameter ratio)")
     ap.add_argument("--speed-workloads", default="ratio~1,ratio~3.4", help="the speed part's workloads")
@@ -524,7 +569,7 @@ def main() -> None:
                     help="CUDA: profile one step of each shape's tree rows (top kernels, time per kind of kernel)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script only")
     args = ap.parse_args()
-    gdn_kernel_choices(args), gdn_conv_choices(args), experts_choices(args)  # a typo fails here, not after the parts before the speed part
+    gdn_kernel_choices(args), gdn_conv_choices(args), experts_choices(args), graph_breaks_choices(args)  # a typo fails here, not after the parts before the speed part
     for flag, value, known in (("--models", args.models, {"dense", "hybrid"}),
                                ("--packings", args.packings, {"flat", "tree"})):
         if not value or set(value.split(",")) - known:

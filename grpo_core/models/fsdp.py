@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -55,10 +55,17 @@ class FSDPSettings:
     """``torch.compile`` per decoder layer: ``none``; ``pointwise`` (the MLP and the norms, so
     element-wise ops fuse while attention and its per-row metadata stay eager); ``layers`` (the
     whole layer, tree attention traced too)."""
+    nested_graph_breaks: bool = field(default_factory=lambda: nested_graph_breaks_supported())
+    """With ``compile="layers"``: resume tracing inside the function that calls a kernel from outside PyTorch, rather
+    than end the graph where the layer's own code calls that function (``AsyncGRPOConfig.compile_graph_breaks``; the
+    default is its ``auto``: on where this PyTorch has nested graph breaks)."""
 
     def __post_init__(self) -> None:
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"FSDPSettings.compile={self.compile!r}: use one of {COMPILE_MODES}")
+        if self.nested_graph_breaks and not nested_graph_breaks_supported():
+            raise ValueError(f"FSDPSettings.nested_graph_breaks=True: PyTorch {torch.__version__} has no nested graph "
+                             "breaks (2.9 and later have them); leave it False")
 
     @classmethod
     def from_config(cls, args, bf16: bool, device_type: str = "cpu") -> FSDPSettings:
@@ -70,6 +77,7 @@ class FSDPSettings:
             reshard_after_forward=args.fsdp_reshard_after_forward,
             cpu_offload=args.fsdp_cpu_offload,
             compile=resolve_compile_mode(args.compile_mode, device_type),
+            nested_graph_breaks=resolve_graph_breaks(args.compile_graph_breaks) == "nested",
         )
 
 
@@ -79,6 +87,24 @@ def resolve_compile_mode(mode: str, device_type: str) -> str:
     mode is kept as asked."""
     if mode == "auto":
         return "layers" if device_type == "cuda" else "none"
+    return mode
+
+
+def nested_graph_breaks_supported() -> bool:
+    """Whether this PyTorch's compiler can resume tracing inside a called function at a graph break."""
+    import torch._dynamo
+
+    return hasattr(torch._dynamo.config, "nested_graph_breaks")
+
+
+def resolve_graph_breaks(mode: str) -> str:
+    """``AsyncGRPOConfig.compile_graph_breaks``: ``auto`` → ``nested`` where this PyTorch has nested graph breaks, else
+    ``outer``; ``nested`` where it has none is refused, naming the field."""
+    if mode == "auto":
+        return "nested" if nested_graph_breaks_supported() else "outer"
+    if mode == "nested" and not nested_graph_breaks_supported():
+        raise ValueError(f"compile_graph_breaks='nested': PyTorch {torch.__version__} has no nested graph breaks (2.9 "
+                         "and later have them); set compile_graph_breaks='outer' or 'auto', or upgrade torch")
     return mode
 
 
@@ -102,7 +128,8 @@ def shard_policy(model: torch.nn.Module, settings: FSDPSettings, device: torch.d
     Call before the optimizer is built: FSDP2 replaces the parameters with sharded DTensors.
     """
     if settings.compile != "none":
-        compile_layers(model, pointwise_only=settings.compile == "pointwise")
+        compile_layers(model, pointwise_only=settings.compile == "pointwise",
+                       nested_graph_breaks=settings.nested_graph_breaks)
     if settings.activation_checkpointing:
         # Non-reentrant: the tree-attention metadata passes through as a keyword argument, and
         # FSDP2 re-gathers a layer's weights in its pre-backward hook, before the recompute.
@@ -150,15 +177,24 @@ def shard_policy(model: torch.nn.Module, settings: FSDPSettings, device: torch.d
     return model
 
 
-def compile_layers(model: torch.nn.Module, pointwise_only: bool) -> None:
+def compile_layers(model: torch.nn.Module, pointwise_only: bool, nested_graph_breaks: bool = False) -> None:
     """Compile, in place, every decoder layer, or only its MLP and norms (see ``FSDPSettings``).
 
     The row length changes every micro-batch, so shapes are dynamic from the start; layers of one
     class share their compiled graphs. Done before sharding, so FSDP2's hooks stay outside.
+    ``nested_graph_breaks`` (whole layers only): see ``FSDPSettings.nested_graph_breaks``.
     """
     for layer in decoder_layers(model):
         if not pointwise_only:
             layer.compile(dynamic=True)
+            if nested_graph_breaks:
+                import torch._dynamo
+
+                # The setting is read while the compiler traces, which happens inside the layer's call, so it is set
+                # for the compiled layers' calls alone, not for the process. ``Module.compile`` keeps the compiled
+                # call in ``_compiled_call_impl``; ``tests/test_compiled_layers.py`` fails if that ever stops working.
+                layer._compiled_call_impl = torch._dynamo.config.patch(nested_graph_breaks=True)(
+                    layer._compiled_call_impl)
             continue
         for name, module in layer.named_modules():
             leaf = name.rsplit(".", 1)[-1]

@@ -41,6 +41,7 @@ class Policy:
     bf16: bool
     compute_dtype: torch.dtype  # what forward/backward run in; weights are served and saved in it too
     compile_mode: str
+    compile_graph_breaks: str | None  # nested or outer where layers are compiled whole, else None
     attention_backend: str
     experts_implementation: Any
     moe: MoEPolicy | None
@@ -87,7 +88,10 @@ def build_policy(model: Any, processing_class: Any, peft_config: Any, args: Asyn
     return Policy(model=module, model_path=model_path, processing_class=tokenizer, optimizer=optimizer,
                   lr_scheduler=lr_scheduler(args, optimizer), bf16=bf16, compute_dtype=compute_dtype,
                   grad_scaler=torch.amp.GradScaler("cuda") if args.fp16 else None,
-                  compile_mode=fsdp_settings.compile, attention_backend=attention_backend,
+                  compile_mode=fsdp_settings.compile,
+                  compile_graph_breaks=(("nested" if fsdp_settings.nested_graph_breaks else "outer")
+                                        if fsdp_settings.compile == "layers" else None),
+                  attention_backend=attention_backend,
                   experts_implementation=experts_implementation, moe=moe, vocab_size=vocab, perf=perf,
                   owns_process_group=owns_process_group)
 

@@ -108,6 +108,7 @@ class AsyncGRPOTrainer:
         self.model, self.model_path, self.processing_class = p.model, p.model_path, p.processing_class
         self.optimizer, self.lr_scheduler, self.grad_scaler = p.optimizer, p.lr_scheduler, p.grad_scaler
         self.bf16, self.compute_dtype, self.compile_mode = p.bf16, p.compute_dtype, p.compile_mode
+        self.compile_graph_breaks = p.compile_graph_breaks
         self.attention_backend, self.experts_implementation, self.moe = p.attention_backend, p.experts_implementation, p.moe
         self.vocab_size, self.perf = p.vocab_size, p.perf
         self.loss_config = LossConfig.from_config(self.args.training)
@@ -206,6 +207,7 @@ class AsyncGRPOTrainer:
         return {
             "bf16": self.bf16,
             "compile_mode": self.compile_mode,
+            "compile_graph_breaks": self.compile_graph_breaks,  # None (no tag) unless layers are compiled whole
             "attention_backend": self.attention_backend,  # the kernel, and the tree plan where it splits
             "experts_implementation": self.experts_implementation,
             "weight_transfer_backend": self.args.resolved_weight_transfer_backend(self.device.type == "cuda"),
