@@ -155,6 +155,19 @@ def test_conv_context_reads_the_path_before_each_segment():
     assert source.tolist()[:8] == [-1, -1, -1, 0, 1, 2, 3, 4] and source.tolist()[12:18] == [3, 4, 5, 6, 7, 8]
 
 
+def test_a_rows_segment_tree_is_built_once_and_the_first_call_decides_its_chunk_plans(monkeypatch):
+    """``segment_tree``: every layer reads the tree the first call built; ``plan_chunks=False`` (the benchmark's
+    unplanned form) leaves ``plan_varlen_chunks`` uncalled."""
+    cpu = torch.device("cpu")
+    planned = []
+    monkeypatch.setattr(gd, "plan_varlen_chunks", lambda cu, cu_cpu: planned.append(1) or cu)
+    meta = probe_meta(cpu, [5, 1, 3, 2])
+    tree = gd.segment_tree(meta, cpu, plan_chunks=False)
+    assert planned == [] and gd.segment_tree(meta, cpu) is tree  # the later default call reads the first's
+    gd.segment_tree(probe_meta(cpu, [5, 1, 3, 2]), cpu)
+    assert len(planned) == 3  # one plan per depth
+
+
 def test_a_row_of_roots_is_taken_as_it_is_and_a_tree_is_gathered():
     """A row of three unrelated samples is one depth in row order: no gather in, no reordering out. A tree is not."""
     cpu = torch.device("cpu")

@@ -360,11 +360,10 @@ def delta_timing(device: torch.device, smoke: bool, profile: bool = False) -> di
                "depths": len(gd.build_segment_tree(meta, device).depths)}
         forms = {"tree": lambda xs: gd.tree_gated_delta_rule(*xs, meta, l2norm=True, backend=backend)}
         if backend.name == "fla" and out["kernels"] == "flash_qla":
-            # the same tree with no chunk plans attached (``gated_delta.plan_varlen_chunks``): what the plans save
+            # the same tree with no chunk plans attached (``gated_delta.plan_varlen_chunks``): what the plans save.
+            # Its row's tree is built here first, without them, and every call of the form reads that one.
             unplanned = pack_row(plan.rows[0]).to(device).attention
-            with mock.patch.object(gd, "plan_varlen_chunks", lambda cu, cu_cpu: cu):
-                on = unplanned.cu_seq_q.device  # the key ``run_segment_tree`` looks the tree up by
-                unplanned.cached(("gdn_tree", on), lambda: gd.build_segment_tree(unplanned, on))
+            gd.segment_tree(unplanned, unplanned.cu_seq_q.device, plan_chunks=False)  # the device the layers look up
             forms["tree_unplanned"] = lambda xs: gd.tree_gated_delta_rule(*xs, unplanned, l2norm=True, backend=backend)
         if backend.name == "fla":
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule

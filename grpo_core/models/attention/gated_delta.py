@@ -107,8 +107,10 @@ def plan_varlen_chunks(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor) -
     return prepare_varlen_metadata(cu_seqlens, cu_seqlens_cpu)
 
 
-def build_segment_tree(meta: TreeAttentionMetadata, device: torch.device) -> SegmentTree:
-    """Group the segments of ``meta`` by depth (parents are laid out before their children)."""
+def build_segment_tree(meta: TreeAttentionMetadata, device: torch.device, plan_chunks: bool = True) -> SegmentTree:
+    """Group the segments of ``meta`` by depth (parents are laid out before their children). ``plan_chunks``: attach
+    FlashQLA's chunk plans to each depth's ``cu_seqlens`` (``plan_varlen_chunks``; False leaves its kernels to plan
+    on the GPU, for a side-by-side measurement)."""
     cu_q = meta.host_arrays()[0]
     parents = segment_parents(meta)
     depth = np.zeros(len(parents), dtype=np.int64)
@@ -129,7 +131,8 @@ def build_segment_tree(meta: TreeAttentionMetadata, device: torch.device) -> Seg
         to = lambda a: torch.as_tensor(a, dtype=torch.int64).to(device)  # noqa: E731
         cu_seqlens = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
         depths.append(Depth(
-            rows=to(rows), padded=to(padded), cu_seqlens=plan_varlen_chunks(cu_seqlens.to(device), cu_seqlens),
+            rows=to(rows), padded=to(padded),
+            cu_seqlens=plan_varlen_chunks(cu_seqlens.to(device), cu_seqlens) if plan_chunks else cu_seqlens.to(device),
             cu_seqlens_cpu=cu_seqlens,
             parent=None if d == 0 else to(place[parents[segs]]),
             whole_row=len(rows) == int(cu_q[-1]) and bool((rows == np.arange(len(rows))).all()),
@@ -274,6 +277,12 @@ def tree_gated_delta_rule(
     return run_segment_tree(q, k, v, g, beta, meta, backend).to(out_dtype)
 
 
+def segment_tree(meta: TreeAttentionMetadata, device: torch.device, plan_chunks: bool = True) -> SegmentTree:
+    """The row's segment tree on ``device``, built once per row (``TreeAttentionMetadata.cached``): every layer's delta
+    rule reads the first call's, so ``plan_chunks`` (``build_segment_tree``) counts only where that call is first."""
+    return meta.cached(("gdn_tree", device), lambda: build_segment_tree(meta, device, plan_chunks))
+
+
 @torch.compiler.disable
 def run_segment_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      meta: TreeAttentionMetadata, backend: GDNBackend) -> torch.Tensor:
@@ -281,7 +290,7 @@ def run_segment_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     depth's initial states the final states of its parents. Kept out of compiled graphs as one call: the kernels
     inside break a graph anyway, and a break inside this loop would make the compiler give up the whole calling
     frame (the input preparation above with it) and run it eagerly."""
-    tree: SegmentTree = meta.cached(("gdn_tree", q.device), lambda: build_segment_tree(meta, q.device))
+    tree = segment_tree(meta, q.device)
     outs, finals = [], None
     for depth in tree.depths:
         initial = None if depth.parent is None else finals.index_select(0, depth.parent)
