@@ -32,6 +32,7 @@ from grpo_core.models.attention import short_conv
 from grpo_core.models.attention import tree as ta
 from grpo_core.packing.collator import pack_row
 from grpo_core.packing.planner import plan_step
+from tests.test_checkpoint import model_path, train_rows  # noqa: F401 - fixtures
 from tests.test_packing_trie import make_sample
 
 needs_nested = pytest.mark.skipif(not fsdp.nested_graph_breaks_supported(),
@@ -139,3 +140,29 @@ def test_compile_graph_breaks_resolves_per_pytorch_and_names_the_field(monkeypat
         cuda_layers("nested")
     with pytest.raises(ValueError, match="nested_graph_breaks=True"):
         fsdp.FSDPSettings(compile="layers", nested_graph_breaks=True)
+
+
+def test_a_trainer_with_compiled_layers_records_its_graph_breaks_and_trains_as_eager(model_path, train_rows,  # noqa: F811
+                                                                                     tmp_path):
+    """The trainer with ``compile_mode="layers"`` on the CPU (Inductor, the tiny model, fp64): it tags
+    ``resolved.compile_graph_breaks`` with what ``auto`` became, and a micro-batch's loss and gradients through its
+    compiled layers are the eager trainer's. A trainer that compiles nothing has no such tag."""
+    from tests.test_logprob_head import make_trainer, packed_row
+
+    eager = make_trainer(model_path, train_rows, tmp_path / "eager")
+    compiled = make_trainer(model_path, train_rows, tmp_path / "compiled", compile_mode="layers")
+    assert "resolved.compile_graph_breaks" not in eager.tracker.tags
+    assert compiled.tracker.tags["resolved.compile_mode"] == "layers"
+    assert compiled.tracker.tags["resolved.compile_graph_breaks"] == fsdp.resolve_graph_breaks("auto")
+    packed = packed_row(eager.vocab_size)
+    results = []
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for trainer in (eager, compiled):
+        loss, _ = trainer.micro_batch.run(packed, packed.num_trained + 3, packed.num_tokens)
+        results.append((float(loss), {n: p.grad.clone() for n, p in trainer.model.named_parameters()}))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the compiled trainer's layers did compile
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-9, abs=1e-12)
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, rtol=1e-7, atol=1e-10, msg=name)
+    torch._dynamo.reset()
