@@ -198,6 +198,7 @@ def run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, 
     fb, st = statistics.median(times_fb), statistics.median(times_step)
     result = {
         "token_budget": budget, "activation_checkpointing": ac, "compile": compiled, "attention_backend": backend,
+        "nested_graph_breaks": settings.nested_graph_breaks if compiled == "layers" else None,
         "reshard_after_forward": reshard, "logprob_chunk": chunk, "logprob_head": "reference" if fused is False else "default",
         "world_size": world, "rows_per_rank": len(rows),
         "same_rows": args.same_rows,

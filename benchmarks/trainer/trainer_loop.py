@@ -186,7 +186,8 @@ def replay(args) -> None:
         keys = ("loss", "reward", "grad_norm", "perf/fwd_bwd_s", "perf/step_s", "sync/seconds", "sync/bytes",
                 "perf/mfu", "batch/packing_ratio", "sample/stale_dropped", "perf/trained_tokens_per_s")
         report = {"world_size": world, "precision": args.precision, "bf16": trainer.bf16,
-                  "compile_mode": trainer.compile_mode, "attention_backend": trainer.attention_backend,
+                  "compile_mode": trainer.compile_mode, "compile_graph_breaks": trainer.compile_graph_breaks,
+                  "attention_backend": trainer.attention_backend,
                   "steps": [{k: h[k] for k in keys if k in h} for h in history], "sync_checks": transfer.checks,
                   "metric_names": sorted(history[0]) if history else []}
         write_report(args.out, report, announce=False)
