@@ -166,3 +166,33 @@ def test_a_trainer_with_compiled_layers_records_its_graph_breaks_and_trains_as_e
     for name, grad in results[0][1].items():
         torch.testing.assert_close(results[1][1][name], grad, rtol=1e-7, atol=1e-10, msg=name)
     torch._dynamo.reset()
+
+
+def test_a_compiler_error_under_nested_graph_breaks_names_the_setting():
+    """``with_nested_graph_breaks``: the setting is on inside the call and off after it, a call may run inside
+    another, and an error of the compiler's own keeps its type and gains a note naming ``compile_graph_breaks``;
+    other errors pass untouched."""
+    import torch._dynamo
+    from torch._dynamo.exc import InternalTorchDynamoError
+
+    seen = []
+
+    def inner(x):
+        seen.append(torch._dynamo.config.nested_graph_breaks)
+        if x == "fail":
+            raise InternalTorchDynamoError("the compiler gave up")
+        if x == "bad":
+            raise ValueError("not the compiler's")
+        return x
+
+    call = fsdp.with_nested_graph_breaks(inner)
+    outer = fsdp.with_nested_graph_breaks(lambda x: call(x))
+    assert outer("ok") == "ok" and seen == [True]
+    assert torch._dynamo.config.nested_graph_breaks is False
+    with pytest.raises(InternalTorchDynamoError) as raised:
+        call("fail")
+    assert any("compile_graph_breaks='outer'" in note for note in raised.value.__notes__)
+    with pytest.raises(ValueError) as other:
+        call("bad")
+    assert not getattr(other.value, "__notes__", None)
+    assert torch._dynamo.config.nested_graph_breaks is False

@@ -27,8 +27,9 @@ Run its tests: ``.venv/bin/python -m pytest tests/test_fsdp.py``.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -188,18 +189,39 @@ def compile_layers(model: torch.nn.Module, pointwise_only: bool, nested_graph_br
         if not pointwise_only:
             layer.compile(dynamic=True)
             if nested_graph_breaks:
-                import torch._dynamo
-
-                # The setting is read while the compiler traces, which happens inside the layer's call, so it is set
-                # for the compiled layers' calls alone, not for the process. ``Module.compile`` keeps the compiled
-                # call in ``_compiled_call_impl``; ``tests/test_compiled_layers.py`` fails if that ever stops working.
-                layer._compiled_call_impl = torch._dynamo.config.patch(nested_graph_breaks=True)(
-                    layer._compiled_call_impl)
+                # ``Module.compile`` keeps the compiled call in ``_compiled_call_impl``; ``tests/test_compiled_layers.py``
+                # fails if that ever stops working.
+                layer._compiled_call_impl = with_nested_graph_breaks(layer._compiled_call_impl)
             continue
         for name, module in layer.named_modules():
             leaf = name.rsplit(".", 1)[-1]
             if leaf == "mlp" or (leaf.endswith("norm") and not list(module.children())):
                 module.compile(dynamic=True)
+
+
+NESTED_BREAKS_NOTE = ("this compiled layer ran with nested graph breaks (AsyncGRPOConfig.compile_graph_breaks, 'auto' "
+                      "turns them on where PyTorch has them); if the run works with compile_graph_breaks='outer', they "
+                      "are the cause")
+
+
+def with_nested_graph_breaks(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` (a ``torch.compile``d callable) traced with nested graph breaks. The setting is read while the
+    compiler traces, which happens inside the call, so it is set for these calls alone, not for the process. An error
+    of the compiler's own is raised as it is, with a note that names the setting and the way to rule it out."""
+    import torch._dynamo
+    from torch._dynamo.exc import TorchDynamoException
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            # a patch made per call: one object entered again before it exits (a re-entrant call) fails in some
+            # PyTorch versions
+            with torch._dynamo.config.patch(nested_graph_breaks=True):
+                return compiled(*args, **kwargs)
+        except TorchDynamoException as exc:
+            exc.add_note(NESTED_BREAKS_NOTE)
+            raise
+
+    return call
 
 
 def reduce_gradients_after(model: torch.nn.Module, last_micro_batch: bool) -> None:
