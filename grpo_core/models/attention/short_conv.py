@@ -224,7 +224,9 @@ def tree_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     # The backends take and give channel-last rows [U, C]; the views to and from them are taken here, in the calling
     # (compiled) layer's graph, so that what crosses into a kernel backend, and its gradient back, is a plain [U, C]
     # tensor (the projection's own layout), not a transposed view whose gradient could come back channel-first and
-    # leave the projection's backward matmuls reading a tensor whose leading dimension is the row's length.
+    # leave the projection's backward matmuls reading a tensor whose leading dimension is the row's length. That holds
+    # where the graph ends here, at the kernel call: with nested graph breaks (``AsyncGRPOConfig.compile_graph_breaks``);
+    # by PyTorch's default it ends at the layer's own call of this function, and the transposed view crosses instead.
     # Squeezes rather than ``x[0]``: a select's backward writes a zero tensor of the whole row, then copies into it.
     rows = x.squeeze(0).t()
     return (backend or _active).run(rows, weight, bias, activation, meta).t().unsqueeze(0)
