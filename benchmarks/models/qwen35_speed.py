@@ -454,6 +454,11 @@ def kernel_bound(report: dict, speed: list[dict], dense: str, hybrid: str) -> di
     return out
 
 
+def per_param_vs_dense(hybrid: dict, dense: dict) -> float:
+    """A hybrid row's trained tokens/s per parameter against a dense row's (``hybrid_per_param_vs_dense``)."""
+    return (hybrid["trained_tokens_per_s"] * hybrid["params"]) / (dense["trained_tokens_per_s"] * dense["params"])
+
+
 def rows_with_breaks(speed: list[dict], setting: str | None) -> list[dict]:
     """The speed rows compiled with graph breaks ``setting`` (``nested``/``outer``), and those that name none."""
     return [r for r in speed if r.get("compile_graph_breaks") in (setting, None)]
@@ -469,8 +474,7 @@ def per_param_by_graph_breaks(speed: list[dict], dense: str, hybrid: str) -> dic
             d, hybrids = find(rows, model=dense, workload=workload, packing="tree"), tree_rows(rows, hybrid, workload)
             if d and hybrids:
                 h = min(hybrids, key=default_rank)
-                out.setdefault(setting, {})[workload] = (h["trained_tokens_per_s"] * h["params"]) / (
-                    d["trained_tokens_per_s"] * d["params"])
+                out.setdefault(setting, {})[workload] = per_param_vs_dense(h, d)
     return out
 
 
@@ -489,8 +493,7 @@ def summarize(report: dict, smoke: bool) -> dict:
         hybrids = tree_rows(speed, hybrid, workload)
         if not (d and hybrids):
             continue
-        per_kernel = {kernels_label(h): (h["trained_tokens_per_s"] * h["params"]) / (d["trained_tokens_per_s"] * d["params"])
-                      for h in hybrids}
+        per_kernel = {kernels_label(h): per_param_vs_dense(h, d) for h in hybrids}
         for kernel, ratio in per_kernel.items():
             by_kernel.setdefault(kernel, {})[workload] = ratio
         # The figure is the default config's: ``auto`` runs FlashQLA's kernels where they are installed and pass
