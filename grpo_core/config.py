@@ -11,20 +11,14 @@ reads the same here; it stays a ``@dataclass`` that a script extends the same wa
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import functools
 import re
-import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import ConfigDict, Field, TypeAdapter
 
+from grpo_core.config_checks import ConfigError, check_fields, check_known_keys, fail_field, parse_kernel_ref
 from grpo_core.config_sections import Section
-
-
-class ConfigError(ValueError):
-    """A config value is invalid; the message names the field and how to fix it."""
 
 
 LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
@@ -416,37 +410,37 @@ class AsyncGRPOConfig:
     def _check_relations(self) -> None:
         """Checks that involve several fields; subclasses may extend them (call ``super()``)."""
         if self.max_steps <= 0 and self.num_train_epochs <= 0:
-            _fail(self, "max_steps", "set max_steps > 0, or max_steps <= 0 with num_train_epochs > 0")
+            fail_field(self, "max_steps", "set max_steps > 0, or max_steps <= 0 with num_train_epochs > 0")
         if self.bf16 and self.fp16:
-            _fail(self, "fp16", "bf16 and fp16 exclude each other; set one of them")
+            fail_field(self, "fp16", "bf16 and fp16 exclude each other; set one of them")
         if self.attention_kernel is not None:
             try:
                 parse_kernel_ref(self.attention_kernel)
             except ValueError as exc:
-                _fail(self, "attention_kernel", str(exc).split(": ", 1)[1])
+                fail_field(self, "attention_kernel", str(exc).split(": ", 1)[1])
         if self.weight_sync_encoding == "delta" and self.weight_transfer_backend == "nccl" \
                 and self.weight_sync_transport == "group":
-            _fail(self, "weight_sync_encoding", "delta pushes need the gloo backend or weight_sync_transport='storage'")
+            fail_field(self, "weight_sync_encoding", "delta pushes need the gloo backend or weight_sync_transport='storage'")
         urls = self.server_urls()
         if len(set(urls)) != len(urls) or not all(u.strip() for u in urls):
-            _fail(self, "vllm_server_base_url", "give each server's base URL once, none empty")
+            fail_field(self, "vllm_server_base_url", "give each server's base URL once, none empty")
         if len(urls) > 1 and self.lora_sync_mode == "adapter":
-            _fail(self, "lora_sync_mode", "a fleet of servers takes merged LoRA pushes (adapters are registered by name "
+            fail_field(self, "lora_sync_mode", "a fleet of servers takes merged LoRA pushes (adapters are registered by name "
                   "on one server); use 'merged' or 'auto'")
         if self.environment is not None:
             ecosystem, _, name = self.environment.partition(":")
             if ecosystem not in ("verifiers", "reasoning_gym") or not name.strip():
-                _fail(self, "environment", "write 'verifiers:<taskset id>' (an installed verifiers taskset) or 'reasoning_gym:<generator name>'")
+                fail_field(self, "environment", "write 'verifiers:<taskset id>' (an installed verifiers taskset) or 'reasoning_gym:<generator name>'")
         if self.environment_args is not None and self.environment is None:
-            _fail(self, "environment_args", "it has no environment to go to: set environment too, or drop environment_args")
+            fail_field(self, "environment_args", "it has no environment to go to: set environment too, or drop environment_args")
         if self.server_drain_after_s > self.server_unavailable_timeout_s:
-            _fail(self, "server_drain_after_s", f"a server is waited for at most server_unavailable_timeout_s="
+            fail_field(self, "server_drain_after_s", f"a server is waited for at most server_unavailable_timeout_s="
                   f"{self.server_unavailable_timeout_s:g} s, so the drain window must not be longer: set "
                   f"server_drain_after_s <= {self.server_unavailable_timeout_s:g} (default 10)")
         if self.weight_transfer_port_range is not None:
             low, high = (int(p) for p in self.weight_transfer_port_range.split("-"))
             if not 1 <= low <= high <= 65535:
-                _fail(self, "weight_transfer_port_range", "use LOW-HIGH with 1 <= LOW <= HIGH <= 65535, e.g. 40000-40100")
+                fail_field(self, "weight_transfer_port_range", "use LOW-HIGH with 1 <= LOW <= HIGH <= 65535, e.g. 40000-40100")
 
     # ---- typed sections: the fields each subsystem reads (grpo_core.config_sections) ------------
     rollout, training, sync, fleet = Section(), Section(), Section(), Section()
@@ -520,83 +514,6 @@ class AsyncGRPOConfig:
         return dataclasses.replace(self, **changes)
 
 
-# ---- kernel references ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class KernelRef:
-    """Where the ``kernels`` attention backend loads from: a local folder, or a Hub repo at a version or revision."""
-
-    path: str | None = None
-    repo_id: str | None = None
-    version: int | None = None
-    revision: str | None = None
-
-
-def parse_kernel_ref(spec: str) -> KernelRef:
-    """``/abs``, ``./rel``, ``../rel`` or ``~/dir``: a local kernel folder; ``owner/name@1``: a Hub kernel at major
-    version 1; ``owner/name@<branch, tag or commit>``: at that revision.
-
-    The ``kernels`` package loads a Hub kernel only at a stated version or revision, so a Hub id without ``@``
-    is refused here, when the config is made, rather than at start-up on the GPU.
-    """
-    if spec.startswith(("/", "./", "../", "~")):
-        return KernelRef(path=spec)
-    repo_id, at, ref = spec.partition("@")
-    if repo_id.count("/") != 1 or not all(repo_id.split("/")) or not at or not ref or any(c.isspace() for c in spec):
-        raise ValueError(
-            f"attention_kernel={spec!r}: use a Hub kernel with its version or revision "
-            "('kernels-community/flash-attn3@1', 'owner/name@main') or a local folder path ('/path/to/kernel', './kernel')"
-        )
-    if ref.isdigit():
-        return KernelRef(repo_id=repo_id, version=int(ref))
-    return KernelRef(repo_id=repo_id, revision=ref)
-
-
-# ---- checking ---------------------------------------------------------------------------------------
-def check_known_keys(owner: str, values: dict[str, Any], known: list[str]) -> None:
-    """Raise ``ConfigError`` for keys of ``values`` that ``owner`` does not have, suggesting the closest."""
-    unknown = [k for k in values if k not in known]
-    if not unknown:
-        return
-    hints = []
-    for key in unknown:
-        close = difflib.get_close_matches(str(key), known, n=1)
-        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    raise ConfigError(f"{owner} has no field {', '.join(hints)}")
-
-
-@functools.cache
-def _field_adapters(cls: type) -> dict[str, TypeAdapter[Any]]:
-    # Resolved once per class, subclasses included: their own fields are checked the same way.
-    hints = typing.get_type_hints(cls, include_extras=True)
-    return {f.name: TypeAdapter(hints[f.name]) for f in dataclasses.fields(cls)}
-
-
-def check_fields(config: Any) -> None:
-    """Validate every field against its annotation, strictly: a string is not a bool, 1 is not True."""
-    for name, adapter in _field_adapters(type(config)).items():
-        value = getattr(config, name)
-        try:
-            adapter.validate_python(value, strict=True)
-        except ValidationError as exc:
-            _fail(config, name, _reason(exc))
-
-
-def _reason(exc: ValidationError) -> str:
-    messages = []
-    for error in exc.errors():
-        message = error["msg"]
-        if error["type"] == "string_pattern_mismatch":
-            message = "use the form LOW-HIGH, e.g. 40000-40100"
-        if message not in messages:
-            messages.append(message)
-    # A union reports each member's complaint; the first ones name the expected value.
-    return "; ".join(messages[:2])
-
-
-def _fail(config: Any, name: str, fix: str) -> typing.NoReturn:
-    raise ConfigError(f"{type(config).__name__}.{name}={getattr(config, name)!r} is invalid: {fix}")
-
-
 def field_names(cls: type = AsyncGRPOConfig) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
@@ -607,4 +524,4 @@ def describe(name: str, cls: type = AsyncGRPOConfig) -> str:
     return re.sub(r"\s+", " ", schema["properties"][name].get("description", "")).strip()
 
 
-__all__ = ["AsyncGRPOConfig", "AttentionBackendName", "ConfigError", "KernelRef", "LoraRank", "parse_kernel_ref", "TRL_COMPATIBILITY_ONLY", "check_fields", "check_known_keys", "field_names"]
+__all__ = ["AsyncGRPOConfig", "AttentionBackendName", "ConfigError", "LoraRank", "TRL_COMPATIBILITY_ONLY", "describe", "field_names"]

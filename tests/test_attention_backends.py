@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo_core.config import AsyncGRPOConfig, AttentionBackendName, ConfigError, KernelRef, parse_kernel_ref
+from grpo_core.config import AsyncGRPOConfig, AttentionBackendName, ConfigError
+from grpo_core.config_checks import KernelRef, parse_kernel_ref
 from grpo_core.models.attention import backends as ab
 from grpo_core.models.attention import tree as ta
 

@@ -126,6 +126,7 @@ RUN_BY: dict[str, str] = {
     "benchmarks.peers.peer_gpu_stream": "benchmarks.peers.peer_trl_gpu",
     "benchmarks.peers.peer_gpu_probes": "benchmarks.peers.peer_trl_gpu",
     "benchmarks.peers.peer_gpu_report": "benchmarks.peers.peer_trl_gpu",
+    "benchmarks.models.qwen35_summary": "benchmarks.models.qwen35_speed",
 }
 
 # Shared code and tools that measure nothing: their own tests cover them.
@@ -305,10 +306,10 @@ def test_index_names_a_document_without_markers(tmp_path: Path) -> None:
 
 
 def test_the_hybrids_bound_comes_from_the_delta_part_and_the_dense_rate() -> None:
-    """``qwen35_speed.kernel_bound``: the step's FLOPs at the dense model's rate plus the delta rule's measured time,
+    """``qwen35_summary.kernel_bound``: the step's FLOPs at the dense model's rate plus the delta rule's measured time,
     scaled to the step's tokens, once per GDN layer (the delta rule's FLOPs leave the first term); a workload without
     a delta row gets no bound."""
-    from benchmarks.models import qwen35_speed
+    from benchmarks.models import qwen35_summary
 
     dense = {"model": "d", "workload": "ratio~1", "packing": "tree", "step_flops": 100.0, "fwd_bwd_s": 1.0,
              "trained_tokens_per_s": 50.0, "params": 10}
@@ -317,7 +318,7 @@ def test_the_hybrids_bound_comes_from_the_delta_part_and_the_dense_rate() -> Non
               "gdn_backend": "fla/triton"}
     speed = [dense, hybrid, {**dense, "workload": "ratio~3.4"}, {**hybrid, "workload": "ratio~3.4"}]
     report = {"delta": {"rows": [{"workload": "ratio~1", "tokens": 1000, "tree_ms": 100.0}]}}
-    bound = qwen35_speed.kernel_bound(report, speed, "d", "h")
+    bound = qwen35_summary.kernel_bound(report, speed, "d", "h")
     assert set(bound) == {"ratio~1"}
     b = bound["ratio~1"]
     # rest (130 - 10 delta-rule FLOPs) / 100 = 1.2 s; delta 3 layers x 0.1 s x 2000 / 1000 tokens = 0.6 s; 60 tokens / 1.8 s x 20 / (50 x 10)
@@ -327,9 +328,9 @@ def test_the_hybrids_bound_comes_from_the_delta_part_and_the_dense_rate() -> Non
 
 
 def test_the_summary_takes_the_default_graph_breaks_and_lists_both_settings() -> None:
-    """``qwen35_speed.summarize`` with ``--graph-breaks nested,outer``: each setting's ratio pairs the models compiled
+    """``qwen35_summary.summarize`` with ``--graph-breaks nested,outer``: each setting's ratio pairs the models compiled
     with it, and the headline ratio is the default config's setting (``resolve_graph_breaks("auto")``)."""
-    from benchmarks.models import qwen35_speed
+    from benchmarks.models import qwen35_summary
     from grpo_core.models.fsdp import resolve_graph_breaks
 
     def row(model: str, breaks: str, tokens_per_s: float, params: int) -> dict:
@@ -337,16 +338,16 @@ def test_the_summary_takes_the_default_graph_breaks_and_lists_both_settings() ->
                 "trained_tokens_per_s": tokens_per_s, "params": params, "gdn_backend": "fla/flash_qla",
                 "mfu_fwd_bwd": 0.5, "step_flops": 1.0, "fwd_bwd_s": 1.0}
 
-    dense, hybrid = qwen35_speed.PAIRS[False]
+    dense, hybrid = qwen35_summary.PAIRS[False]
     speed = [row(dense, "nested", 100.0, 10), row(hybrid, "nested", 90.0, 10),
              row(dense, "outer", 80.0, 10), row(hybrid, "outer", 40.0, 10)]
-    summary = qwen35_speed.summarize({"speed": speed}, smoke=False)
+    summary = qwen35_summary.summarize({"speed": speed}, smoke=False)
     assert summary["hybrid_per_param_vs_dense_by_graph_breaks"] == {"nested": {"ratio~1": pytest.approx(0.9)},
                                                                     "outer": {"ratio~1": pytest.approx(0.5)}}
     expected = 0.9 if resolve_graph_breaks("auto") == "nested" else 0.5
     assert summary["hybrid_per_param_vs_dense"] == {"ratio~1": pytest.approx(expected)}
     # one setting: no comparison, and its rows are the figure
-    single = qwen35_speed.summarize({"speed": speed[2:]}, smoke=False)
+    single = qwen35_summary.summarize({"speed": speed[2:]}, smoke=False)
     assert "hybrid_per_param_vs_dense_by_graph_breaks" not in single
     assert single["hybrid_per_param_vs_dense"] == {"ratio~1": pytest.approx(0.5)}
 

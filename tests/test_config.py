@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 SOURCES = [p for p in (REPO / "grpo_core").rglob("*.py")] + [p for p in (REPO / "flows").rglob("*.py")]
 
 
-CHECKS = {"__post_init__", "_check_relations", "check_fields", "_fail"}
+CHECKS = {"__post_init__", "_check_relations", "check_fields", "fail_field"}
 
 
 def attributes_read() -> set[str]:

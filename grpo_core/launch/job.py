@@ -17,7 +17,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from grpo_core.config import AsyncGRPOConfig, ConfigError, check_known_keys
+from grpo_core.config import AsyncGRPOConfig, ConfigError
+from grpo_core.config_checks import check_known_keys
 from grpo_core.vllm_server.process import ServerOptions
 
 ImportString = Annotated[str, Field(pattern=r"^[\w.]+:[\w.]+$", description="package.module:attribute")]

@@ -26,7 +26,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from grpo_core.config import LoraRank, check_fields
+from grpo_core.config import LoraRank
+from grpo_core.config_checks import check_fields
 from grpo_core.staleness import resident_adapters
 from grpo_core.vllm_server.cpu_placement import CpuPlacement, forked_on, format_cpus
 from grpo_core.waiting import announced_wait

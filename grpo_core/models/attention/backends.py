@@ -35,7 +35,8 @@ from typing import Callable, Literal
 
 import torch
 
-from grpo_core.config import AttentionBackendName, KernelRef, parse_kernel_ref
+from grpo_core.config import AttentionBackendName
+from grpo_core.config_checks import KernelRef, parse_kernel_ref
 
 log = logging.getLogger(__name__)
 
