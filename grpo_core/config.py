@@ -126,6 +126,15 @@ class AsyncGRPOConfig:
     fsdp_reshard_after_forward: bool = True
     """FSDP2: free each decoder layer's gathered weights after its forward and gather them again for
     backward (less memory); False keeps them from forward to backward (one gather fewer per layer)."""
+    fsdp_keep_weights_between_micro_batches: bool | Literal["auto"] = "auto"
+    """FSDP2 on one rank: keep each decoder layer's gathered compute weights from one micro-batch's backward into
+    the next micro-batch's forward, and free them after the step's last backward (the optimizer then changes the
+    master weights). A step then gathers each layer once per micro-batch plus once, instead of twice per
+    micro-batch; on one rank a gather is the cast of the fp32 master weights to bf16. The kept weights fill up as
+    backward frees the activations, and the next forward frees each layer after it runs (with
+    ``fsdp_reshard_after_forward``), so the peak is where it was unless rows are short and the model large.
+    ``auto``: on with one rank and no ``fsdp_cpu_offload``, off otherwise. ``True`` is refused on several ranks
+    (each would hold the whole model) and with ``fsdp_cpu_offload`` (the weights would stay on the GPU)."""
     fsdp_cpu_offload: bool = False
     """FSDP2: keep the sharded weights, gradients and optimizer state in host memory (CUDA only);
     the optimizer step then runs on the CPU."""
@@ -437,6 +446,9 @@ class AsyncGRPOConfig:
             fail_field(self, "server_drain_after_s", f"a server is waited for at most server_unavailable_timeout_s="
                   f"{self.server_unavailable_timeout_s:g} s, so the drain window must not be longer: set "
                   f"server_drain_after_s <= {self.server_unavailable_timeout_s:g} (default 10)")
+        if self.fsdp_keep_weights_between_micro_batches is True and self.fsdp_cpu_offload:
+            fail_field(self, "fsdp_keep_weights_between_micro_batches", "kept weights would stay on the GPU, which "
+                       "fsdp_cpu_offload keeps free of them: leave it 'auto' (off with offload) or set it False")
         if self.weight_transfer_port_range is not None:
             low, high = (int(p) for p in self.weight_transfer_port_range.split("-"))
             if not 1 <= low <= high <= 65535:

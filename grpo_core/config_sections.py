@@ -24,7 +24,8 @@ SECTIONS: dict[str, frozenset[str]] = {
     "training": frozenset({
         "max_steps", "seed", "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "adam_beta1",
         "adam_beta2", "adam_epsilon", "max_grad_norm", "per_device_train_batch_size", "gradient_accumulation_steps",
-        "bf16", "fp16", "gradient_checkpointing", "fsdp_reshard_after_forward", "fsdp_cpu_offload", "compile_mode",
+        "bf16", "fp16", "gradient_checkpointing", "fsdp_reshard_after_forward", "fsdp_keep_weights_between_micro_batches",
+        "fsdp_cpu_offload", "compile_mode",
         "compile_graph_breaks",
         "attention_backend", "tree_attention_plan", "tree_kv_regather", "attention_kernel", "logprob_chunk_size",
         "epsilon", "epsilon_high", "score_centering", "score_centering_weights", "vllm_importance_sampling_clip_min",

@@ -80,7 +80,7 @@ SMOKES: dict[str, Smoke] = {
     "benchmarks.models.moe_training": Smoke(("--smoke", "--steps", "1")),
     "benchmarks.models.qwen35_speed": Smoke(("--smoke", "--steps", "1", "--warmup", "0", "--gdn-kernels", "triton,flash_qla",
                                              "--gdn-convs", "torch,auto", "--experts", "grouped_mm,grpo_grouped_mm",
-                                             "--graph-breaks", "nested,outer")),
+                                             "--graph-breaks", "nested,outer", "--keep-weights", "on,off")),
     "benchmarks.packing.gather_grad_sum": Smoke(),
     "benchmarks.packing.gdn_tree_packing": Smoke(("--smoke", "--repeats", "1")),
     "benchmarks.packing.tree_packing": Smoke(("--smoke", "--repeats", "1", "--heads", "fused")),
@@ -97,7 +97,7 @@ SMOKES: dict[str, Smoke] = {
     "benchmarks.sync.weight_sync_trust": Smoke(server=True),
     # Eager against the fp64 reference: each compiled mode costs a minute or two of CPU to compile (129 s for layers).
     "benchmarks.trainer.compile_numerics": Smoke(("--smoke", "--modes", "eager")),
-    "benchmarks.trainer.fsdp_mfu": Smoke(("--smoke", "--configs", "16384:ac", "--mismatch-metrics", "both")),
+    "benchmarks.trainer.fsdp_mfu": Smoke(("--smoke", "--configs", "16384:ac,16384:ac:freemb", "--mismatch-metrics", "both")),
     "benchmarks.trainer.trainer_loop": Smoke(("launch", "--smoke"), failures=run_errors()),
     "benchmarks.trainer.mismatch_cost": Smoke(),
     "benchmarks.trainer.cpu_share": Smoke(server=True, failures=run_errors()),
@@ -325,6 +325,40 @@ def test_the_hybrids_bound_comes_from_the_delta_part_and_the_dense_rate() -> Non
     assert b["rest_s"] == pytest.approx(1.2) and b["delta_s"] == pytest.approx(0.6)
     assert b["bound_s"] == pytest.approx(1.8) and b["delta_share"] == pytest.approx(0.2)
     assert b["per_param"] == pytest.approx(60 / 1.8 * 20 / 500)
+
+
+def test_fsdp_mfu_pairs_kept_and_freed_weights_that_differ_in_nothing_else() -> None:
+    """``fsdp_mfu.keep_weights_comparison``: a ``:keepmb`` config over its ``:freemb`` twin (same budget, compile,
+    attention ...), time and peak memory; a config with no twin, or a failed one, is left out."""
+    from benchmarks.trainer import fsdp_mfu
+
+    def row(keep: bool, budget: int, fwd_bwd_s: float, peak: float, **other) -> dict:
+        return {"token_budget": budget, "compile": "layers", "keep_weights_between_micro_batches": keep,
+                "fwd_bwd_s": fwd_bwd_s, "step_s": fwd_bwd_s + 0.1, "peak_allocated_gib": peak, **other}
+
+    results = [row(True, 16384, 0.9, 66.0), row(False, 16384, 1.0, 60.0), row(True, 32768, 2.0, 70.0),
+               row(False, 32768, 2.5, 70.0, compile="none"), row(False, 8192, 1.0, 1.0, error="OOM")]
+    (pair,) = fsdp_mfu.keep_weights_comparison(results)
+    assert pair["token_budget"] == 16384
+    assert pair["fwd_bwd_ratio"] == pytest.approx(0.9) and pair["peak_ratio"] == pytest.approx(1.1)
+
+
+def test_the_moe_figure_is_the_default_configs_with_both_weight_settings_listed() -> None:
+    """``qwen35_summary.summarize`` with ``--keep-weights on,off``: the MoE figures are the one-rank default's (weights
+    kept between micro-batches), and both settings are listed."""
+    from benchmarks.models import qwen35_summary
+    from grpo_core.models.moe.experts import DEFAULT_EXPERTS
+
+    def row(shape: str, kept: bool, mfu: float) -> dict:
+        return {"model": shape, "experts_implementation": DEFAULT_EXPERTS, "keep_weights_between_micro_batches": kept,
+                "world_size": 1, "mfu_fwd_bwd": mfu}
+
+    (moe, _), (a3b, _) = qwen35_summary.MOE[False]
+    summary = qwen35_summary.summarize({"moe": [row(moe, False, 0.20), row(moe, True, 0.24), row(a3b, False, 0.31),
+                                                row(a3b, True, 0.33)]}, smoke=False)
+    assert summary["qwen3_5_moe_mfu"] == 0.24 and summary["qwen3_30b_a3b_mfu"] == 0.33
+    assert summary["moe_mfu_by_keep_weights"] == {"False": {"qwen3_5_moe_mfu": 0.20, "qwen3_30b_a3b_mfu": 0.31},
+                                                  "True": {"qwen3_5_moe_mfu": 0.24, "qwen3_30b_a3b_mfu": 0.33}}
 
 
 def test_the_summary_takes_the_default_graph_breaks_and_lists_both_settings() -> None:

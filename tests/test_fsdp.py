@@ -190,15 +190,23 @@ def test_settings_reject_unknown_compile_mode_and_cpu_bf16():
         shard_policy(model, FSDPSettings(bf16=True), torch.device("cpu"))
 
 
-def test_one_rank_reduces_gradients_after_the_last_micro_batch_only():
-    """``reduce_gradients_after`` on one FSDP2 rank (gloo, fp32): the micro-batches before the last leave the sharded
-    gradients unset (no reduce ran), and after the last they equal the unsharded model's accumulated gradients."""
+@pytest.mark.parametrize("keep_weights", [False, True])
+def test_one_rank_reduces_gradients_after_the_last_micro_batch_only(keep_weights: bool):
+    """``before_micro_batch`` on one FSDP2 rank (gloo, fp32), over three optimizer steps of three micro-batches:
+
+    * the micro-batches before the last leave the sharded gradients unset (no reduce ran), and after the last they
+      equal the unsharded model's accumulated gradients;
+    * with ``keep_weights`` a layer's gathered weights stay after the backward of every micro-batch but the last
+      (its parameters stay plain tensors, not the sharded DTensors), and are freed after the last. The weights
+      must track the optimizer's steps: a gathered copy kept across a step would train the next step on stale
+      weights, and the losses and gradients would part from the unsharded model's."""
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
-    from grpo_core.models.fsdp import reduce_gradients_after
+    from grpo_core.models.fsdp import before_micro_batch
     from grpo_core.vllm_server.process import free_port
 
     if dist.is_initialized():
@@ -212,18 +220,51 @@ def test_one_rank_reduces_gradients_after_the_last_micro_batch_only():
         for layer in (model[0], model[2]):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        batches = [torch.randn(5, 8) for _ in range(3)]
-        reduced = []
-        for i, x in enumerate(batches):
-            reduce_gradients_after(model, last_micro_batch=i == len(batches) - 1)
-            model(x).pow(2).sum().backward()
-            unsharded(x).pow(2).sum().backward()
-            reduced.append(all(p.grad is not None for p in model.parameters()))
-        assert reduced == [False, False, True]
-        for p, q in zip(model.parameters(), unsharded.parameters()):
-            torch.testing.assert_close(p.grad.full_tensor(), q.grad, atol=1e-6, rtol=1e-6)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+        reference_optimizer = torch.optim.SGD(unsharded.parameters(), lr=0.2)
+        for step in range(3):
+            batches = [torch.randn(5, 8) for _ in range(3)]
+            reduced, kept = [], []
+            for i, x in enumerate(batches):
+                before_micro_batch(model, last_micro_batch=i == len(batches) - 1, keep_weights=keep_weights)
+                loss = model(x).pow(2).sum()
+                reference_loss = unsharded(x).pow(2).sum()
+                torch.testing.assert_close(loss, reference_loss, atol=1e-6, rtol=1e-6)
+                loss.backward()
+                reference_loss.backward()
+                # the sharded parameters (DTensors) have gradients only once they were reduced
+                reduced.append(all(isinstance(p, DTensor) and p.grad is not None for p in model.parameters()))
+                kept.append(not isinstance(model[0].weight, DTensor))
+            assert reduced == [False, False, True], step
+            assert kept == ([True, True, False] if keep_weights else [False, False, False]), step
+            for p, q in zip(model.parameters(), unsharded.parameters()):
+                torch.testing.assert_close(p.grad.full_tensor(), q.grad, atol=1e-6, rtol=1e-6)
+            optimizer.step()
+            reference_optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            reference_optimizer.zero_grad(set_to_none=True)
     finally:
         dist.destroy_process_group()
+
+
+def test_keeping_weights_between_micro_batches_resolves_per_rank_count_and_offload():
+    """``fsdp_keep_weights_between_micro_batches``: ``auto`` is on for one rank without CPU offload only; ``True``
+    on several ranks, or with offload, is refused naming the field."""
+    from grpo_core.config import AsyncGRPOConfig, ConfigError
+    from grpo_core.models.fsdp import resolve_keep_weights
+
+    assert resolve_keep_weights("auto", 1, cpu_offload=False) is True
+    assert resolve_keep_weights("auto", 2, cpu_offload=False) is False
+    assert resolve_keep_weights("auto", 1, cpu_offload=True) is False
+    assert resolve_keep_weights(False, 1, cpu_offload=False) is False
+    assert resolve_keep_weights(True, 1, cpu_offload=False) is True
+    with pytest.raises(ValueError, match="fsdp_keep_weights_between_micro_batches=True on 2 ranks"):
+        resolve_keep_weights(True, 2, cpu_offload=False)
+    with pytest.raises(ConfigError, match="fsdp_keep_weights_between_micro_batches"):
+        AsyncGRPOConfig(fsdp_keep_weights_between_micro_batches=True, fsdp_cpu_offload=True)
+    config = AsyncGRPOConfig()
+    assert FSDPSettings.from_config(config, bf16=False, world_size=1).keep_weights_between_micro_batches
+    assert not FSDPSettings.from_config(config, bf16=False, world_size=4).keep_weights_between_micro_batches
 
 
 def test_row_plans_are_built_once_however_fsdp_copies_the_layers_inputs():
@@ -479,7 +520,7 @@ def test_config_fields_are_checked():
     config = AsyncGRPOConfig(bf16=True, gradient_checkpointing=True, compile_mode="layers", fsdp_reshard_after_forward=False)
     settings = FSDPSettings.from_config(config, bf16=config.resolved_bf16(bf16_supported=False))
     assert settings == FSDPSettings(bf16=True, activation_checkpointing=True, reshard_after_forward=False,
-                                    compile="layers")
+                                    compile="layers", keep_weights_between_micro_batches=True)  # auto, one rank
 
 
 def test_compile_mode_auto_compiles_layers_on_cuda_only():

@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import functools
 import gc
-import os
 import platform
 import statistics
 import sys
@@ -49,7 +48,7 @@ from grpo_core.models.attention import tree as ta  # noqa: E402
 from grpo_core.models.attention.gated_delta import active_gdn_backend, fla_kernel  # noqa: E402
 from grpo_core.models.attention.short_conv import active_conv_backend  # noqa: E402
 from grpo_core.models.attention.hybrid import gated_delta_layers, head_sizes  # noqa: E402
-from grpo_core.models.fsdp import FSDPSettings, reduce_gradients_after, shard_policy  # noqa: E402
+from grpo_core.models.fsdp import FSDPSettings, before_micro_batch, needs_fsdp, shard_policy  # noqa: E402
 from grpo_core.models.moe.experts import active_expert_params, use_grouped_experts  # noqa: E402
 from grpo_core.models.moe.policy import MoEPolicy  # noqa: E402
 from grpo_core.packing.collator import pack_row  # noqa: E402
@@ -138,10 +137,11 @@ def row_backward(model, row, num_trained: int, loss_config: LossConfig) -> None:
     grpo_loss(inputs, loss_config, num_trained)[0].backward()
 
 
-def rows_backward(model, moe, rows, num_trained: int, loss_config: LossConfig) -> None:
-    """Forward and backward over every row of a step, with the expert routes replayed where the model has them."""
+def rows_backward(model, moe, rows, num_trained: int, loss_config: LossConfig, keep_weights: bool = False) -> None:
+    """Forward and backward over every row of a step, with the expert routes replayed where the model has them;
+    ``keep_weights``: FSDPSettings.keep_weights_between_micro_batches."""
     for i, row in enumerate(rows):
-        reduce_gradients_after(model, last_micro_batch=i == len(rows) - 1)  # as the trainer's step
+        before_micro_batch(model, i == len(rows) - 1, keep_weights)  # as the trainer's step
         if moe is not None:
             moe.before_forward(row.routes)
         row_backward(model, row, num_trained, loss_config)
@@ -149,14 +149,15 @@ def rows_backward(model, moe, rows, num_trained: int, loss_config: LossConfig) -
             moe.after_backward()
 
 
-def time_rows(model, moe, rows, num_trained: int, optimizer, args, device) -> tuple[list[float], list[float]]:
+def time_rows(model, moe, rows, num_trained: int, optimizer, args, device,
+              keep_weights: bool = False) -> tuple[list[float], list[float]]:
     loss_config = LossConfig.from_config(AsyncGRPOConfig())
     times_fb, times_step = [], []
     for step in range(args.warmup + args.steps):
         model.train()
         synchronize(device)
         start = time.perf_counter()
-        rows_backward(model, moe, rows, num_trained, loss_config)
+        rows_backward(model, moe, rows, num_trained, loss_config, keep_weights)
         synchronize(device)
         fb = time.perf_counter() - start
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -220,7 +221,7 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
     (``benchmarks/models/qwen35_speed.py`` passes its dense shapes)."""
     config = config or AsyncGRPOConfig()
     cuda = device.type == "cuda"
-    settings = FSDPSettings.from_config(config, bf16=cuda, device_type=device.type)
+    settings = FSDPSettings.from_config(config, bf16=cuda, device_type=device.type, world_size=world)
     model = build(shape, args.layers, device)
     torch._dynamo.utils.counters.clear()  # graph breaks of this shape's compiled layers (the profile's record)
     experts_impl = use_grouped_experts(model, experts)
@@ -233,6 +234,7 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
     active, total = active_expert_params(model.model.layers)
     params = sum(p.numel() for p in model.parameters())
     shard_policy(model, settings, device)
+    keep_weights = settings.keep_weights_between_micro_batches and needs_fsdp(settings, world)  # as the trainer's policy
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     peak = device_peak_flops(device, settings.bf16)
     budget = 256 if args.smoke else args.token_budget
@@ -246,7 +248,7 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
               "compile_graph_breaks": (("nested" if settings.nested_graph_breaks else "outer")
                                        if settings.compile == "layers" else None),
               "activation_checkpointing": settings.activation_checkpointing,
-              "world_size": world}
+              "keep_weights_between_micro_batches": keep_weights, "world_size": world}
     results = []
     # where the compiled layers break their graphs (logged while they compile, in the first steps), for the profile
     with (profiling.graph_break_sites() if cuda and args.profile else contextlib.nullcontext()) as break_sites:
@@ -264,7 +266,7 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
                 if cuda:
                     torch.cuda.reset_peak_memory_stats(device)
                 try:
-                    fb_times, step_times = time_rows(model, moe, rows, num_trained, optimizer, args, device)
+                    fb_times, step_times = time_rows(model, moe, rows, num_trained, optimizer, args, device, keep_weights)
                 except torch.OutOfMemoryError as exc:
                     per_mode[mode] = {**common, "workload": workload, "packing": mode, "error": f"OOM: {str(exc)[:200]}"}
                     rows.clear()  # the packed rows on the device, freed before the next workload or mode
@@ -275,7 +277,7 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
                 profile = None
                 if cuda and args.profile and mode == "tree":
                     loss_config = LossConfig.from_config(config)
-                    step = functools.partial(rows_backward, model, moe, rows, num_trained, loss_config)
+                    step = functools.partial(rows_backward, model, moe, rows, num_trained, loss_config, keep_weights)
                     profile = profile_step(step, optimizer, break_sites, f"{shape} {workload} {mode}")
                 step_flops = flops_model.rows_flops(plan.rows)
                 forwarded = int(metrics["batch/forwarded_tokens_per_step"])

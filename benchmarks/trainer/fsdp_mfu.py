@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
 import platform
 import statistics
 import sys
@@ -41,7 +40,8 @@ import torch.distributed as dist
 
 from grpo_core.config import AsyncGRPOConfig  # noqa: E402
 from grpo_core.models.attention import tree as ta  # noqa: E402
-from grpo_core.models.fsdp import FSDPSettings, iter_full_layers, reduce_gradients_after, shard_policy  # noqa: E402
+from grpo_core.models.fsdp import (FSDPSettings, before_micro_batch, iter_full_layers, needs_fsdp,  # noqa: E402
+                                   resolve_keep_weights, shard_policy)
 from grpo_core.models.head.lm_head import vocab_size  # noqa: E402
 from grpo_core.models.head.reference import token_logprobs  # noqa: E402
 from grpo_core.packing.collator import pack_row  # noqa: E402
@@ -133,8 +133,12 @@ def max_over_ranks(value: float, device: torch.device) -> float:
 
 
 def run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, attention, plan="auto",
-               fused=None) -> dict:
+               fused=None, keep_weights: bool | None = None) -> dict:
+    """One config's steps; ``keep_weights`` None: what the default config resolves to here
+    (``AsyncGRPOConfig.fsdp_keep_weights_between_micro_batches="auto"``)."""
     world = dist.get_world_size()
+    if keep_weights is None:
+        keep_weights = resolve_keep_weights("auto", world, cpu_offload=False)
     cpu_name = "split_emulated" if plan == "split" else "varlen_emulated"
     backend = ta.register_tree_attention(attention if device.type == "cuda" else cpu_name, device,
                                          args.attention_kernel, plan)
@@ -143,7 +147,7 @@ def run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, 
     model.set_attn_implementation(ta.TREE_ATTENTION)
     flops_model = ModelFlops.from_model(model)
     settings = FSDPSettings(bf16=device.type == "cuda", activation_checkpointing=ac, compile=compiled,
-                            reshard_after_forward=reshard)
+                            reshard_after_forward=reshard, keep_weights_between_micro_batches=keep_weights)
     shard_policy(model, settings, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     vocab = SHAPES[shape]["vocab_size"]
@@ -179,7 +183,7 @@ def run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, 
         start = time.perf_counter()
         parts = []
         for i, row in enumerate(rows):
-            reduce_gradients_after(model, last_micro_batch=i == len(rows) - 1)  # as the trainer's step
+            before_micro_batch(model, i == len(rows) - 1, settings.keep_weights_between_micro_batches)  # as the trainer
             parts.append(row_backward(model, row, num_trained, loss_config, chunk, fused))
         synchronize(device)
         fb = time.perf_counter() - start
@@ -200,6 +204,8 @@ def run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, 
         "token_budget": budget, "activation_checkpointing": ac, "compile": compiled, "attention_backend": backend,
         "nested_graph_breaks": settings.nested_graph_breaks if compiled == "layers" else None,
         "reshard_after_forward": reshard, "logprob_chunk": chunk, "logprob_head": "reference" if fused is False else "default",
+        # what ran: without FSDP2 (one fp32 rank) there are no gathered weights to keep
+        "keep_weights_between_micro_batches": settings.keep_weights_between_micro_batches and needs_fsdp(settings, world),
         "world_size": world, "rows_per_rank": len(rows),
         "same_rows": args.same_rows,
         "forwarded_tokens_per_step": int(metrics["batch/forwarded_tokens_per_step"]),
@@ -321,12 +327,37 @@ def feed_cost(world: int, budget: int, rows_per_rank: int) -> dict:
             "message_bytes": len(blob), "pickle_s": t1 - t0, "unpickle_s": t2 - t1, "rebuild_s": t3 - t2}
 
 
+def keep_weights_comparison(results: list[dict]) -> list[dict]:
+    """Pairs of configs that differ only in ``keep_weights_between_micro_batches`` (``:keepmb``/``:freemb``): the
+    kept config's fwd+bwd time and peak memory over the freed one's."""
+    varied = ("keep_weights_between_micro_batches", "fwd_bwd_s", "step_s", "fwd_bwd_times_s", "step_times_s",
+              "tokens_per_s_fwd_bwd", "tflops_per_device_fwd_bwd", "mfu_fwd_bwd", "mfu_wall_clock", "plan_s",
+              "peak_allocated_gib", "peak_reserved_gib", "weight_gather", "mismatch_metrics_step_cost",
+              "step_s_without_mismatch_metrics", "step_times_s_without_mismatch_metrics")
+
+    def key(r: dict) -> tuple:
+        return tuple(sorted((k, repr(v)) for k, v in r.items() if k not in varied))
+
+    ok = [r for r in results if "error" not in r]
+    out = []
+    for kept in (r for r in ok if r.get("keep_weights_between_micro_batches")):
+        freed = next((r for r in ok if r.get("keep_weights_between_micro_batches") is False and key(r) == key(kept)), None)
+        if freed:
+            peak = (kept["peak_allocated_gib"] / freed["peak_allocated_gib"]) if freed.get("peak_allocated_gib") else None
+            out.append({"token_budget": kept["token_budget"], "fwd_bwd_ratio": kept["fwd_bwd_s"] / freed["fwd_bwd_s"],
+                        "peak_ratio": peak, "kept_peak_gib": kept.get("peak_allocated_gib"),
+                        "freed_peak_gib": freed.get("peak_allocated_gib")})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen3-1.7b")
     ap.add_argument("--configs", default="16384:noac,16384:ac,32768:ac,65536:ac",
-                    help="budget:ac|noac[:pointwise|:layers][:keep][:chunkN|:chunkauto][:attn=NAME][:plan=NAME]"
-                         "[:reference], comma-separated (keep: no reshard after forward; chunk: "
+                    help="budget:ac|noac[:pointwise|:layers][:keep][:freemb|:keepmb][:chunkN|:chunkauto][:attn=NAME]"
+                         "[:plan=NAME][:reference], comma-separated (keep: no reshard after forward; freemb/keepmb: "
+                         "free the gathered weights after each micro-batch's backward, or keep them to the next "
+                         "(AsyncGRPOConfig.fsdp_keep_weights_between_micro_batches; neither: its auto); chunk: "
                          "AsyncGRPOConfig.logprob_chunk_size; reference: the reference log-prob head, not the fused one; "
                          "attn: AsyncGRPOConfig.attention_backend, else --attention-backend; plan: "
                          "AsyncGRPOConfig.tree_attention_plan, else auto)")
@@ -382,13 +413,14 @@ def main() -> None:
         ac = parts[1] == "ac"
         compiled = next((p for p in parts[2:] if p in ("pointwise", "layers")), "none")
         reshard = "keep" not in parts[2:]
+        keep_weights = True if "keepmb" in parts[2:] else False if "freemb" in parts[2:] else None
         chunk = next((p[5:] if p == "chunkauto" else int(p[5:]) for p in parts[2:] if p.startswith("chunk")), None)
         attention = next((p[5:] for p in parts[2:] if p.startswith("attn=")), args.attention_backend)
         plan = next((p[5:] for p in parts[2:] if p.startswith("plan=")), "auto")
         args.gather = gather and not any("weight_gather" in r for r in report["results"])
         try:
             result = run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, attention, plan,
-                                False if "reference" in parts[2:] else None)
+                                False if "reference" in parts[2:] else None, keep_weights)
         except Exception as exc:  # noqa: BLE001 - an OOM or a compile failure is a result too
             result = {"token_budget": budget, "activation_checkpointing": ac, "compile": compiled,
                       "attention_backend": attention, "reshard_after_forward": reshard, "logprob_chunk": chunk,
@@ -397,6 +429,10 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         record(report, result, args.out, is_main=info.rank == 0)
+    kept = keep_weights_comparison(report["results"])
+    if kept and info.rank == 0:
+        report["keep_weights_vs_free"] = kept
+        write_report(args.out, report)
     if info.rank == 0:
         print_table(report["results"], f"{'budget':>7} {'AC':>3} {'compile':>9} {'attention':>16} {'reshard':>7} "
                     f"{'chunk':>5} {'tok/s':>8} {'MFU fb':>7} {'MFU step':>8} {'peak GiB':>8}",
@@ -409,6 +445,9 @@ def main() -> None:
             if "mismatch_metrics_step_cost" in r:
                 print(f"budget {r['token_budget']}: the step with the mismatch/* metrics ÷ without = "
                       f"{1 + r['mismatch_metrics_step_cost']:.4f} (median of {args.steps} steps each, alternated)")
+        for k in kept:
+            print(f"budget {k['token_budget']}: weights kept between micro-batches ÷ freed after each: fwd+bwd time "
+                  f"{k['fwd_bwd_ratio']:.4f}, peak memory {k['peak_ratio'] or float('nan'):.4f}")
     dist.destroy_process_group()
 
 

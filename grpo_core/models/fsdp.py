@@ -11,9 +11,9 @@
   master weights, the gradient reduction and the optimizer state stay fp32;
 * optional CPU offload of the sharded parameters, gradients and optimizer state.
 
-On one rank, the gradients of a step's micro-batches accumulate unsharded and are reduced once, after the last
-(``reduce_gradients_after``, which the trainer's step calls before each backward); several ranks reduce after
-every micro-batch.
+On one rank, the gradients of a step's micro-batches accumulate unsharded and are reduced once, after the last,
+and the gathered weights may stay from one micro-batch to the next (``before_micro_batch``, which the trainer's
+step calls before each micro-batch); several ranks reduce and free after every micro-batch.
 
 Gradients are reduced as a *sum* over ranks, not FSDP's default mean: the GRPO loss of every rank is
 already divided by the trained tokens of the whole step (``grpo_core.training.loss.grpo_loss``), so the sum is
@@ -50,6 +50,10 @@ class FSDPSettings:
     """Recompute each decoder layer's activations in backward."""
     reshard_after_forward: bool = True
     """Free a layer's gathered parameters after its forward (gather again in backward)."""
+    keep_weights_between_micro_batches: bool = False
+    """One rank: keep the gathered parameters from a micro-batch's backward into the next one's forward, freed
+    after the step's last backward (``before_micro_batch`` switches it per micro-batch; see
+    ``AsyncGRPOConfig.fsdp_keep_weights_between_micro_batches``)."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in host memory (CUDA only)."""
     compile: str = "none"
@@ -62,6 +66,9 @@ class FSDPSettings:
     default is its ``auto``: on where this PyTorch has nested graph breaks)."""
 
     def __post_init__(self) -> None:
+        if self.keep_weights_between_micro_batches and self.cpu_offload:
+            raise ValueError("FSDPSettings.keep_weights_between_micro_batches=True with cpu_offload: the kept weights "
+                             "would stay on the GPU; set one of them False")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"FSDPSettings.compile={self.compile!r}: use one of {COMPILE_MODES}")
         if self.nested_graph_breaks and not nested_graph_breaks_supported():
@@ -69,13 +76,15 @@ class FSDPSettings:
                              "breaks (2.9 and later have them); leave it False")
 
     @classmethod
-    def from_config(cls, args, bf16: bool, device_type: str = "cpu") -> FSDPSettings:
-        """From an ``AsyncGRPOConfig``; ``bf16`` is its resolved value for this device."""
+    def from_config(cls, args, bf16: bool, device_type: str = "cpu", world_size: int = 1) -> FSDPSettings:
+        """From an ``AsyncGRPOConfig``; ``bf16`` is its resolved value for this device, ``world_size`` the ranks."""
         return cls(
             bf16=bf16,
             fp16=args.fp16,
             activation_checkpointing=args.gradient_checkpointing,
             reshard_after_forward=args.fsdp_reshard_after_forward,
+            keep_weights_between_micro_batches=resolve_keep_weights(
+                args.fsdp_keep_weights_between_micro_batches, world_size, args.fsdp_cpu_offload),
             cpu_offload=args.fsdp_cpu_offload,
             compile=resolve_compile_mode(args.compile_mode, device_type),
             nested_graph_breaks=resolve_graph_breaks(args.compile_graph_breaks) == "nested",
@@ -89,6 +98,18 @@ def resolve_compile_mode(mode: str, device_type: str) -> str:
     if mode == "auto":
         return "layers" if device_type == "cuda" else "none"
     return mode
+
+
+def resolve_keep_weights(setting: bool | str, world_size: int, cpu_offload: bool) -> bool:
+    """``AsyncGRPOConfig.fsdp_keep_weights_between_micro_batches``: ``auto`` → on with one rank and no CPU offload;
+    ``True`` on several ranks is refused, naming the field (every rank would hold the whole model)."""
+    if setting == "auto":
+        return world_size == 1 and not cpu_offload
+    if setting and world_size > 1:
+        raise ValueError(f"fsdp_keep_weights_between_micro_batches=True on {world_size} ranks: every rank would hold "
+                         "the whole model's weights between micro-batches; leave it 'auto' (on for one rank only) "
+                         "or set it False")
+    return bool(setting)
 
 
 def nested_graph_breaks_supported() -> bool:
@@ -224,15 +245,25 @@ def with_nested_graph_breaks(compiled: Callable[..., Any]) -> Callable[..., Any]
     return call
 
 
-def reduce_gradients_after(model: torch.nn.Module, last_micro_batch: bool) -> None:
-    """Call before each micro-batch's backward: on one rank, FSDP2 reduces the gradients into the sharded fp32 ones
-    only after the step's last micro-batch, and the backwards before it accumulate the unsharded gradients (FSDP2
-    accumulates those in its reduce dtype, fp32). One rank's unsharded gradients take the memory its sharded ones
-    would, so this drops a copy of every gradient (the single-rank reduce) per micro-batch at no cost. On several
-    ranks every micro-batch is still reduced: accumulating unsharded gradients there would hold the whole model's
-    gradients on every rank. Without FSDP2 (one rank in fp32) there is nothing to do."""
-    if hasattr(model, "set_requires_gradient_sync") and (not dist.is_initialized() or dist.get_world_size() == 1):
-        model.set_requires_gradient_sync(last_micro_batch)
+def before_micro_batch(model: torch.nn.Module, last_micro_batch: bool, keep_weights: bool = False) -> None:
+    """Call before each micro-batch of a step, on one rank (on several ranks it does nothing):
+
+    * gradients: FSDP2 reduces them into the sharded fp32 ones only after the step's last micro-batch, and the
+      backwards before it accumulate the unsharded gradients (FSDP2 accumulates those in its reduce dtype, fp32).
+      One rank's unsharded gradients take the memory its sharded ones would, so this drops a copy of every
+      gradient (the single-rank reduce) per micro-batch at no cost;
+    * weights, with ``keep_weights`` (``FSDPSettings.keep_weights_between_micro_batches``): the gathered compute
+      weights stay from this micro-batch's backward into the next one's forward, which then needs no gather, and
+      are freed after the last backward, before the optimizer changes the master weights they were cast from.
+
+    On several ranks every micro-batch is still reduced and every layer freed after its backward: either would
+    hold the whole model's gradients or weights on every rank. Without FSDP2 (one rank in fp32) there is nothing
+    to do."""
+    if not hasattr(model, "set_requires_gradient_sync") or (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    model.set_requires_gradient_sync(last_micro_batch)
+    if keep_weights:
+        model.set_reshard_after_backward(last_micro_batch)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

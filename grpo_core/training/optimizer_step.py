@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from grpo_core.models.fsdp import full_value, reduce_gradients_after
+from grpo_core.models.fsdp import before_micro_batch, full_value
 from grpo_core.models.moe.policy import finalize_moe_metrics
 from grpo_core.packing.collator import pack_row
 from grpo_core.training.collector import StepBatch
@@ -20,9 +20,10 @@ from grpo_core.training.perf import synchronize
 
 def optimizer_step(batch: StepBatch, rank: int, device: torch.device, micro_batch: MicroBatch, model: Any,
                    optimizer: torch.optim.Optimizer, lr_scheduler: Any, grad_scaler: Any,
-                   max_grad_norm: float) -> dict[str, float]:
+                   max_grad_norm: float, keep_weights: bool = False) -> dict[str, float]:
     """Train ``batch``'s rows for ``rank`` and step; the step's ``loss``, ``grad_norm``, ``learning_rate``,
-    ``perf/fwd_bwd_s`` (the slowest rank's) and the loss's metrics over all ranks."""
+    ``perf/fwd_bwd_s`` (the slowest rank's) and the loss's metrics over all ranks. ``keep_weights``: one rank keeps
+    the gathered weights between the step's micro-batches (``fsdp.before_micro_batch``)."""
     rows = [pack_row(row) for row in batch.plan.rows_for_rank(rank)]
     num_tokens = max(1, sum(row.num_trained_tokens for row in batch.plan.rows))
     step_positions = sum(row.num_unique_tokens for row in batch.plan.rows)
@@ -30,7 +31,7 @@ def optimizer_step(batch: StepBatch, rank: int, device: torch.device, micro_batc
     losses = []
     start = time.perf_counter()
     for i, row in enumerate(rows):
-        reduce_gradients_after(model, last_micro_batch=i == len(rows) - 1)
+        before_micro_batch(model, last_micro_batch=i == len(rows) - 1, keep_weights=keep_weights)
         loss, part = micro_batch.run(row.to(device), num_tokens, step_positions)
         losses.append(loss)
         parts.append(part)

@@ -42,6 +42,7 @@ class Policy:
     compute_dtype: torch.dtype  # what forward/backward run in; weights are served and saved in it too
     compile_mode: str
     compile_graph_breaks: str | None  # nested or outer where layers are compiled whole, else None
+    keep_weights_between_micro_batches: bool  # one rank keeps gathered weights through a step (FSDPSettings)
     attention_backend: str
     experts_implementation: Any
     moe: MoEPolicy | None
@@ -55,7 +56,7 @@ def build_policy(model: Any, processing_class: Any, peft_config: Any, args: Asyn
     """Load ``model`` (a path, a hub name or a module) on ``device`` and make it trainable as ``args`` say."""
     bf16 = resolve_precision(args, device, dist.is_main)
     compute_dtype = torch.bfloat16 if bf16 else (torch.float16 if args.fp16 else torch.float32)
-    fsdp_settings = FSDPSettings.from_config(args, bf16=bf16, device_type=device.type)
+    fsdp_settings = FSDPSettings.from_config(args, bf16=bf16, device_type=device.type, world_size=dist.world_size)
     # Ranks (and 1-rank bf16 through FSDP2) join the process group before anything is sharded.
     owns_process_group = needs_fsdp(fsdp_settings, dist.world_size) and init_distributed(
         dist, device, timeout_s=max(3600.0, 2 * args.request_timeout))
@@ -91,6 +92,8 @@ def build_policy(model: Any, processing_class: Any, peft_config: Any, args: Asyn
                   compile_mode=fsdp_settings.compile,
                   compile_graph_breaks=(("nested" if fsdp_settings.nested_graph_breaks else "outer")
                                         if fsdp_settings.compile == "layers" else None),
+                  keep_weights_between_micro_batches=(fsdp_settings.keep_weights_between_micro_batches
+                                                      and needs_fsdp(fsdp_settings, dist.world_size)),
                   attention_backend=attention_backend,
                   experts_implementation=experts_implementation, moe=moe, vocab_size=vocab, perf=perf,
                   owns_process_group=owns_process_group)

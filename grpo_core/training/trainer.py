@@ -109,6 +109,7 @@ class AsyncGRPOTrainer:
         self.optimizer, self.lr_scheduler, self.grad_scaler = p.optimizer, p.lr_scheduler, p.grad_scaler
         self.bf16, self.compute_dtype, self.compile_mode = p.bf16, p.compute_dtype, p.compile_mode
         self.compile_graph_breaks = p.compile_graph_breaks
+        self.keep_weights_between_micro_batches = p.keep_weights_between_micro_batches
         self.attention_backend, self.experts_implementation, self.moe = p.attention_backend, p.experts_implementation, p.moe
         self.vocab_size, self.perf = p.vocab_size, p.perf
         self.loss_config = LossConfig.from_config(self.args.training)
@@ -208,6 +209,7 @@ class AsyncGRPOTrainer:
             "bf16": self.bf16,
             "compile_mode": self.compile_mode,
             "compile_graph_breaks": self.compile_graph_breaks,  # None (no tag) unless layers are compiled whole
+            "fsdp_keep_weights_between_micro_batches": self.keep_weights_between_micro_batches,
             "attention_backend": self.attention_backend,  # the kernel, and the tree plan where it splits
             "experts_implementation": self.experts_implementation,
             "weight_transfer_backend": self.args.resolved_weight_transfer_backend(self.device.type == "cuda"),
@@ -248,7 +250,8 @@ class AsyncGRPOTrainer:
         reached the optimizer."""
         self.model.train()
         return optimizer_step(batch, self.dist.rank, self.device, self.micro_batch, self.model, self.optimizer,
-                              self.lr_scheduler, self.grad_scaler, self.args.max_grad_norm)
+                              self.lr_scheduler, self.grad_scaler, self.args.max_grad_norm,
+                              keep_weights=self.keep_weights_between_micro_batches)
 
     # ------------------------------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
