@@ -120,6 +120,20 @@ def _qwen35_defaults(d: dict[str, Any]) -> str:
     return f"hybrid per parameter / dense {per_param}; MoE MFU Qwen3.5 {_pct(s['qwen3_5_moe_mfu'])}"
 
 
+def _qwen35_breaks(d: dict[str, Any]) -> str:
+    s = d["summary"]
+    per_param = ", ".join(f"{w} {v:.2f}x" for w, v in s["hybrid_per_param_vs_dense"].items())
+    outer = ", ".join(f"{w} {v:.2f}x" for w, v in s["hybrid_per_param_vs_dense_by_graph_breaks"]["outer"].items())
+    return f"hybrid per parameter / dense {per_param} (default: nested graph breaks); outer breaks {outer}"
+
+
+def _keep_weights(d: dict[str, Any]) -> str:
+    pairs = d["keep_weights_vs_free"]
+    times = ", ".join(f"{p['fwd_bwd_ratio']:.3f}x" for p in pairs)
+    peaks = ", ".join(f"{p['peak_ratio']:.4f}x" for p in pairs)
+    return f"weights kept between micro-batches / freed: fwd+bwd time {times}; peak memory {peaks}"
+
+
 HEADLINES: tuple[Headline, ...] = (
     Headline("Ours ÷ TRL trained tokens/s, Qwen3-1.7B, one H200, by packing ratio", "peer_trl_gpu.json", _peer_ratios),
     Headline("Peak GPU memory, ours against TRL, Qwen3-1.7B", "peer_trl_gpu.json", _peer_memory),
@@ -130,6 +144,10 @@ HEADLINES: tuple[Headline, ...] = (
              "qwen35_speed.json", _qwen35),
     Headline("Qwen3.5 family after the convolution and experts defaults changed (tree rows only, one H200)",
              "qwen35_speed_defaults_h200.json", _qwen35_defaults),
+    Headline("Qwen3.5 hybrid against dense per parameter, default config, one H100 at 8k-token rows (tree rows)",
+             "qwen35_speed_h100.json", _qwen35_breaks),
+    Headline("FSDP2 on one GPU keeping the bf16 weights between micro-batches, Qwen3-1.7B, one H100, 8k rows",
+             "fsdp_keep_weights_h100.json", _keep_weights),
     Headline("Sparse (delta) push against dense, Qwen3-1.7B, one H200", "sparse_push_gpu.json", _sparse_bytes),
     Headline("NCCL weight push, Qwen3-1.7B bf16, 2 x H200", "nccl_sync.json", _nccl),
     Headline("Fleet of two CPU servers against one", "fleet_throughput.json", _fleet),
