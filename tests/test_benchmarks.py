@@ -80,7 +80,7 @@ SMOKES: dict[str, Smoke] = {
     "benchmarks.models.moe_training": Smoke(("--smoke", "--steps", "1")),
     "benchmarks.models.qwen35_speed": Smoke(("--smoke", "--steps", "1", "--warmup", "0", "--gdn-kernels", "triton,flash_qla",
                                              "--gdn-convs", "torch,auto", "--experts", "grouped_mm,grpo_grouped_mm",
-                                             "--graph-breaks", "nested,outer", "--keep-weights", "on,off")),
+                                             "--graph-breaks", "nested,outer", "--weight-gathers", "per_pass,per_step")),
     "benchmarks.packing.gather_grad_sum": Smoke(),
     "benchmarks.packing.gdn_tree_packing": Smoke(("--smoke", "--repeats", "1")),
     "benchmarks.packing.tree_packing": Smoke(("--smoke", "--repeats", "1", "--heads", "fused")),
@@ -343,22 +343,25 @@ def test_fsdp_mfu_pairs_kept_and_freed_weights_that_differ_in_nothing_else() -> 
     assert pair["fwd_bwd_ratio"] == pytest.approx(0.9) and pair["peak_ratio"] == pytest.approx(1.1)
 
 
-def test_the_moe_figure_is_the_default_configs_with_both_weight_settings_listed() -> None:
-    """``qwen35_summary.summarize`` with ``--keep-weights on,off``: the MoE figures are the one-rank default's (weights
-    kept between micro-batches), and both settings are listed."""
+def test_the_moe_figure_is_the_default_configs_with_every_weight_schedule_listed() -> None:
+    """``qwen35_summary.summarize`` with ``--weight-gathers per_pass,per_micro_batch,per_step``: the MoE figures are
+    the one-rank default's (``per_micro_batch``: weights kept between micro-batches), and every schedule is listed."""
     from benchmarks.models import qwen35_summary
     from grpo_core.models.moe.experts import DEFAULT_EXPERTS
 
-    def row(shape: str, kept: bool, mfu: float) -> dict:
-        return {"model": shape, "experts_implementation": DEFAULT_EXPERTS, "keep_weights_between_micro_batches": kept,
+    def row(shape: str, gathers: str, mfu: float) -> dict:
+        return {"model": shape, "experts_implementation": DEFAULT_EXPERTS, "weight_gathers": gathers,
                 "world_size": 1, "mfu_fwd_bwd": mfu}
 
     (moe, _), (a3b, _) = qwen35_summary.MOE[False]
-    summary = qwen35_summary.summarize({"moe": [row(moe, False, 0.20), row(moe, True, 0.24), row(a3b, False, 0.31),
-                                                row(a3b, True, 0.33)]}, smoke=False)
+    rows = [row(moe, "per_pass", 0.20), row(moe, "per_micro_batch", 0.24), row(moe, "per_step", 0.26),
+            row(a3b, "per_pass", 0.31), row(a3b, "per_micro_batch", 0.33)]
+    summary = qwen35_summary.summarize({"moe": rows}, smoke=False)
     assert summary["qwen3_5_moe_mfu"] == 0.24 and summary["qwen3_30b_a3b_mfu"] == 0.33
-    assert summary["moe_mfu_by_keep_weights"] == {"False": {"qwen3_5_moe_mfu": 0.20, "qwen3_30b_a3b_mfu": 0.31},
-                                                  "True": {"qwen3_5_moe_mfu": 0.24, "qwen3_30b_a3b_mfu": 0.33}}
+    assert summary["moe_mfu_by_weight_gathers"] == {
+        "per_pass": {"qwen3_5_moe_mfu": 0.20, "qwen3_30b_a3b_mfu": 0.31},
+        "per_micro_batch": {"qwen3_5_moe_mfu": 0.24, "qwen3_30b_a3b_mfu": 0.33},
+        "per_step": {"qwen3_5_moe_mfu": 0.26}}
 
 
 def test_the_summary_takes_the_default_graph_breaks_and_lists_both_settings() -> None:

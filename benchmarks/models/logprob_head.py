@@ -15,7 +15,6 @@ against the reference dense head.
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import statistics
 import sys

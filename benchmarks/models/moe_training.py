@@ -137,6 +137,15 @@ def row_backward(model, row, num_trained: int, loss_config: LossConfig) -> None:
     grpo_loss(inputs, loss_config, num_trained)[0].backward()
 
 
+def weight_gathers(settings: FSDPSettings, keep_weights: bool, sharded: bool) -> str | None:
+    """How often a step gathers each layer's weights (``qwen35_speed.WEIGHT_GATHERS``' names); None without FSDP2."""
+    if not sharded:
+        return None
+    if keep_weights:
+        return "per_micro_batch" if settings.reshard_after_forward else "per_step"
+    return "per_pass" if settings.reshard_after_forward else "per_pass_kept_to_backward"
+
+
 def rows_backward(model, moe, rows, num_trained: int, loss_config: LossConfig, keep_weights: bool = False) -> None:
     """Forward and backward over every row of a step, with the expert routes replayed where the model has them;
     ``keep_weights``: FSDPSettings.keep_weights_between_micro_batches."""
@@ -248,7 +257,10 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
               "compile_graph_breaks": (("nested" if settings.nested_graph_breaks else "outer")
                                        if settings.compile == "layers" else None),
               "activation_checkpointing": settings.activation_checkpointing,
-              "keep_weights_between_micro_batches": keep_weights, "world_size": world}
+              "keep_weights_between_micro_batches": keep_weights,
+              "reshard_after_forward": settings.reshard_after_forward if needs_fsdp(settings, world) else None,
+              "weight_gathers": weight_gathers(settings, keep_weights, needs_fsdp(settings, world)),
+              "world_size": world}
     results = []
     # where the compiled layers break their graphs (logged while they compile, in the first steps), for the profile
     with (profiling.graph_break_sites() if cuda and args.profile else contextlib.nullcontext()) as break_sites:

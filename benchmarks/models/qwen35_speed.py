@@ -29,7 +29,7 @@ One run measures, all with random weights and 16k-token rows:
     python3 -m benchmarks.models.qwen35_speed --parts speed --gdn-kernels triton,flash_qla --profile --out ...
     python3 -m benchmarks.models.qwen35_speed --parts conv,speed --gdn-convs torch,auto,triton --out ...
     python3 -m benchmarks.models.qwen35_speed --parts speed --packings tree --graph-breaks nested,outer --out ...
-    python3 -m benchmarks.models.qwen35_speed --parts moe --keep-weights on,off --out ...
+    python3 -m benchmarks.models.qwen35_speed --parts moe --weight-gathers per_pass,per_micro_batch,per_step --out ...
     python3 -m benchmarks.models.qwen35_speed --smoke --out /tmp/qwen35_smoke.json
 """
 
@@ -196,24 +196,35 @@ def experts_choices(args) -> list[str | None]:
     return side_by_side(args.experts, "default", EXPERTS_IMPLEMENTATIONS, "--experts")
 
 
-def keep_weights_choices(args) -> list[str | None]:
-    """``--keep-weights``: None runs once with the default config's ``fsdp_keep_weights_between_micro_batches``
-    (``auto``: on for one rank); ``on`` and ``off`` a run each of every MoE shape, side by side."""
-    return side_by_side(args.keep_weights, "default", ("on", "off"), "--keep-weights")
+WEIGHT_GATHERS = {
+    "per_pass": dict(fsdp_reshard_after_forward=True, fsdp_keep_weights_between_micro_batches=False),
+    "per_micro_batch": dict(fsdp_reshard_after_forward=True, fsdp_keep_weights_between_micro_batches=True),
+    "per_step": dict(fsdp_reshard_after_forward=False, fsdp_keep_weights_between_micro_batches=True),
+}
+"""How often FSDP2 gathers (on one GPU: casts to bf16) each layer's weights in a step, as config fields:
+``per_pass`` before each forward and each backward (FSDP2's own schedule), ``per_micro_batch`` before each
+backward and once more (the default config on one rank), ``per_step`` once (kept from forward to backward too, at
+2 bytes a parameter more)."""
+
+
+def weight_gathers_choices(args) -> list[str | None]:
+    """``--weight-gathers``: None runs once with the default config; any of ``WEIGHT_GATHERS`` a run each of every
+    MoE shape, side by side."""
+    return side_by_side(args.weight_gathers, "default", tuple(WEIGHT_GATHERS), "--weight-gathers")
 
 
 def run_moe(args, device, info, world, results: list[dict], save) -> list[dict]:
     """The moe part's rows, appended to ``results``; ``save()`` after each shape's (a run cut short keeps them)."""
     for shape, layers in MOE[args.smoke]:
         for experts in experts_choices(args):
-            for keep in keep_weights_choices(args):
+            for gathers in weight_gathers_choices(args):
                 args.layers, args.workloads = layers, "mfu"
-                config = None if keep is None else AsyncGRPOConfig(fsdp_keep_weights_between_micro_batches=keep == "on")
+                config = None if gathers is None else AsyncGRPOConfig(**WEIGHT_GATHERS[gathers])
                 for r in shape_results(args, shape, device, info, world, moe_training.build_model, config=config,
                                        experts=experts):
                     results.append(r)
                     print("moe", json.dumps({k: r.get(k) for k in (
-                        "model", "experts_implementation", "keep_weights_between_micro_batches", "mfu_fwd_bwd",
+                        "model", "experts_implementation", "weight_gathers", "mfu_fwd_bwd",
                         "tokens_per_s_fwd_bwd", "peak_allocated_gib", "error")}), flush=True)
                 save()
     return results
@@ -415,9 +426,9 @@ def main() -> None:
                     help="the hybrid's short convolutions: default (what the trainer picks), or any of torch, auto and "
                          "triton, each timed in turn (torch: the PyTorch form; auto: fla's kernel where it passes its "
                          "probe; triton: the project's kernels)")
-    ap.add_argument("--keep-weights", default="default",
-                    help="the moe part's FSDP2 weights between micro-batches: default (the config's "
-                         "fsdp_keep_weights_between_micro_batches, auto), or on and/or off, each a run of every shape")
+    ap.add_argument("--weight-gathers", default="default",
+                    help="the moe part's FSDP2 gathers of each layer's weights in a step: default (the config's), or "
+                         "any of per_pass, per_micro_batch and per_step, each a run of every shape (WEIGHT_GATHERS)")
     ap.add_argument("--graph-breaks", default="default",
                     help="the speed part's compiled layers: default (the config's compile_graph_breaks, auto), or "
                          "nested and/or outer, each a run of both models in turn")

@@ -99,11 +99,12 @@ def per_param_by_graph_breaks(speed: list[dict], dense: str, hybrid: str) -> dic
     return out
 
 
-def keeps_as_default(row: dict) -> bool:
-    """Whether a row kept its weights between micro-batches as the default config does (``auto``: on one rank); a
-    row that does not say predates the setting. Rows without FSDP2 (the CPU's fp32) keep nothing either way."""
-    kept = row.get("keep_weights_between_micro_batches")
-    return kept is None or kept == (row.get("world_size", 1) == 1)
+def gathers_as_default(row: dict) -> bool:
+    """Whether a row gathered its weights as the default config does on its ranks (one rank: ``per_micro_batch``,
+    the weights kept between micro-batches; several: ``per_pass``); a row that does not say ran without FSDP2 (the
+    CPU's fp32) or predates the setting."""
+    gathers = row.get("weight_gathers")
+    return gathers is None or gathers == ("per_micro_batch" if row.get("world_size", 1) == 1 else "per_pass")
 
 
 def summarize(report: dict, smoke: bool) -> dict:
@@ -140,23 +141,22 @@ def summarize(report: dict, smoke: bool) -> dict:
         summary["hybrid_per_param_vs_dense_by_gdn_backend"] = by_kernel
     summary["tree_speedup_over_flop_ideal"] = reached
     by_experts: dict[str, dict] = {}
-    by_keep: dict[str, dict] = {}
+    by_gathers: dict[str, dict] = {}
     for key, (shape, _) in zip(("qwen3_5_moe_mfu", "qwen3_30b_a3b_mfu"), MOE[smoke]):
         rows = [r for r in report.get("moe", []) if r.get("model") == shape and "error" not in r]
         for r in rows:
             by_experts.setdefault(str(r.get("experts_implementation")), {})[key] = r["mfu_fwd_bwd"]
-        # the figure is the default config's: the trainer's default experts (DEFAULT_EXPERTS), and the weights kept
-        # between micro-batches as ``fsdp_keep_weights_between_micro_batches="auto"`` keeps them (one rank: kept);
-        # the other rows are the side-by-side comparisons
+        # the figure is the default config's: the trainer's default experts (DEFAULT_EXPERTS), and its weight gathers
+        # (one rank: kept between micro-batches); the other rows are the side-by-side comparisons
         default_experts = [r for r in rows if r.get("experts_implementation") == DEFAULT_EXPERTS] or rows
         for r in default_experts:
-            by_keep.setdefault(str(r.get("keep_weights_between_micro_batches")), {})[key] = r["mfu_fwd_bwd"]
-        r = next((r for r in default_experts if keeps_as_default(r)), default_experts[0] if default_experts else None)
+            by_gathers.setdefault(str(r.get("weight_gathers")), {})[key] = r["mfu_fwd_bwd"]
+        r = next((r for r in default_experts if gathers_as_default(r)), default_experts[0] if default_experts else None)
         summary[key] = r["mfu_fwd_bwd"] if r else None
     if len(by_experts) > 1:
         summary["moe_mfu_by_experts"] = by_experts
-    if len(by_keep) > 1:
-        summary["moe_mfu_by_keep_weights"] = by_keep
+    if len(by_gathers) > 1:
+        summary["moe_mfu_by_weight_gathers"] = by_gathers
     gaps = {g["model"]: g for g in report.get("gap", [])}
     if dense in gaps and hybrid in gaps:
         summary["hybrid_logprob_gap"] = gaps[hybrid]["tree_vs_alone"]["mean"]
