@@ -168,17 +168,29 @@ def test_a_rows_segment_tree_is_built_once_and_the_first_call_decides_its_chunk_
     assert len(planned) == 3  # one plan per depth
 
 
-def test_a_row_of_roots_is_taken_as_it_is_and_a_tree_is_gathered():
-    """A row of three unrelated samples is one depth in row order: no gather in, no reordering out. A tree is not."""
+def test_a_row_of_roots_is_taken_as_it_is_and_a_tree_is_permuted_once():
+    """A row of three unrelated samples is one depth in row order: no permutation in, none out, the one slice the row
+    itself. A tree's row is put in depth order by one permutation, whose backward is the inverse gather, and cut into
+    one slice per depth."""
     cpu = torch.device("cpu")
     cu = torch.tensor([0, 4, 9, 12], dtype=torch.int32)
     flat = gd.build_segment_tree(TreeAttentionMetadata(cu, cu, 5, 5, None), cpu)
-    assert len(flat.depths) == 1 and flat.depths[0].whole_row and flat.unsort is None
+    assert len(flat.depths) == 1 and flat.order is None and flat.unsort is None and flat.sizes == [12]
     x = torch.randn(12, 2)
-    assert gd.take_rows(x, flat.depths[0]) is x
+    (whole,) = gd.depth_slices(x, flat)
+    assert whole.data_ptr() == x.data_ptr() and whole.shape == x.shape
     tree = gd.build_segment_tree(probe_meta(cpu, [5, 1, 3, 2]), cpu)
-    assert [d.whole_row for d in tree.depths] == [False, False, False] and tree.unsort is not None
-    assert gd.take_rows(torch.arange(11), tree.depths[1]).tolist() == [5, 9, 10]
+    assert tree.sizes == [len(d.rows) for d in tree.depths] and sum(tree.sizes) == 11
+    assert tree.order is not None and tree.unsort is not None
+    assert tree.order[tree.unsort].tolist() == list(range(11))
+    slices = gd.depth_slices(torch.arange(11), tree)
+    assert [s.tolist() for s in slices] == [d.rows.tolist() for d in tree.depths]
+    assert slices[1].tolist() == [5, 9, 10]
+    # the gradient of a weighted sum of the slices lands on each row position, without accumulation
+    y = torch.randn(11, 3, requires_grad=True)
+    weights = torch.randn(11, 3)
+    sum((s * w).sum() for s, w in zip(gd.depth_slices(y, tree), torch.split(weights, tree.sizes))).backward()
+    torch.testing.assert_close(y.grad, weights[tree.unsort], atol=0, rtol=0)
 
 
 def test_a_compiled_layer_keeps_the_input_preparation_in_its_graph():

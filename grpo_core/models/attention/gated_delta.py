@@ -50,23 +50,25 @@ CHUNK = 64  # chunk length of the reference scan: matmul-sized blocks, a short s
 # ---- the row's segments as a tree of segments -----------------------------------------------------
 @dataclass
 class Depth:
-    """The segments at one depth of the segment tree, in row order."""
+    """The segments at one depth of the segment tree, in row order. A backend gets the depth's tokens as one
+    ``[T, H, *]`` slice of the row put in depth order (``SegmentTree.order``), segment after segment."""
 
     rows: torch.Tensor  # int64 [T]: row positions of these segments' tokens, segment after segment
-    padded: torch.Tensor  # int64 [N, L]: the same positions padded to the longest segment, -1 = pad
-    cu_seqlens: torch.Tensor  # int64 [N + 1]: token ranges of the segments within ``rows``
+    padded: torch.Tensor  # int64 [N, L]: positions within the depth's slice, per segment, padded to the longest: -1
+    cu_seqlens: torch.Tensor  # int64 [N + 1]: token ranges of the segments within the depth's slice
     cu_seqlens_cpu: torch.Tensor  # the same on the host: kernels that plan on the host read it without a device sync
     parent: torch.Tensor | None  # int64 [N]: each segment's parent among the previous depth's segments
-    whole_row: bool = False  # ``rows`` is the row in order (a row of roots only): the tensors are taken as they are
 
 
 @dataclass
 class SegmentTree:
-    """What the delta rule needs of a row: segments by depth and the way back to row order."""
+    """What the delta rule needs of a row: segments by depth, and the permutation between row and depth order."""
 
     depths: list[Depth]
-    unsort: torch.Tensor | None  # int64 [U]: row position -> its place in the depth-by-depth concatenation
-    # (None where that is the row order: one depth of roots, a row without shared prefixes)
+    order: torch.Tensor | None  # int64 [U]: depth order's row positions, depth after depth (``x[order]`` sorts a row)
+    unsort: torch.Tensor | None  # int64 [U]: the inverse, row position -> its place in depth order (unsorts)
+    # (both None where depth order is the row order: one depth of roots, a row without shared prefixes)
+    sizes: list[int]  # tokens per depth: the depths' slices of a row in depth order
 
 
 
@@ -123,27 +125,54 @@ def build_segment_tree(meta: TreeAttentionMetadata, device: torch.device, plan_c
         place[segs] = np.arange(len(segs))
         lengths = cu_q[segs + 1] - cu_q[segs]
         width = int(lengths.max())
+        starts = np.concatenate([[0], np.cumsum(lengths)])
         padded = np.full((len(segs), width), -1, dtype=np.int64)
         for i, g in enumerate(segs):
-            padded[i, : lengths[i]] = np.arange(cu_q[g], cu_q[g + 1])
-        rows = padded[padded >= 0]
+            padded[i, : lengths[i]] = np.arange(starts[i], starts[i + 1])
+        rows = np.concatenate([np.arange(cu_q[g], cu_q[g + 1]) for g in segs])
         order.append(rows)
         to = lambda a: torch.as_tensor(a, dtype=torch.int64).to(device)  # noqa: E731
-        cu_seqlens = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
+        cu_seqlens = torch.as_tensor(starts, dtype=torch.int64)
         depths.append(Depth(
             rows=to(rows), padded=to(padded),
             cu_seqlens=plan_varlen_chunks(cu_seqlens.to(device), cu_seqlens) if plan_chunks else cu_seqlens.to(device),
             cu_seqlens_cpu=cu_seqlens,
             parent=None if d == 0 else to(place[parents[segs]]),
-            whole_row=len(rows) == int(cu_q[-1]) and bool((rows == np.arange(len(rows))).all()),
         ))
     total = int(cu_q[-1])
+    sizes = [len(rows) for rows in order]
     concatenated = np.concatenate(order) if order else np.zeros(0, dtype=np.int64)
     if (concatenated == np.arange(total)).all():
-        return SegmentTree(depths, None)
+        return SegmentTree(depths, None, None, sizes)
     unsort = np.empty(total, dtype=np.int64)
     unsort[concatenated] = np.arange(total)
-    return SegmentTree(depths, torch.as_tensor(unsort).to(device))
+    return SegmentTree(depths, torch.as_tensor(concatenated).to(device), torch.as_tensor(unsort).to(device), sizes)
+
+
+class PermuteRows(torch.autograd.Function):
+    """``x[perm]`` for a permutation ``perm`` of ``x``'s rows, with ``inverse`` its inverse: the backward is the
+    inverse gather. ``index_select``'s own backward writes a zero tensor of the input's size and scatter-adds into
+    it (atomics, on the GPU), which a permutation does not need."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def depth_slices(x: torch.Tensor, tree: SegmentTree) -> tuple[torch.Tensor, ...]:
+    """``x``'s rows ``[U, ...]`` as one slice per depth, in depth order: one permutation of the row (none where depth
+    order is the row order) and a split, whose backward is one concatenation. Gathering each depth's rows from the
+    row instead costs, in the backward, a zero tensor and a scatter-add of the whole row per depth, and the sum of
+    the depths' gradients."""
+    if tree.order is not None:
+        x = PermuteRows.apply(x, tree.order, tree.unsort)
+    return torch.split(x, tree.sizes)
 
 
 
@@ -198,11 +227,11 @@ def chunked_delta_rule(
 
 
 def _reference_depth(q, k, v, g, beta, depth: Depth, initial: torch.Tensor | None):
-    """One depth as a padded batch: ``[U, H, *]`` row tensors in, ``[T, H, Dv]`` and final states out."""
+    """One depth as a padded batch: the depth's ``[T, H, *]`` slices in, ``[T, H, Dv]`` and final states out."""
     index = depth.padded.clamp(min=0)
     valid = (depth.padded >= 0).unsqueeze(-1)  # [N, L, 1]
 
-    def take(x: torch.Tensor) -> torch.Tensor:  # [U, H, ...] -> [N, H, L, ...], zeros in the padding
+    def take(x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [N, H, L, ...], zeros in the padding
         out = x[index]
         out = out * valid.view(*valid.shape[:2], *([1] * (out.dim() - 2)))
         return out.transpose(1, 2)
@@ -216,20 +245,13 @@ def _reference_depth(q, k, v, g, beta, depth: Depth, initial: torch.Tensor | Non
     return out.transpose(1, 2)[valid.squeeze(-1)], final
 
 
-def take_rows(x: torch.Tensor, depth: Depth) -> torch.Tensor:
-    """``x``'s rows of ``depth``'s segments: ``x`` itself where they are the whole row in order (a gather and its
-    scatter in the backward would cost a pass over the row each), else a gather. A flag, not a slice by offsets,
-    so that a compiled layer does not specialise on a row's length."""
-    return x if depth.whole_row else x.index_select(0, depth.rows)
-
-
 def _fla_depth(q, k, v, g, beta, depth: Depth, initial: torch.Tensor | None):
-    """One depth as one varlen call of flash-linear-attention (q already normalised and scaled)."""
+    """One depth (its ``[T, H, *]`` slices) as one varlen call of flash-linear-attention (q already normalised and
+    scaled)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    take = lambda x: take_rows(x, depth).unsqueeze(0)  # noqa: E731
     out, final = chunk_gated_delta_rule(
-        take(q), take(k), take(v), take(g), take(beta), scale=1.0, initial_state=initial,
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0), scale=1.0, initial_state=initial,
         output_final_state=True, cu_seqlens=depth.cu_seqlens, cu_seqlens_cpu=depth.cu_seqlens_cpu,
     )
     # squeeze, not ``out[0]``: a select's backward writes a zero tensor of the whole output, then copies into it
@@ -291,13 +313,14 @@ def run_segment_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     inside break a graph anyway, and a break inside this loop would make the compiler give up the whole calling
     frame (the input preparation above with it) and run it eagerly."""
     tree = segment_tree(meta, q.device)
+    slices = [depth_slices(x, tree) for x in (q, k, v, g, beta)]
     outs, finals = [], None
-    for depth in tree.depths:
+    for i, depth in enumerate(tree.depths):
         initial = None if depth.parent is None else finals.index_select(0, depth.parent)
-        out, finals = backend.run_depth(q, k, v, g, beta, depth, initial)
+        out, finals = backend.run_depth(*(s[i] for s in slices), depth, initial)
         outs.append(out)
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return out if tree.unsort is None else out.index_select(0, tree.unsort)
+    return out if tree.order is None else PermuteRows.apply(out, tree.unsort, tree.order)
 
 
 # ---- choosing the backend ---------------------------------------------------------------------------
