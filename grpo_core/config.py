@@ -132,9 +132,11 @@ class AsyncGRPOConfig:
     master weights). A step then gathers each layer once per micro-batch plus once, instead of twice per
     micro-batch; on one rank a gather is the cast of the fp32 master weights to bf16. The kept weights fill up as
     backward frees the activations, and the next forward frees each layer after it runs (with
-    ``fsdp_reshard_after_forward``), so the peak is where it was unless rows are short and the model large.
-    ``auto``: on with one rank and no ``fsdp_cpu_offload``, off otherwise. ``True`` is refused on several ranks
-    (each would hold the whole model) and with ``fsdp_cpu_offload`` (the weights would stay on the GPU)."""
+    ``fsdp_reshard_after_forward``), so the peak is where it was unless rows are short and the model large
+    (benchmarks/README.md, "FSDP2 and MFU": 0.97x the fwd+bwd time at the same peak). With
+    ``fsdp_reshard_after_forward=False`` as well, a step gathers each layer once, for 2 bytes a parameter more at
+    the peak. ``auto``: on with one rank and no ``fsdp_cpu_offload``, off otherwise. ``True`` is refused on several
+    ranks (each would hold the whole model) and with ``fsdp_cpu_offload`` (the weights would stay on the GPU)."""
     fsdp_cpu_offload: bool = False
     """FSDP2: keep the sharded weights, gradients and optimizer state in host memory (CUDA only);
     the optimizer step then runs on the CPU."""
