@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from grpo_core.models.attention import short_conv
 from grpo_core.models.attention.metadata import TreeAttentionMetadata
 from grpo_core.models.attention.probe_rows import PROBE_TREES, probe_meta
+from grpo_core.models.permute import permute_rows
 
 log = logging.getLogger(__name__)
 
@@ -149,29 +150,13 @@ def build_segment_tree(meta: TreeAttentionMetadata, device: torch.device, plan_c
     return SegmentTree(depths, torch.as_tensor(concatenated).to(device), torch.as_tensor(unsort).to(device), sizes)
 
 
-class PermuteRows(torch.autograd.Function):
-    """``x[perm]`` for a permutation ``perm`` of ``x``'s rows, with ``inverse`` its inverse: the backward is the
-    inverse gather. ``index_select``'s own backward writes a zero tensor of the input's size and scatter-adds into
-    it (atomics, on the GPU), which a permutation does not need."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
-        return x.index_select(0, perm)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
-
-
 def depth_slices(x: torch.Tensor, tree: SegmentTree) -> tuple[torch.Tensor, ...]:
     """``x``'s rows ``[U, ...]`` as one slice per depth, in depth order: one permutation of the row (none where depth
     order is the row order) and a split, whose backward is one concatenation. Gathering each depth's rows from the
     row instead costs, in the backward, a zero tensor and a scatter-add of the whole row per depth, and the sum of
     the depths' gradients."""
     if tree.order is not None:
-        x = PermuteRows.apply(x, tree.order, tree.unsort)
+        x = permute_rows(x, tree.order, tree.unsort)
     return torch.split(x, tree.sizes)
 
 
@@ -320,7 +305,7 @@ def run_segment_tree(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         out, finals = backend.run_depth(*(s[i] for s in slices), depth, initial)
         outs.append(out)
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return out if tree.order is None else PermuteRows.apply(out, tree.unsort, tree.order)
+    return out if tree.order is None else permute_rows(out, tree.unsort, tree.order)
 
 
 # ---- choosing the backend ---------------------------------------------------------------------------

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import torch
 
+from grpo_core.models.permute import permute_rows
+
 GROUPED_MM = "grouped_mm"
 SORTED_GROUPED_MM = "grpo_grouped_mm"
 EXPERTS_IMPLEMENTATIONS = (GROUPED_MM, SORTED_GROUPED_MM)
@@ -127,20 +129,6 @@ class _ExpandToSlots(torch.autograd.Function):
         return per_slot.sum(1, dtype=torch.float32).to(grad.dtype), None, None, None
 
 
-class _Permute(torch.autograd.Function):
-    """``x[index]`` for a permutation ``index`` whose inverse is ``inverse``: the gradient is a gather too."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
-        return x.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
-
-
 def sorted_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                            top_k_weights: torch.Tensor) -> torch.Tensor:
     """An experts module's forward (transformers' experts interface) as grouped GEMMs over the (token, slot) pairs
@@ -161,7 +149,7 @@ def sorted_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, t
     slots = _ExpandToSlots.apply(hidden_states, perm, inv_perm, k)  # [T * k, H], expert order
     up = _grouped_linear(slots, self.gate_up_proj, offsets, is_transposed=self.is_transposed)
     down = _grouped_linear(self._apply_gate(up), self.down_proj, offsets, is_transposed=self.is_transposed)
-    per_slot = _Permute.apply(down, inv_perm, perm).view(tokens, k, -1)  # back in token order
+    per_slot = permute_rows(down, inv_perm, perm).view(tokens, k, -1)  # back in token order
     # weighted and summed in the weights' dtype (the router's fp32), as transformers' grouped_mm does
     return (per_slot * top_k_weights.unsqueeze(-1)).sum(1).to(hidden_states.dtype)
 
