@@ -180,11 +180,11 @@ def test_a_row_of_roots_is_taken_as_it_is_and_a_tree_is_permuted_once():
     (whole,) = gd.depth_slices(x, flat)
     assert whole.data_ptr() == x.data_ptr() and whole.shape == x.shape
     tree = gd.build_segment_tree(probe_meta(cpu, [5, 1, 3, 2]), cpu)
-    assert tree.sizes == [len(d.rows) for d in tree.depths] and sum(tree.sizes) == 11
+    assert tree.sizes == [int(d.cu_seqlens_cpu[-1]) for d in tree.depths] and sum(tree.sizes) == 11
     assert tree.order is not None and tree.unsort is not None
     assert tree.order[tree.unsort].tolist() == list(range(11))
     slices = gd.depth_slices(torch.arange(11), tree)
-    assert [s.tolist() for s in slices] == [d.rows.tolist() for d in tree.depths]
+    assert [s.tolist() for s in slices] == [p.tolist() for p in torch.split(tree.order, tree.sizes)]
     assert slices[1].tolist() == [5, 9, 10]
     # the gradient of a weighted sum of the slices lands on each row position, without accumulation
     y = torch.randn(11, 3, requires_grad=True)

@@ -243,7 +243,7 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
     active, total = active_expert_params(model.model.layers)
     params = sum(p.numel() for p in model.parameters())
     shard_policy(model, settings, device)
-    keep_weights = settings.keep_weights_between_micro_batches and needs_fsdp(settings, world)  # as the trainer's policy
+    keep_weights = settings.keeps_weights(world)  # as the trainer's policy
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     peak = device_peak_flops(device, settings.bf16)
     budget = 256 if args.smoke else args.token_budget
@@ -257,8 +257,6 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
               "compile_graph_breaks": (("nested" if settings.nested_graph_breaks else "outer")
                                        if settings.compile == "layers" else None),
               "activation_checkpointing": settings.activation_checkpointing,
-              "keep_weights_between_micro_batches": keep_weights,
-              "reshard_after_forward": settings.reshard_after_forward if needs_fsdp(settings, world) else None,
               "weight_gathers": weight_gathers(settings, keep_weights, needs_fsdp(settings, world)),
               "world_size": world}
     results = []

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from grpo_core.config import AsyncGRPOConfig  # noqa: E402
 from grpo_core.models.attention import tree as ta  # noqa: E402
-from grpo_core.models.fsdp import (FSDPSettings, before_micro_batch, iter_full_layers, needs_fsdp,  # noqa: E402
+from grpo_core.models.fsdp import (FSDPSettings, before_micro_batch, iter_full_layers,  # noqa: E402
                                    resolve_keep_weights, shard_policy)
 from grpo_core.models.head.lm_head import vocab_size  # noqa: E402
 from grpo_core.models.head.reference import token_logprobs  # noqa: E402
@@ -205,7 +205,7 @@ def run_config(args, shape, device, info, budget, ac, compiled, chunk, reshard, 
         "nested_graph_breaks": settings.nested_graph_breaks if compiled == "layers" else None,
         "reshard_after_forward": reshard, "logprob_chunk": chunk, "logprob_head": "reference" if fused is False else "default",
         # what ran: without FSDP2 (one fp32 rank) there are no gathered weights to keep
-        "keep_weights_between_micro_batches": settings.keep_weights_between_micro_batches and needs_fsdp(settings, world),
+        "keep_weights_between_micro_batches": settings.keeps_weights(world),
         "world_size": world, "rows_per_rank": len(rows),
         "same_rows": args.same_rows,
         "forwarded_tokens_per_step": int(metrics["batch/forwarded_tokens_per_step"]),

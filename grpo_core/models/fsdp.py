@@ -75,6 +75,11 @@ class FSDPSettings:
             raise ValueError(f"FSDPSettings.nested_graph_breaks=True: PyTorch {torch.__version__} has no nested graph "
                              "breaks (2.9 and later have them); leave it False")
 
+    def keeps_weights(self, world_size: int) -> bool:
+        """Whether a run on ``world_size`` ranks keeps gathered weights between micro-batches: asked for, and the
+        policy goes through FSDP2 (``needs_fsdp``; one rank in fp32 has no gathered weights to keep)."""
+        return self.keep_weights_between_micro_batches and needs_fsdp(self, world_size)
+
     @classmethod
     def from_config(cls, args, bf16: bool, device_type: str = "cpu", world_size: int = 1) -> FSDPSettings:
         """From an ``AsyncGRPOConfig``; ``bf16`` is its resolved value for this device, ``world_size`` the ranks."""

@@ -92,8 +92,7 @@ def build_policy(model: Any, processing_class: Any, peft_config: Any, args: Asyn
                   compile_mode=fsdp_settings.compile,
                   compile_graph_breaks=(("nested" if fsdp_settings.nested_graph_breaks else "outer")
                                         if fsdp_settings.compile == "layers" else None),
-                  keep_weights_between_micro_batches=(fsdp_settings.keep_weights_between_micro_batches
-                                                      and needs_fsdp(fsdp_settings, dist.world_size)),
+                  keep_weights_between_micro_batches=fsdp_settings.keeps_weights(dist.world_size),
                   attention_backend=attention_backend,
                   experts_implementation=experts_implementation, moe=moe, vocab_size=vocab, perf=perf,
                   owns_process_group=owns_process_group)

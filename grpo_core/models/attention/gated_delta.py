@@ -54,7 +54,6 @@ class Depth:
     """The segments at one depth of the segment tree, in row order. A backend gets the depth's tokens as one
     ``[T, H, *]`` slice of the row put in depth order (``SegmentTree.order``), segment after segment."""
 
-    rows: torch.Tensor  # int64 [T]: row positions of these segments' tokens, segment after segment
     padded: torch.Tensor  # int64 [N, L]: positions within the depth's slice, per segment, padded to the longest: -1
     cu_seqlens: torch.Tensor  # int64 [N + 1]: token ranges of the segments within the depth's slice
     cu_seqlens_cpu: torch.Tensor  # the same on the host: kernels that plan on the host read it without a device sync
@@ -135,7 +134,7 @@ def build_segment_tree(meta: TreeAttentionMetadata, device: torch.device, plan_c
         to = lambda a: torch.as_tensor(a, dtype=torch.int64).to(device)  # noqa: E731
         cu_seqlens = torch.as_tensor(starts, dtype=torch.int64)
         depths.append(Depth(
-            rows=to(rows), padded=to(padded),
+            padded=to(padded),
             cu_seqlens=plan_varlen_chunks(cu_seqlens.to(device), cu_seqlens) if plan_chunks else cu_seqlens.to(device),
             cu_seqlens_cpu=cu_seqlens,
             parent=None if d == 0 else to(place[parents[segs]]),
