@@ -559,16 +559,18 @@ def test_fla_kernel_names_the_kernels_fla_dispatches_to(monkeypatch):
 
 
 def test_the_backend_probe_runs_at_the_model_head_sizes(monkeypatch):
-    """install_gated_delta probes at the GDN layers' own head sizes and convolution width (a kernel library may
-    dispatch by size)."""
+    """install_gated_delta probes at the GDN layers' own head sizes, value-head count and convolution width (a kernel
+    library may dispatch by size, and FlashQLA compiles a kernel per head count)."""
     seen = []
-    monkeypatch.setattr(gd, "register_gdn_backend",
-                        lambda name, device, dk, dv, channels, kernel: seen.append((dk, dv, channels, kernel)) or "reference")
+    monkeypatch.setattr(gd, "register_gdn_backend", lambda name, device, dk, dv, channels, kernel, heads:
+                        seen.append((dk, dv, channels, kernel, heads)) or "reference")
     torch.manual_seed(0)
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**COMMON))  # heads of 32, not the probe's default 64
+    # heads of 32, not the probe's default 64; 6 value heads, not its default 4
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**COMMON, "linear_num_value_heads": 6}))
     layer = hybrid.gated_delta_layers(model)[0]
+    assert hybrid.value_heads(layer) == 6
     hybrid.install_gated_delta(model)
-    assert seen == [(layer.head_k_dim, layer.head_v_dim, layer.conv_dim, layer.conv_kernel_size)]
+    assert seen == [(layer.head_k_dim, layer.head_v_dim, layer.conv_dim, layer.conv_kernel_size, layer.num_v_heads)]
     assert hybrid.head_sizes(layer) == (layer.head_k_dim, layer.head_v_dim)
 
 
@@ -576,15 +578,16 @@ def test_flash_qla_failing_its_probe_falls_back_to_fla_triton_kernels(monkeypatc
     """Where FlashQLA's kernels fail the probe, fla's own are switched on (FLA_FLASH_QLA=0) and probed in turn."""
     probes = []
 
-    def probe(device, dk, dv):
+    def probe(device, dk, dv, heads):
+        assert heads == 16  # the caller's count, to both probes
         probes.append(gd.fla_kernel(dk, dv))
         return "probe error 3.1e-01" if probes[-1] == "flash_qla" else None
 
     monkeypatch.setenv("FLA_FLASH_QLA", "1")  # recorded, so that the fallback's "0" is undone after the test
     monkeypatch.setattr(gd, "_probe_fla", probe)
     monkeypatch.setattr(gd.importlib.util, "find_spec", lambda name, *a: object())
-    assert gd.select_gdn_backend("fla", "cuda", 128, 128).name == "fla"
+    assert gd.select_gdn_backend("fla", "cuda", 128, 128, heads=16).name == "fla"
     assert probes == ["flash_qla", "triton"] and gd.os.environ["FLA_FLASH_QLA"] == "0"
-    monkeypatch.setattr(gd, "_probe_fla", lambda device, dk, dv: "probe error 3.1e-01")
+    monkeypatch.setattr(gd, "_probe_fla", lambda device, dk, dv, heads: "probe error 3.1e-01")
     with pytest.raises(RuntimeError, match="not usable here: probe error"):
         gd.select_gdn_backend("fla", "cuda", 128, 128)

@@ -51,7 +51,7 @@ from grpo_core.config import AsyncGRPOConfig  # noqa: E402
 from grpo_core.models.attention import gated_delta as gd  # noqa: E402
 from grpo_core.models.attention import short_conv as sc  # noqa: E402
 from grpo_core.models.attention import tree as ta  # noqa: E402
-from grpo_core.models.attention.hybrid import gated_delta_layers, head_sizes  # noqa: E402
+from grpo_core.models.attention.hybrid import gated_delta_layers, head_sizes, value_heads  # noqa: E402
 from grpo_core.models.moe.experts import EXPERTS_IMPLEMENTATIONS  # noqa: E402
 from grpo_core.packing.collator import pack_row  # noqa: E402
 from grpo_core.packing.planner import plan_step  # noqa: E402
@@ -274,13 +274,13 @@ def logprob_gap(shape: str, device: torch.device, dtype: torch.dtype) -> dict:
         out.update(trained_tokens=int(alone.numel()), tree_vs_alone=gap(tree, alone), single_vs_alone=gap(single, alone),
                    tree_vs_single=gap(tree, single))
         if hybrid and gd.active_gdn_backend().name != "reference":
-            kept = gd.active_gdn_backend().name
+            kept, layer = gd.active_gdn_backend().name, gated_delta_layers(model)[0]
             gd.register_gdn_backend("reference", device)  # the fp32 PyTorch delta rule, same rows
             try:
                 ref_tree = row_logprobs(model, samples, device)
                 ref_single = torch.cat([row_logprobs(model, [s], device) for s in samples])
             finally:
-                gd.register_gdn_backend(kept, device, *head_sizes(gated_delta_layers(model)[0]))
+                gd.register_gdn_backend(kept, device, *head_sizes(layer), heads=value_heads(layer))
             out.update(reference_tree_vs_alone=gap(ref_tree, alone), reference_single_vs_alone=gap(ref_single, alone),
                        reference_tree_vs_single=gap(ref_tree, ref_single), fla_vs_reference_tree=gap(tree, ref_tree))
     print("gap", json.dumps(out), flush=True)
@@ -355,7 +355,7 @@ def delta_timing(device: torch.device, smoke: bool, profile: bool = False) -> di
     also one profiled fwd+bwd per form, for its host waits and where they come from (``<form>_profile``): a wait
     per call of the kernel drains the launch queue once per layer in a model."""
     heads, dim = (2, 16) if smoke else (16, 128)
-    backend = gd.select_gdn_backend("auto", device, dim, dim)
+    backend = gd.select_gdn_backend("auto", device, dim, dim, heads)
     out: dict = {"heads": heads, "head_dim": dim, "backend": backend.name,
                  "kernels": gd.fla_kernel(dim, dim) if backend.name == "fla" else None, "rows": []}
     workloads = tree_packing.SMOKE_WORKLOADS if smoke else tree_packing.WORKLOADS

@@ -342,10 +342,10 @@ def fla_kernel(dk: int, dv: int) -> str:
     return "flash_qla" if dk == dv == 128 else "triton"
 
 
-def _probe_fla(device: torch.device, dk: int, dv: int) -> str | None:
-    """None where fla passes ``probe_gdn`` at these head sizes on both probe trees, else why not."""
+def _probe_fla(device: torch.device, dk: int, dv: int, heads: int) -> str | None:
+    """None where fla passes ``probe_gdn`` at these head sizes and count on both probe trees, else why not."""
     try:
-        err = max(probe_gdn(GDN_BACKENDS["fla"], device, dk=dk, dv=dv, tree=tree) for tree in PROBE_TREES)
+        err = max(probe_gdn(GDN_BACKENDS["fla"], device, heads=heads, dk=dk, dv=dv, tree=tree) for tree in PROBE_TREES)
     except Exception as exc:  # noqa: BLE001 - not importable, no Triton, or a kernel that fails its backward
         return f"{type(exc).__name__}: {exc}"
     log.info("gated-delta probe of fla (%s kernels, heads of %d/%d): error %.2e", fla_kernel(dk, dv), dk, dv, err)
@@ -361,21 +361,23 @@ _active: GDNBackend = GDN_BACKENDS["reference"]
 
 
 def select_gdn_backend(name: str = "auto", device: torch.device | str | None = None,
-                       dk: int = 64, dv: int = 64) -> GDNBackend:
+                       dk: int = 64, dv: int = 64, heads: int = 4) -> GDNBackend:
     """``reference``, ``fla``, or with ``auto`` fla where it is importable on CUDA and passes the probe at
-    head sizes ``dk``/``dv`` (the model's)."""
+    head sizes ``dk``/``dv`` and ``heads`` value heads (the model's). The head count matters for time, not for the
+    verdict: FlashQLA compiles a kernel per head count, on first use, so a probe at the model's count compiles the
+    kernels the layers then run, where one at another count would add a set of its own to a fresh machine's start."""
     if name not in ("auto", *GDN_BACKENDS):
         raise ValueError(f"unknown gated-delta backend {name!r}; known: {['auto', *GDN_BACKENDS]}")
     device = resolve_device(device)
     if name == "reference" or (name == "auto" and device.type != "cuda"):
         return GDN_BACKENDS["reference"]
-    failure = _probe_fla(device, dk, dv)
+    failure = _probe_fla(device, dk, dv, heads)
     if failure is not None and fla_kernel(dk, dv) == "flash_qla":
         # fla's own kernels may still pass where FlashQLA's do not: switch its dispatch off (the switch fla
         # reads at every call) and probe again
         log.warning("FlashQLA's kernels failed the gated-delta probe (%s); setting FLA_FLASH_QLA=0", failure)
         os.environ["FLA_FLASH_QLA"] = "0"
-        failure = _probe_fla(device, dk, dv)
+        failure = _probe_fla(device, dk, dv, heads)
     if failure is None:
         return GDN_BACKENDS["fla"]
     if name == "fla":
@@ -385,13 +387,13 @@ def select_gdn_backend(name: str = "auto", device: torch.device | str | None = N
 
 
 def register_gdn_backend(name: str = "auto", device: torch.device | str | None = None,
-                         dk: int = 64, dv: int = 64, channels: int = 64, kernel: int = 4) -> str:
-    """Make ``name`` (see ``select_gdn_backend``) the delta-rule backend of every patched GDN layer, and the
-    convolution backend that goes with it (``select_conv_backend``, at the layers' ``channels`` and ``kernel``);
-    returns the delta rule's."""
+                         dk: int = 64, dv: int = 64, channels: int = 64, kernel: int = 4, heads: int = 4) -> str:
+    """Make ``name`` (see ``select_gdn_backend``, probed at ``heads`` value heads of ``dk``/``dv``) the delta-rule
+    backend of every patched GDN layer, and the convolution backend that goes with it (``select_conv_backend``, at
+    the layers' ``channels`` and ``kernel``); returns the delta rule's."""
     global _active
     device = resolve_device(device)
-    _active = select_gdn_backend(name, device, dk, dv)
+    _active = select_gdn_backend(name, device, dk, dv, heads)
     short_conv.set_active_conv_backend(short_conv.select_conv_backend(_active.name, device, channels, kernel))
     return _active.name
 

@@ -154,10 +154,17 @@ def install_gated_delta(model: torch.nn.Module, backend: str = "auto") -> str | 
         patch_module(sys.modules[cls.__module__])
     dk, dv = head_sizes(layers[0])
     channels, kernel = layers[0].conv1d.weight.shape[0], layers[0].conv1d.weight.shape[-1]
-    return gd.register_gdn_backend(backend, next(model.parameters()).device, dk, dv, channels, kernel)
+    return gd.register_gdn_backend(backend, next(model.parameters()).device, dk, dv, channels, kernel,
+                                   heads=value_heads(layers[0]))
 
 
 def head_sizes(layer: torch.nn.Module) -> tuple[int, int]:
     """A GDN layer's key and value head sizes (transformers' ``head_k_dim``/``head_v_dim``; 64 where a layer
     does not name them), at which the backend's probe runs."""
     return int(getattr(layer, "head_k_dim", 64)), int(getattr(layer, "head_v_dim", 64))
+
+
+def value_heads(layer: torch.nn.Module) -> int:
+    """A GDN layer's value heads (transformers' ``num_v_heads``; 4 where a layer does not name it): the head count
+    the delta rule's kernel sees, the key heads being repeated to it, and so the one its probe runs at."""
+    return int(getattr(layer, "num_v_heads", 4))
