@@ -327,8 +327,9 @@ def probe_gdn(backend: GDNBackend, device: torch.device, heads: int = 4, dk: int
     results = []
     for be, dtype in ((backend, torch.bfloat16), (GDN_BACKENDS["reference"], torch.float32)):
         xs = [t.to(device, dtype if t is not g else torch.float32).requires_grad_() for t in (q, k, v, g, beta)]
-        out = tree_gated_delta_rule(*xs, meta, l2norm=True, backend=be)
-        out.backward(grad.to(device, dtype))
+        with torch.enable_grad():  # the probe checks the backward too, also when its caller runs under no_grad
+            out = tree_gated_delta_rule(*xs, meta, l2norm=True, backend=be)
+            out.backward(grad.to(device, dtype))
         results.append([out.detach().float()] + [x.grad.float() for x in xs])
     return max(float((a - b).norm() / b.norm()) for a, b in zip(*results))
 
