@@ -3,8 +3,8 @@
 ``x.index_select(0, perm)`` is the forward of a permutation, but its backward is written for any index: a zero
 tensor of the input's size and an accumulating scatter into it (atomics, on the GPU). A permutation takes each
 row once, so its gradient is the inverse permutation's gather: no zero fill, no accumulation, deterministic.
-The sorted experts (``grpo_core.models.moe.experts``) and the delta rule's segment tree
-(``grpo_core.models.attention.gated_delta``) both reorder rows this way.
+The delta rule's segment tree (``grpo_core.models.attention.gated_delta``) reorders rows this way; the sorted
+experts (``grpo_core.models.moe.experts``) unsort theirs inside their weighted sum over a token's slots.
 """
 
 from __future__ import annotations
