@@ -71,10 +71,9 @@ def _mfu_default(d: dict[str, Any]) -> str:
                      f"{' (activation checkpointing)' if r['activation_checkpointing'] else ''}" for r in d["results"])
 
 
-def _moe_mfu(d: dict[str, Any]) -> str:
-    mfu = _by(d["results"], workload="mfu")
+def _moe_tree(d: dict[str, Any]) -> str:
     tree = _by(d["results"], workload="ratio~3.4", packing="tree")
-    return f"MFU {_pct(mfu['mfu_fwd_bwd'])} (active parameters); tree packing {tree['speedup']:.2f}x at ratio~3.4"
+    return f"{tree['speedup']:.2f}x the flat rows' trained tokens/s at ratio~3.4"
 
 
 def _tree_speedups(d: dict[str, Any]) -> str:
@@ -110,21 +109,12 @@ def _trainer_loop(d: dict[str, Any]) -> str:
 def _qwen35(d: dict[str, Any]) -> str:
     s = d["summary"]
     per_param = ", ".join(f"{w} {v:.2f}x" for w, v in s["hybrid_per_param_vs_dense"].items())
-    return (f"hybrid per parameter / dense {per_param}; MoE MFU Qwen3.5 {_pct(s['qwen3_5_moe_mfu'])}, "
-            f"30B-A3B {_pct(s['qwen3_30b_a3b_mfu'])}; log-prob gap {s['hybrid_logprob_gap_vs_dense']:.2f}x dense's")
-
-
-def _qwen35_defaults(d: dict[str, Any]) -> str:
-    s = d["summary"]
-    per_param = ", ".join(f"{w} {v:.2f}x" for w, v in s["hybrid_per_param_vs_dense"].items())
-    return f"hybrid per parameter / dense {per_param}; MoE MFU Qwen3.5 {_pct(s['qwen3_5_moe_mfu'])}"
-
-
-def _qwen35_breaks(d: dict[str, Any]) -> str:
-    s = d["summary"]
-    per_param = ", ".join(f"{w} {v:.2f}x" for w, v in s["hybrid_per_param_vs_dense"].items())
-    outer = ", ".join(f"{w} {v:.2f}x" for w, v in s["hybrid_per_param_vs_dense_by_graph_breaks"]["outer"].items())
-    return f"hybrid per parameter / dense {per_param} (default: nested graph breaks); outer breaks {outer}"
+    tree = ", ".join(f"{w} {v['hybrid']:.2f}" for w, v in s["tree_speedup_over_flop_ideal"].items()
+                     if v.get("hybrid") is not None)
+    return (f"hybrid per parameter / dense {per_param}"
+            + (f"; hybrid tree speed-up / FLOP-ideal {tree}" if tree else "")
+            + f"; MoE MFU Qwen3.5 {_pct(s['qwen3_5_moe_mfu'])}, 30B-A3B {_pct(s['qwen3_30b_a3b_mfu'])}"
+            f"; log-prob gap {s['hybrid_logprob_gap_vs_dense']:.2f}x dense's")
 
 
 def _keep_weights(d: dict[str, Any]) -> str:
@@ -139,13 +129,10 @@ HEADLINES: tuple[Headline, ...] = (
     Headline("Peak GPU memory, ours against TRL, Qwen3-1.7B", "peer_trl_gpu.json", _peer_memory),
     Headline("Training MFU, default config, Qwen3-1.7B, one H200", "fsdp_mfu_default.json", _mfu_default),
     Headline("Tree packing speed-up over flat rows, Qwen3-1.7B, one H200", "tree_packing_default.json", _tree_speedups),
-    Headline("MoE training, Qwen3-30B-A3B shape (8 layers), one H200", "moe_qwen3_30b_a3b.json", _moe_mfu),
-    Headline("Qwen3.5 family, default config, one H200 (hybrid 2.39B against Qwen3-1.7B; MoE shapes of 4 and 8 layers)",
+    Headline("MoE tree packing, Qwen3-30B-A3B shape (8 layers), one H200", "moe_qwen3_30b_a3b.json", _moe_tree),
+    Headline("Qwen3.5 family, default config, one H200, 16k-token rows (hybrid 2.39B against Qwen3-1.7B; MoE shapes "
+             "of 4 and 8 layers)",
              "qwen35_speed.json", _qwen35),
-    Headline("Qwen3.5 family after the convolution and experts defaults changed (tree rows only, one H200)",
-             "qwen35_speed_defaults_h200.json", _qwen35_defaults),
-    Headline("Qwen3.5 hybrid against dense per parameter, default config, one H100 at 8k-token rows (tree rows)",
-             "qwen35_speed_h100.json", _qwen35_breaks),
     Headline("FSDP2 on one GPU keeping the bf16 weights between micro-batches, Qwen3-1.7B, one H100, 8k rows",
              "fsdp_keep_weights_h100.json", _keep_weights),
     Headline("Sparse (delta) push against dense, Qwen3-1.7B, one H200", "sparse_push_gpu.json", _sparse_bytes),

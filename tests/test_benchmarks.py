@@ -513,3 +513,21 @@ def test_misaligned_matmuls_names_an_operand_led_by_an_odd_row_length() -> None:
     found = profiling.misaligned_matmuls(lambda: (x @ w).backward(grad))
     assert [f.get("backward_of") for f in found] == [None, "MmBackward0"]
     assert any(7 in stride for _, stride in found[1]["operands"])
+
+
+def test_the_tree_speedup_pairs_flat_and_tree_rows_of_separate_calls() -> None:
+    """``qwen35_summary.tree_speedup_over_flop_ideal``: a row's own figure where flat and tree ran in one process,
+    else (tree tokens/s / flat tokens/s) / (flat FLOPs / tree FLOPs) from the flat row of the same model, workload and
+    kernels; none from a flat row of other kernels, or without one."""
+    from benchmarks.models import qwen35_summary
+
+    def row(packing: str, tokens_per_s: float, flops: float, kernel: str = "fla/flash_qla") -> dict:
+        return {"model": "h", "workload": "ratio~3.4", "packing": packing, "gdn_backend": kernel,
+                "compile_graph_breaks": "nested", "trained_tokens_per_s": tokens_per_s, "step_flops": flops}
+
+    tree = row("tree", 300.0, 1.0)
+    assert qwen35_summary.tree_speedup_over_flop_ideal([tree, row("flat", 100.0, 3.2)], tree) == pytest.approx(3.0 / 3.2)
+    assert qwen35_summary.tree_speedup_over_flop_ideal([tree, row("flat", 100.0, 3.2, "fla/triton")], tree) is None
+    assert qwen35_summary.tree_speedup_over_flop_ideal([tree], tree) is None
+    own = {**tree, "speedup_over_flop_ideal": 0.99}
+    assert qwen35_summary.tree_speedup_over_flop_ideal([own, row("flat", 100.0, 3.2)], own) == 0.99

@@ -591,3 +591,11 @@ def test_flash_qla_failing_its_probe_falls_back_to_fla_triton_kernels(monkeypatc
     monkeypatch.setattr(gd, "_probe_fla", lambda device, dk, dv, heads: "probe error 3.1e-01")
     with pytest.raises(RuntimeError, match="not usable here: probe error"):
         gd.select_gdn_backend("fla", "cuda", 128, 128)
+
+
+def test_the_probes_check_the_backward_under_no_grad():
+    """The delta rule's and the convolution's probes run a backward: called under ``no_grad`` (a caller that
+    re-registers a backend while evaluating), they still measure, instead of failing every backend."""
+    with torch.no_grad():
+        assert gd.probe_gdn(gd.GDN_BACKENDS["reference"], torch.device("cpu")) < 1e-2
+        assert sc.probe_conv(sc.CONV_BACKENDS["torch"], torch.device("cpu")) < 1e-2

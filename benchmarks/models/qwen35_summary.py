@@ -75,6 +75,24 @@ def kernel_bound(report: dict, speed: list[dict], dense: str, hybrid: str) -> di
     return out
 
 
+SAME_RUN_KEYS = ("model", "workload", "gdn_backend", "gdn_conv_backend", "compile_graph_breaks", "experts_implementation")
+"""What a flat row must share with a tree row for the two to make a tree speed-up."""
+
+
+def tree_speedup_over_flop_ideal(speed: list[dict], tree: dict) -> float | None:
+    """The tree row's speed-up over flat rows, as a fraction of the FLOP-ideal one: the row's own where flat and tree
+    ran in one process (``moe_training.run_shape`` sets it), else from the flat row of the same model, workload and
+    kernels in ``speed`` (``--packings flat`` and ``--packings tree`` run in separate calls): (tree trained tokens/s
+    / flat trained tokens/s) / (flat step FLOPs / tree step FLOPs). None without such a flat row."""
+    if tree.get("speedup_over_flop_ideal") is not None:
+        return tree["speedup_over_flop_ideal"]
+    flat = find(speed, packing="flat", **{k: tree.get(k) for k in SAME_RUN_KEYS})
+    if flat is None:
+        return None
+    speedup = tree["trained_tokens_per_s"] / flat["trained_tokens_per_s"]
+    return speedup / (flat["step_flops"] / tree["step_flops"])
+
+
 def per_param_vs_dense(hybrid: dict, dense: dict) -> float:
     """A hybrid row's trained tokens/s per parameter against a dense row's (``hybrid_per_param_vs_dense``)."""
     return (hybrid["trained_tokens_per_s"] * hybrid["params"]) / (dense["trained_tokens_per_s"] * dense["params"])
@@ -130,7 +148,8 @@ def summarize(report: dict, smoke: bool) -> dict:
         # (the other rows are the side-by-side comparison).
         h = min(hybrids, key=default_rank)
         per_param[workload] = per_kernel[kernels_label(h)]
-        reached[workload] = {"dense": d.get("speedup_over_flop_ideal"), "hybrid": h.get("speedup_over_flop_ideal"),
+        reached[workload] = {"dense": tree_speedup_over_flop_ideal(speed, d),
+                             "hybrid": tree_speedup_over_flop_ideal(speed, h),
                              "dense_mfu": d["mfu_fwd_bwd"], "hybrid_mfu": h["mfu_fwd_bwd"], "gdn_backend": h.get("gdn_backend"),
                              "gdn_conv_backend": h.get("gdn_conv_backend")}
     summary["hybrid_per_param_vs_dense"] = per_param

@@ -246,8 +246,9 @@ def probe_conv(backend: ConvBackend, device: torch.device, channels: int = 64, k
     results = []
     for be, dtype in ((backend, torch.bfloat16), (CONV_BACKENDS["torch"], torch.float32)):
         xs = [t.to(device, dtype).requires_grad_() for t in (x, weight, bias)]
-        out = tree_conv(*xs, "silu", meta, backend=be)
-        out.backward(grad.to(device, dtype))
+        with torch.enable_grad():  # the probe checks the backward too, also when its caller runs under no_grad
+            out = tree_conv(*xs, "silu", meta, backend=be)
+            out.backward(grad.to(device, dtype))
         results.append([out.detach().float()] + [t.grad.float() for t in xs])
     return max(float((a - b).norm() / b.norm()) for a, b in zip(*results))
 
