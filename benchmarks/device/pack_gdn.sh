@@ -9,7 +9,8 @@
 #     bash benchmarks/device/pack_gdn.sh tilelang_cache.tgz   # the same, with TileLang's compiled kernels
 #
 # The cache argument: a device call's `tar czf $OUT/tilelang_cache.tgz -C ~ .tilelang` after a run that compiled
-# FlashQLA's kernels (about 2 MB). .gdna's setup restores it, and the next machine skips the compile (about 7 minutes).
+# FlashQLA's kernels (about 5 MB). .gdna's setup restores it, and the next machine skips the compile (about 110 s per
+# head count on an H200 since the backend's probe runs at the model's head count; some 7 minutes before).
 #
 # On the device: `source .gdna/setup.sh` in call 1, `source .gdnb/setup.sh` in call 2 (both install into
 # /tmp/site, which outlives the checkout's carried folders on a warm machine). tilelang pins
