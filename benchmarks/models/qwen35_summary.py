@@ -75,7 +75,7 @@ def kernel_bound(report: dict, speed: list[dict], dense: str, hybrid: str) -> di
     return out
 
 
-SAME_RUN_KEYS = ("model", "workload", "gdn_backend", "gdn_conv_backend", "compile_graph_breaks", "experts_implementation")
+FLAT_TREE_PAIR_KEYS = ("model", "workload", "gdn_backend", "gdn_conv_backend", "compile_graph_breaks", "experts_implementation")
 """What a flat row must share with a tree row for the two to make a tree speed-up."""
 
 
@@ -86,7 +86,7 @@ def tree_speedup_over_flop_ideal(speed: list[dict], tree: dict) -> float | None:
     / flat trained tokens/s) / (flat step FLOPs / tree step FLOPs). None without such a flat row."""
     if tree.get("speedup_over_flop_ideal") is not None:
         return tree["speedup_over_flop_ideal"]
-    flat = find(speed, packing="flat", **{k: tree.get(k) for k in SAME_RUN_KEYS})
+    flat = find(speed, packing="flat", **{k: tree.get(k) for k in FLAT_TREE_PAIR_KEYS})
     if flat is None:
         return None
     speedup = tree["trained_tokens_per_s"] / flat["trained_tokens_per_s"]

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import torch
 
-
 GROUPED_MM = "grouped_mm"
 SORTED_GROUPED_MM = "grpo_grouped_mm"
 EXPERTS_IMPLEMENTATIONS = (GROUPED_MM, SORTED_GROUPED_MM)
@@ -115,8 +114,8 @@ def _top_k(layers: torch.nn.Module, experts: torch.nn.Module, count: int) -> int
 # A token's k slots sit at rows ``slot_rows[t]`` (``[T, k]``) of the expert-sorted rows. Every sum over a token's
 # slots is written as k gathered rows added one after another, not as a reduction over the slot axis of a gathered
 # ``[T, k, H]`` tensor: the compiler makes the k-term sum one elementwise kernel whose loads are whole contiguous
-# rows, where its reduction over the slot axis (stride H) read each row in short pieces (about 0.45 TB/s on an H200,
-# against several for a row gather, in the Qwen3-30B-A3B step's profile: 2 ms per layer and micro-batch).
+# rows, where its reduction over the slot axis (stride H) read each row in short pieces, far below a row gather's
+# rate (benchmarks/results/moe_qwen3_30b_a3b_profile_h200.json; benchmarks/README.md, "The Qwen3.5 family").
 def _sum_slots(rows: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     """``sum_j weights[t, j] * rows[slot_rows[t, j]]`` (weights 1 where None) in fp32 or wider: ``[T, H]``."""
     wide = torch.promote_types(rows.dtype, torch.float32)
@@ -186,7 +185,7 @@ def sorted_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, t
     slots = _ExpandToSlots.apply(hidden_states, perm, slot_rows)  # [T * k, H], expert order
     up = _grouped_linear(slots, self.gate_up_proj, offsets, is_transposed=self.is_transposed)
     down = _grouped_linear(self._apply_gate(up), self.down_proj, offsets, is_transposed=self.is_transposed)
-    # back in token order, weighted and summed in fp32 (the router's weights' dtype, as transformers' grouped_mm sums)
+    # back in token order, weighted and summed in fp32 (transformers' grouped_mm sums in the weights' dtype)
     return _CombineSlots.apply(down, top_k_weights, perm, slot_rows).to(hidden_states.dtype)
 
 
