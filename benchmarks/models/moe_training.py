@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import os
 import platform
 import statistics
 import sys
@@ -258,7 +259,9 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
                                        if settings.compile == "layers" else None),
               "activation_checkpointing": settings.activation_checkpointing,
               "weight_gathers": weight_gathers(settings, keep_weights, needs_fsdp(settings, world)),
-              "world_size": world}
+              "world_size": world,
+              # the caching allocator's settings (expandable segments change how fragmented a full card gets)
+              "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")}
     results = []
     # where the compiled layers break their graphs (logged while they compile, in the first steps), for the profile
     with (profiling.graph_break_sites() if cuda and args.profile else contextlib.nullcontext()) as break_sites:
@@ -303,6 +306,7 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
                     "mfu_fwd_bwd": step_flops / (fb * world * peak) if peak else None,
                     "mfu_wall_clock": step_flops / (st * world * peak) if peak else None,
                     "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+                    "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
                     **({"profile": profile} if profile else {}),
                 }
                 rows.clear()  # the packed rows on the device, freed before the next workload or mode

@@ -216,6 +216,8 @@ def weight_gathers_choices(args) -> list[str | None]:
 def run_moe(args, device, info, world, results: list[dict], save) -> list[dict]:
     """The moe part's rows, appended to ``results``; ``save()`` after each shape's (a run cut short keeps them)."""
     for shape, layers in MOE[args.smoke]:
+        if args.moe_shapes != "all" and shape not in args.moe_shapes.split(","):
+            continue
         for experts in experts_choices(args):
             for gathers in weight_gathers_choices(args):
                 args.layers, args.workloads = layers, "mfu"
@@ -437,6 +439,9 @@ def main() -> None:
     ap.add_argument("--speed-workloads", default="ratio~1,ratio~3.4", help="the speed part's workloads")
     ap.add_argument("--packings", default="flat,tree",
                     help="the speed part's rows: flat and/or tree (both for the tree speed-up); e.g. tree with --profile")
+    ap.add_argument("--moe-shapes", default="all",
+                    help="the moe part's shapes: all, or some of " + ",".join(s for s, _ in MOE[False]) + " (the smoke's: "
+                         + ",".join(s for s, _ in MOE[True]) + "), e.g. to time one shape in a call of its own")
     ap.add_argument("--experts", default="default",
                     help="the MoE shapes' experts: default (the trainer's), or grouped_mm and/or grpo_grouped_mm, each "
                          "timed in turn (grpo_core.models.moe.experts)")
@@ -446,6 +451,7 @@ def main() -> None:
     args = ap.parse_args()
     gdn_kernel_choices(args), gdn_conv_choices(args), experts_choices(args), graph_breaks_choices(args)  # a typo fails here, not after the parts before the speed part
     for flag, value, known in (("--models", args.models, {"dense", "hybrid"}),
+                               ("--moe-shapes", args.moe_shapes, {"all"} | {s for s, _ in MOE[args.smoke]}),
                                ("--packings", args.packings, {"flat", "tree"})):
         if not value or set(value.split(",")) - known:
             raise SystemExit(f"{flag}: {value!r}; use any of {','.join(sorted(known))}, comma-separated")
