@@ -281,7 +281,7 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
                 try:
                     fb_times, step_times = time_rows(model, moe, rows, num_trained, optimizer, args, device, keep_weights)
                 except torch.OutOfMemoryError as exc:
-                    per_mode[mode] = {**common, "workload": workload, "packing": mode, "error": f"OOM: {str(exc)[:200]}"}
+                    per_mode[mode] = {**common, "workload": workload, "packing": mode, "error": f"OOM: {str(exc)[:600]}"}
                     rows.clear()  # the packed rows on the device, freed before the next workload or mode
                     gc.collect()
                     torch.cuda.empty_cache()
