@@ -278,6 +278,7 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
                 metrics = plan.metrics()
                 if cuda:
                     torch.cuda.reset_peak_memory_stats(device)
+                retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if cuda else 0
                 try:
                     fb_times, step_times = time_rows(model, moe, rows, num_trained, optimizer, args, device, keep_weights)
                 except torch.OutOfMemoryError as exc:
@@ -307,6 +308,8 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
                     "mfu_wall_clock": step_flops / (st * world * peak) if peak else None,
                     "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
                     "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
+                    # times the allocator freed its cache and retried (each synchronizes with the GPU): a card near full
+                    "alloc_retries": torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries if cuda else None,
                     **({"profile": profile} if profile else {}),
                 }
                 rows.clear()  # the packed rows on the device, freed before the next workload or mode
