@@ -364,6 +364,22 @@ def test_the_moe_figure_is_the_default_configs_with_every_weight_schedule_listed
         "per_step": {"qwen3_5_moe_mfu": 0.26}}
 
 
+def test_moe_rows_of_fewer_layers_never_make_the_shapes_figure() -> None:
+    """``--moe-layers`` runs the MoE shapes shallower to fit a smaller card: those rows compare settings within their
+    run, and the summary's figures stay the shapes' own depth's (none where only shallower rows exist)."""
+    from benchmarks.models import qwen35_summary
+    from grpo_core.models.moe.experts import DEFAULT_EXPERTS
+
+    (moe, moe_layers), (a3b, a3b_layers) = qwen35_summary.MOE[False]
+    rows = [{"model": a3b, "layers": a3b_layers // 2, "experts_implementation": DEFAULT_EXPERTS,
+             "weight_gathers": "per_micro_batch", "world_size": 1, "mfu_fwd_bwd": 0.45},
+            {"model": moe, "layers": moe_layers, "experts_implementation": DEFAULT_EXPERTS,
+             "weight_gathers": "per_micro_batch", "world_size": 1, "mfu_fwd_bwd": 0.31}]
+    summary = qwen35_summary.summarize({"moe": rows}, smoke=False)
+    assert summary["qwen3_30b_a3b_mfu"] is None and "qwen3_30b_a3b_mfu" not in summary["met"]
+    assert summary["qwen3_5_moe_mfu"] == 0.31
+
+
 def test_the_summary_takes_the_default_graph_breaks_and_lists_both_settings() -> None:
     """``qwen35_summary.summarize`` with ``--graph-breaks nested,outer``: each setting's ratio pairs the models compiled
     with it, and the headline ratio is the default config's setting (``resolve_graph_breaks("auto")``)."""

@@ -220,7 +220,7 @@ def run_moe(args, device, info, world, results: list[dict], save) -> list[dict]:
             continue
         for experts in experts_choices(args):
             for gathers in weight_gathers_choices(args):
-                args.layers, args.workloads = layers, "mfu"
+                args.layers, args.workloads = args.moe_layers or layers, "mfu"
                 config = None if gathers is None else AsyncGRPOConfig(**WEIGHT_GATHERS[gathers])
                 for r in shape_results(args, shape, device, info, world, moe_training.build_model, config=config,
                                        experts=experts):
@@ -442,6 +442,9 @@ def main() -> None:
     ap.add_argument("--moe-shapes", default="all",
                     help="the moe part's shapes: all, or some of " + ",".join(s for s, _ in MOE[False]) + " (the smoke's: "
                          + ",".join(s for s, _ in MOE[True]) + "), e.g. to time one shape in a call of its own")
+    ap.add_argument("--moe-layers", type=int, default=None,
+                    help="decoder layers of every MoE shape (default: each shape's, as the summary's targets count "
+                         "them); fewer fit a smaller card, for comparisons within one run")
     ap.add_argument("--experts", default="default",
                     help="the MoE shapes' experts: default (the trainer's), or grouped_mm and/or grpo_grouped_mm, each "
                          "timed in turn (grpo_core.models.moe.experts)")

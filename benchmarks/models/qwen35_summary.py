@@ -161,8 +161,10 @@ def summarize(report: dict, smoke: bool) -> dict:
     summary["tree_speedup_over_flop_ideal"] = reached
     by_experts: dict[str, dict] = {}
     by_gathers: dict[str, dict] = {}
-    for key, (shape, _) in zip(("qwen3_5_moe_mfu", "qwen3_30b_a3b_mfu"), MOE[smoke]):
-        rows = [r for r in report.get("moe", []) if r.get("model") == shape and "error" not in r]
+    for key, (shape, layers) in zip(("qwen3_5_moe_mfu", "qwen3_30b_a3b_mfu"), MOE[smoke]):
+        # the shape at its own depth only: rows of fewer layers (--moe-layers) compare schedules on a smaller card
+        rows = [r for r in report.get("moe", []) if r.get("model") == shape and r.get("layers", layers) == layers
+                and "error" not in r]
         for r in rows:
             by_experts.setdefault(str(r.get("experts_implementation")), {})[key] = r["mfu_fwd_bwd"]
         # the figure is the default config's: the trainer's default experts (DEFAULT_EXPERTS), and its weight gathers
