@@ -15,13 +15,6 @@ tests/test_tree_conv_kernels.py``.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -31,6 +24,7 @@ from grpo_core.models.attention.probe_rows import probe_meta
 from grpo_core.models.attention.tree_conv_plan import taps_conv, taps_conv_input_grad, tree_conv_plan
 from grpo_core.packing.collator import pack_row
 from grpo_core.packing.trie import TreeRow
+from tests.interpreted_kernels import in_a_child_where_no_kernels, kernel_device, needs_kernels, run_under_interpreter
 from tests.test_packing_trie import make_sample, sample_sets
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -107,41 +101,12 @@ def test_a_row_without_forks_has_no_reads_across_segments():
 
 
 # ------------------------------------------------------------------------------------------ the kernels
-def kernel_device() -> str | None:
-    """Where the Triton kernels can run here: CUDA, or the CPU under Triton's interpreter."""
-    if importlib.util.find_spec("triton") is None:
-        return None
-    if torch.cuda.is_available():
-        return "cuda"
-    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
-
-
-needs_kernels = pytest.mark.skipif(kernel_device() is None, reason="needs Triton and CUDA, or Triton's interpreter "
-                                                                   "(TRITON_INTERPRET=1) on the CPU; without them, "
-                                                                   "test_the_kernels_run_under_the_interpreter_with_"
-                                                                   "triton_of_their_own runs it in a child process")
-
-
-INTERPRETER_SITE = Path(__file__).resolve().parents[1] / ".triton-interpreter"
-
-
-@pytest.mark.skipif(kernel_device() is not None, reason="this session runs the kernel tests itself")
+@in_a_child_where_no_kernels
 def test_the_kernels_run_under_the_interpreter_with_triton_of_their_own():
     """This file's kernel tests, in a child process under Triton's CPU interpreter with Triton from
     ``.triton-interpreter/``: all of them must run (no skip) and pass, so that a session without Triton still
     checks the kernels the GPU runs."""
-    if not (INTERPRETER_SITE / "triton").is_dir():
-        pytest.fail(f"no Triton in {INTERPRETER_SITE}: run `bash scripts/triton_interpreter.sh` (scripts/test.sh does)")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(INTERPRETER_SITE), os.environ.get("PYTHONPATH")) if p)}
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", __file__,
-         "-k", "not under_the_interpreter"],
-        env=env, cwd=INTERPRETER_SITE.parent, capture_output=True, text=True, timeout=900)
-    tail = child.stdout[-4000:] + child.stderr[-2000:]
-    assert child.returncode == 0, tail
-    counts = dict((kind, int(n)) for n, kind in re.findall(r"(\d+) (passed|skipped|failed|deselected)", tail))
-    assert counts.get("skipped", 0) == 0 and counts.get("passed", 0) >= 9, counts
+    run_under_interpreter(__file__, min_passed=9)
 
 
 @pytest.fixture(autouse=True)

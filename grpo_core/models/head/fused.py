@@ -23,9 +23,9 @@ from them. Two entry points:
   at a time; no ``[T, V]`` tensor exists, and backward recomputes each chunk's logits (one more head
   matmul, as the reference's checkpointed chunks do) and adds the chunks' weight gradients.
 
-The per-chunk arithmetic (``chunk_stats``, ``chunk_grad``) is plain tensor code; on CUDA the statistics are
-compiled (``torch.compile``), one read of the chunk's logits, and the gradient is ``chunk_grad`` as a Triton
-kernel (``grad_triton``), one read and one write. Rounding follows the reference: the normaliser and the gradient in fp32 (fp64 stays fp64), the
+The per-chunk arithmetic (``chunk_stats``, ``chunk_grad``) is plain tensor code; on CUDA the statistics' log-normaliser
+is a Triton kernel (``stats_triton``), one read of the chunk's logits, and the gradient is ``chunk_grad`` as a
+Triton kernel (``grad_triton``), one read and one write. Rounding follows the reference: the normaliser and the gradient in fp32 (fp64 stays fp64), the
 gradient rounded once to the logits' dtype.
 """
 
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from grpo_core.models.head import grad_triton
+from grpo_core.models.head import grad_triton, stats_triton
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -110,14 +110,20 @@ def chunk_grad_into_logits(logits: Tensor, lse: Tensor, target_ids: Tensor, grad
 
 def _kernels(device: torch.device) -> tuple[Callable, Callable, Callable]:
     """``chunk_stats``, ``chunk_grad`` and ``chunk_grad_into_logits`` as they run on ``device``: on CUDA the
-    statistics compiled (one fused pass) and the gradient by the Triton kernel of ``grad_triton``
-    (compiled ``chunk_grad`` where that kernel does not take the logits), as written elsewhere."""
+    statistics with the log-normaliser by the Triton kernel of ``stats_triton`` and the gradient by that of
+    ``grad_triton`` (each compiled from its PyTorch form where its kernel does not take the logits: fp64), as
+    written elsewhere."""
     if device.type != "cuda":
         return chunk_stats, chunk_grad, chunk_grad_into_logits
     if not _compiled:
         _compiled["stats"] = torch.compile(chunk_stats, dynamic=True)
         _compiled["grad"] = torch.compile(chunk_grad, dynamic=True)
         _compiled["grad_into"] = torch.compile(chunk_grad_into_logits, dynamic=True)
+
+    def stats(logits: Tensor, *args) -> tuple[Tensor, Tensor, Tensor | None]:
+        if stats_triton.available(logits):
+            return stats_triton.triton_chunk_stats(logits, *args)
+        return _compiled["stats"](logits, *args)
 
     def grad(logits: Tensor, *args) -> Tensor:
         if grad_triton.available(logits):
@@ -130,7 +136,7 @@ def _kernels(device: torch.device) -> tuple[Callable, Callable, Callable]:
         else:
             _compiled["grad_into"](logits, *args)
 
-    return _compiled["stats"], grad, grad_into
+    return stats, grad, grad_into
 
 
 def _check(temperature: float, candidate_masks: Tensor | None, chunk_size: int | None) -> None:

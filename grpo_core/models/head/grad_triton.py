@@ -3,10 +3,14 @@
 ``torch.compile`` fuses ``chunk_grad`` into one pass, but with the row count dynamic its kernel walks the
 ``[c, V]`` gradient as one flat index and divides it by ``V`` at every entry to find the row, far below the
 memory bandwidth (the two side by side: benchmarks/README.md, "The fused head and in-place level calls";
-``benchmarks/device/check_logprob_grad.py``). Here one
-program owns one token's row and walks its vocabulary in blocks, so the row's ``lse``, sampled id and upstream
-gradients are loaded once and the column is the block's offset. The arithmetic is ``chunk_grad``'s, in fp32,
-rounded once to the output's dtype (the one difference: ``exp`` is Triton's, within a few fp32 ulps).
+``benchmarks/device/check_logprob_grad.py``). Here a program owns ``columns_per_program`` columns of one token's
+row and walks them in blocks, so the row's ``lse``, sampled id and upstream gradients are loaded once per program
+and the column is the block's offset. Several programs per row keep more of the card's memory requests in flight
+than one program walking a whole 152k-entry row: a row's walk is a chain of dependent loads and stores, and with
+one program per row it took the same time on an H100 as on an H200, whose memory is 1.4x faster
+(``results/moe_qwen3_30b_a3b_profile_h200.json`` against the H100 profile beside it). The arithmetic is
+``chunk_grad``'s, in fp32, rounded once to the output's dtype (the one difference: ``exp`` is Triton's, within a
+few fp32 ulps).
 """
 
 from __future__ import annotations
@@ -23,18 +27,20 @@ def _build():
 
     @triton.jit
     def logits_grad(out, logits, lse, target_ids, grad_target, top_ids, grad_top, masks, vocab, row_stride,
-                    out_stride, temperature, N_TOP: tl.constexpr, HAS_MASK: tl.constexpr,  # noqa: N803
+                    out_stride, temperature, columns, N_TOP: tl.constexpr, HAS_MASK: tl.constexpr,  # noqa: N803
                     BLOCK: tl.constexpr):  # noqa: N803 - Triton's constexpr spelling
         row = tl.program_id(0).to(tl.int64)
+        first = tl.program_id(1).to(tl.int64) * columns
+        last = tl.minimum(first + columns, vocab)
         row_lse = tl.load(lse + row)
         sampled = tl.load(target_ids + row)
         upstream = tl.load(grad_target + row).to(tl.float32)
         total = upstream
         for n in tl.static_range(N_TOP):
             total += tl.load(grad_top + row * N_TOP + n).to(tl.float32)
-        for start in range(0, vocab, BLOCK):
+        for start in range(first, last, BLOCK):
             column = start + tl.arange(0, BLOCK)
-            inside = column < vocab
+            inside = column < last
             scaled = tl.load(logits + row * row_stride + column, mask=inside, other=0.0).to(tl.float32) / temperature
             grad = tl.where(column == sampled, upstream, 0.0) - tl.exp(scaled - row_lse) * total
             for n in tl.static_range(N_TOP):
@@ -48,11 +54,20 @@ def _build():
     return logits_grad
 
 
+COLUMNS_PER_PROGRAM = 8192
+"""Columns of a row one program writes (a 152k vocabulary: 19 programs per row); ``None``: the whole row."""
+BLOCK = 2048
+"""Columns a program loads and stores at once."""
+
+
 def triton_chunk_grad(out: Tensor, logits: Tensor, lse: Tensor, target_ids: Tensor, grad_target: Tensor,
                       top_ids: Tensor | None, grad_top: Tensor | None, candidate_masks: Tensor | None,
-                      temperature: float) -> Tensor:
+                      temperature: float, columns_per_program: int | None = COLUMNS_PER_PROGRAM, block: int = BLOCK,
+                      num_warps: int = 4) -> Tensor:
     """``chunk_grad``'s result written into ``out`` (``[c, V]``, rows contiguous; may be ``logits`` itself);
-    CUDA tensors. Returns ``out``."""
+    CUDA tensors. The launch (``columns_per_program``, ``None`` for one program per row; ``block``, a power of two;
+    ``num_warps``) is the benchmark's to vary: ``benchmarks/device/check_logprob_grad.py`` times the choices side by
+    side. Returns ``out``."""
     global _kernel
     if _kernel is None:
         _kernel = _build()
@@ -68,10 +83,18 @@ def triton_chunk_grad(out: Tensor, logits: Tensor, lse: Tensor, target_ids: Tens
     ids = top_ids.long().contiguous() if n_top else target_ids  # placeholders when absent: never read
     tops = grad_top.float().contiguous() if n_top else grad_target
     masks = candidate_masks.contiguous() if candidate_masks is not None else target_ids
-    _kernel[(rows,)](out, logits, lse, target_ids.long().contiguous(), grad_target, ids, tops, masks, vocab,
-                     logits.stride(0), out.stride(0), float(temperature), N_TOP=n_top,
-                     HAS_MASK=candidate_masks is not None, BLOCK=4096, num_warps=8)
+    columns = vocab if columns_per_program is None else columns_per_program
+    if columns < 1:
+        raise ValueError(f"columns_per_program={columns_per_program}: use a positive count, or None for whole rows")
+    grid = (rows, triton_cdiv(vocab, columns))
+    _kernel[grid](out, logits, lse, target_ids.long().contiguous(), grad_target, ids, tops, masks, vocab,
+                  logits.stride(0), out.stride(0), float(temperature), columns, N_TOP=n_top,
+                  HAS_MASK=candidate_masks is not None, BLOCK=block, num_warps=num_warps)
     return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def available(logits: Tensor) -> bool:
