@@ -4,7 +4,9 @@
   log-probs equal ``fused.chunk_stats``', with temperatures, candidate masks (a row masked but for its sampled id, a
   row masked entirely), vocabularies that are not a multiple of the block, and rows split over several programs;
 * ``grad_triton``: the logits' gradient equals ``fused.chunk_grad`` to one bf16 rounding for one program per row
-  and for several, written into a new tensor or over the logits.
+  and for several, written into a new tensor or over the logits, with the top ids' terms compared at every entry
+  or written apart (repeated top ids, a top id that is the sampled id, one outside the candidate set); the two
+  forms of the top terms agree bit for bit.
 
 They run on a GPU, or on the CPU under Triton's interpreter (``tests/interpreted_kernels.py``): without either in
 this process, ``test_the_head_kernels_run_under_the_interpreter`` runs them in a child process. The launches here
@@ -28,7 +30,7 @@ SMALL_LAUNCH = dict(columns_per_program=96, block=32)
 @in_a_child_where_no_kernels
 def test_the_head_kernels_run_under_the_interpreter():
     """This file's kernel tests in a child process under Triton's CPU interpreter: all run, none skipped."""
-    run_under_interpreter(__file__, min_passed=8)
+    run_under_interpreter(__file__, min_passed=18)
 
 
 def logits_case(rows: int, vocab: int, dtype: torch.dtype, masked: bool, n_top: int, seed: int = 0):
@@ -90,18 +92,22 @@ def test_the_statistics_equal_chunk_stats(masked):
 @needs_kernels
 @pytest.mark.parametrize("columns_per_program", [None, 96])
 @pytest.mark.parametrize("masked", [False, True])
-def test_the_logits_gradient_equals_chunk_grad(columns_per_program, masked):
+@pytest.mark.parametrize("inline_top", [False, True])
+def test_the_logits_gradient_equals_chunk_grad(columns_per_program, masked, inline_top):
     from grpo_core.models.head.grad_triton import triton_chunk_grad
 
-    logits, targets, tops, masks = logits_case(6, 777, torch.bfloat16, masked, 2, seed=2)
+    logits, targets, tops, masks = logits_case(6, 777, torch.bfloat16, masked, 3, seed=2)
+    tops[2, 1] = tops[2, 0]  # a repeated top id: its entry takes both terms
+    tops[4, 2] = targets[4]  # a top id that is the sampled id: its entry takes both
     if masks is not None:
         masks[1, targets[1]] = True  # a masked-out row has no gradient to compare; keep its sampled id
+        masks[5, tops[5, 0]] = False  # a top id outside the candidate set: its entry stays zero
     lse = chunk_stats(logits, targets, 1.3, tops, masks)[0]
     gen = torch.Generator().manual_seed(3)
     upstream = torch.randn(6, generator=gen).to(logits.device)
-    upstream_top = torch.randn(6, 2, generator=gen).to(logits.device)
+    upstream_top = torch.randn(6, 3, generator=gen).to(logits.device)
     want = chunk_grad(logits, lse, targets, upstream, tops, upstream_top, masks, 1.3)
-    launch = dict(columns_per_program=columns_per_program, block=32)
+    launch = dict(columns_per_program=columns_per_program, block=32, inline_top=inline_top)
     got = triton_chunk_grad(torch.empty_like(logits), logits, lse, targets, upstream, tops, upstream_top, masks,
                             1.3, **launch)
     # both round an fp32 value to bf16 once; Triton's exp may differ from PyTorch's by a few fp32 ulps
@@ -109,3 +115,19 @@ def test_the_logits_gradient_equals_chunk_grad(columns_per_program, masked):
     over = logits.clone()
     triton_chunk_grad(over, over, lse, targets, upstream, tops, upstream_top, masks, 1.3, **launch)
     assert torch.equal(over, got)
+
+
+@needs_kernels
+def test_the_top_terms_written_apart_equal_the_inline_ones_bit_for_bit():
+    """The second kernel sums a top id's entry in the inline form's order: the two launches agree exactly."""
+    from grpo_core.models.head.grad_triton import triton_chunk_grad
+
+    logits, targets, tops, _ = logits_case(9, 900, torch.bfloat16, False, 8, seed=4)
+    tops[0, 7] = tops[0, 3]
+    lse = chunk_stats(logits, targets, 0.8, tops, None)[0]
+    upstream = torch.linspace(-1, 1, 9).to(logits.device)
+    upstream_top = torch.linspace(-2, 2, 72).reshape(9, 8).to(logits.device)
+    apart, inline = (triton_chunk_grad(torch.empty_like(logits), logits, lse, targets, upstream, tops, upstream_top,
+                                       None, 0.8, columns_per_program=128, block=64, inline_top=inline_top)
+                     for inline_top in (False, True))
+    assert torch.equal(apart, inline)

@@ -5,7 +5,7 @@ under several launches (columns per program / block / warps; the kernels' defaul
 launch of one program per row it had before).
 
 The default shape is one micro-batch of the Qwen3-30B-A3B profile's: 15,436 trained tokens of a 151,936-id
-vocabulary in bf16. Each is timed over ``--repeats`` calls after three warm-up calls; the report gives ms, the bytes
+vocabulary in bf16, with the sampler's 8 top ids per token. Each is timed over ``--repeats`` calls after three warm-up calls; the report gives ms, the bytes
 each pass must move per ms (``tb_s``: the logits read once, the gradient written once), every launch's time over
 the compiled form's (``over_compiled``), and its largest difference from the compiled form's result (``max_abs_diff``;
 the log-normaliser in fp32, the gradient in bf16).
@@ -29,10 +29,12 @@ from typing import Callable
 
 import torch
 
-GRAD_LAUNCHES = {"8192/2048/4": (8192, 2048, 4), "4096/1024/4": (4096, 1024, 4), "16384/4096/8": (16384, 4096, 8),
-                 "row/4096/8": (None, 4096, 8)}
-"""The gradient kernel's launches: columns per program (None: the whole row) / block / warps. The first is
-``grad_triton``'s default; ``row/4096/8`` is the launch it had before (one program per row)."""
+GRAD_LAUNCHES = {"8192/2048/4": (8192, 2048, 4, False), "4096/1024/4": (4096, 1024, 4, False),
+                 "16384/4096/8": (16384, 4096, 8, False), "8192/2048/4 inline": (8192, 2048, 4, True),
+                 "row/4096/8 inline": (None, 4096, 8, True)}
+"""The gradient kernel's launches: columns per program (None: the whole row) / block / warps, and ``inline`` where
+every entry is compared with every top id (``grad_triton.triton_chunk_grad``'s ``inline_top``). The first is the
+default; ``row/4096/8 inline`` is the launch it had before (one program per row)."""
 STATS_LAUNCHES = {"8192/2048/4": (8192, 2048, 4), "4096/1024/4": (4096, 1024, 4), "16384/4096/8": (16384, 4096, 8),
                   "32768/4096/8": (32768, 4096, 8)}
 """The statistics kernel's launches; the first is ``stats_triton``'s default."""
@@ -72,6 +74,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=15436)
     ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--top-ids", type=int, default=8, help="the sampler's top ids per token (the profile's 8)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", default="benchmarks/results/logprob_kernels.json")
     ap.add_argument("--smoke", action="store_true", help="CPU, small logits, kernels interpreted: checks the script")
@@ -88,34 +91,43 @@ def main() -> None:
     logits = (torch.randn(tokens, vocab, device=device, generator=gen) * 3).to(torch.bfloat16)
     targets = torch.randint(0, vocab, (tokens,), device=device, generator=gen)
     upstream = torch.randn(tokens, device=device, generator=gen)
+    tops = torch.randint(0, vocab, (tokens, args.top_ids), device=device, generator=gen) if args.top_ids else None
+    upstream_top = torch.randn(tokens, args.top_ids, device=device, generator=gen) if args.top_ids else None
     compiled_stats = chunk_stats if args.smoke else torch.compile(chunk_stats, dynamic=True)
     compiled_grad = chunk_grad if args.smoke else torch.compile(chunk_grad, dynamic=True)
     repeats = 2 if args.smoke else args.repeats
     logits_mb = logits.numel() * logits.element_size() / 1e6
 
-    lse_want = compiled_stats(logits, targets, 1.0, None, None)[0]
-    stats = {"compiled": {"ms": timed_ms(lambda: compiled_stats(logits, targets, 1.0, None, None), repeats, cuda)}}
-    grad_want = compiled_grad(logits, lse_want, targets, upstream, None, None, None, 1.0)
-    grad = {"compiled": {"ms": timed_ms(lambda: compiled_grad(logits, lse_want, targets, upstream, None, None, None,
-                                                              1.0), repeats, cuda)}}
+    lse_want = compiled_stats(logits, targets, 1.0, tops, None)[0]
+    stats = {"compiled": {"ms": timed_ms(lambda: compiled_stats(logits, targets, 1.0, tops, None), repeats, cuda)}}
+    grad_want = compiled_grad(logits, lse_want, targets, upstream, tops, upstream_top, None, 1.0)
+    grad = {"compiled": {"ms": timed_ms(lambda: compiled_grad(logits, lse_want, targets, upstream, tops, upstream_top,
+                                                              None, 1.0), repeats, cuda)}}
     if kernels:
         for name, (columns, block, warps) in STATS_LAUNCHES.items():
-            run = lambda: stats_triton.triton_lse(logits, 1.0, None, columns, block, warps)  # noqa: E731
-            stats[name] = {"ms": timed_ms(run, repeats, cuda), "max_abs_diff": (run() - lse_want).abs().max().item()}
+            stats[name] = {"ms": timed_ms(lambda: stats_triton.triton_lse(logits, 1.0, None, columns, block, warps),
+                                          repeats, cuda),
+                           "max_abs_diff": (stats_triton.triton_lse(logits, 1.0, None, columns, block, warps)
+                                            - lse_want).abs().max().item()}
+        # the whole statistics as the head runs them: the default launch's log-normaliser, the ids gathered apart
+        stats["triton_chunk_stats"] = {
+            "ms": timed_ms(lambda: stats_triton.triton_chunk_stats(logits, targets, 1.0, tops, None), repeats, cuda),
+            "max_abs_diff": (stats_triton.triton_chunk_stats(logits, targets, 1.0, tops, None)[1]
+                             - compiled_stats(logits, targets, 1.0, tops, None)[1]).abs().max().item()}
         out = torch.empty_like(logits)
-        for name, (columns, block, warps) in GRAD_LAUNCHES.items():
-            run = lambda: grad_triton.triton_chunk_grad(out, logits, lse_want, targets, upstream, None, None,  # noqa: E731
-                                                        None, 1.0, columns, block, warps)
+        for name, (columns, block, warps, inline) in GRAD_LAUNCHES.items():
+            run = lambda: grad_triton.triton_chunk_grad(out, logits, lse_want, targets, upstream, tops,  # noqa: E731
+                                                        upstream_top, None, 1.0, columns, block, warps, inline)
             grad[name] = {"ms": timed_ms(run, repeats, cuda),
                           "max_abs_diff": (run().float() - grad_want.float()).abs().max().item()}
     for part, results, moved_mb in (("stats", stats, logits_mb), ("grad", grad, 2 * logits_mb)):
         for name, r in results.items():
-            r["tb_s"] = moved_mb / r["ms"] / 1e6
+            r["tb_s"] = moved_mb / r["ms"] / 1e3  # MB per ms is GB/s
             r["over_compiled"] = r["ms"] / results["compiled"]["ms"]
-            print(f"{part:5s} {name:14s} {r['ms']:8.3f} ms  {r['tb_s']:6.2f} TB/s  {r['over_compiled']:.3f}x compiled"
+            print(f"{part:5s} {name:18s} {r['ms']:8.3f} ms  {r['tb_s']:6.2f} TB/s  {r['over_compiled']:.3f}x compiled"
                   + (f"  max |diff| {r['max_abs_diff']:.2e}" if "max_abs_diff" in r else ""), flush=True)
     report = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
-              "tokens": tokens, "vocab": vocab, "dtype": "bfloat16", "repeats": repeats,
+              "tokens": tokens, "vocab": vocab, "top_ids": args.top_ids, "dtype": "bfloat16", "repeats": repeats,
               "kernels": "triton" if kernels else "absent (no Triton here)", "stats": stats, "grad": grad}
     write_report(args.out, report)
 

@@ -27,8 +27,8 @@ def _build():
 
     @triton.jit
     def logits_grad(out, logits, lse, target_ids, grad_target, top_ids, grad_top, masks, vocab, row_stride,
-                    out_stride, temperature, columns, N_TOP: tl.constexpr, HAS_MASK: tl.constexpr,  # noqa: N803
-                    BLOCK: tl.constexpr):  # noqa: N803 - Triton's constexpr spelling
+                    out_stride, temperature, columns, N_TOP: tl.constexpr, INLINE_TOP: tl.constexpr,  # noqa: N803
+                    HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):  # noqa: N803 - Triton's constexpr spelling
         row = tl.program_id(0).to(tl.int64)
         first = tl.program_id(1).to(tl.int64) * columns
         last = tl.minimum(first + columns, vocab)
@@ -43,15 +43,40 @@ def _build():
             inside = column < last
             scaled = tl.load(logits + row * row_stride + column, mask=inside, other=0.0).to(tl.float32) / temperature
             grad = tl.where(column == sampled, upstream, 0.0) - tl.exp(scaled - row_lse) * total
-            for n in tl.static_range(N_TOP):
-                grad += tl.where(column == tl.load(top_ids + row * N_TOP + n),
-                                 tl.load(grad_top + row * N_TOP + n).to(tl.float32), 0.0)
+            if INLINE_TOP:
+                for n in tl.static_range(N_TOP):
+                    grad += tl.where(column == tl.load(top_ids + row * N_TOP + n),
+                                     tl.load(grad_top + row * N_TOP + n).to(tl.float32), 0.0)
             if HAS_MASK:
                 keep = tl.load(masks + row * vocab + column, mask=inside, other=0).to(tl.int1)
                 grad = tl.where(keep, grad, 0.0)
             tl.store(out + row * out_stride + column, (grad / temperature).to(out.dtype.element_ty), mask=inside)
 
-    return logits_grad
+    @triton.jit
+    def top_entries(out, top_logits, lse, target_ids, grad_target, top_ids, grad_top, masks, vocab, out_stride,
+                    temperature, N_TOP: tl.constexpr, HAS_MASK: tl.constexpr):  # noqa: N803
+        # The entries of a row's top ids, written again with their top terms: the same sums in the same order as
+        # the inline form, from the logits gathered before ``logits_grad`` ran (it may have overwritten them).
+        row = tl.program_id(0).to(tl.int64)
+        row_lse = tl.load(lse + row)
+        sampled = tl.load(target_ids + row)
+        upstream = tl.load(grad_target + row).to(tl.float32)
+        total = upstream
+        for n in tl.static_range(N_TOP):
+            total += tl.load(grad_top + row * N_TOP + n).to(tl.float32)
+        for n in tl.static_range(N_TOP):
+            column = tl.load(top_ids + row * N_TOP + n)
+            scaled = tl.load(top_logits + row * N_TOP + n).to(tl.float32) / temperature
+            grad = tl.where(column == sampled, upstream, 0.0) - tl.exp(scaled - row_lse) * total
+            for m in tl.static_range(N_TOP):
+                grad += tl.where(column == tl.load(top_ids + row * N_TOP + m),
+                                 tl.load(grad_top + row * N_TOP + m).to(tl.float32), 0.0)
+            if HAS_MASK:
+                keep = tl.load(masks + row * vocab + column).to(tl.int1)
+                grad = tl.where(keep, grad, 0.0)
+            tl.store(out + row * out_stride + column, (grad / temperature).to(out.dtype.element_ty))
+
+    return logits_grad, top_entries
 
 
 COLUMNS_PER_PROGRAM = 8192
@@ -63,11 +88,15 @@ BLOCK = 2048
 def triton_chunk_grad(out: Tensor, logits: Tensor, lse: Tensor, target_ids: Tensor, grad_target: Tensor,
                       top_ids: Tensor | None, grad_top: Tensor | None, candidate_masks: Tensor | None,
                       temperature: float, columns_per_program: int | None = COLUMNS_PER_PROGRAM, block: int = BLOCK,
-                      num_warps: int = 4) -> Tensor:
+                      num_warps: int = 4, inline_top: bool = False) -> Tensor:
     """``chunk_grad``'s result written into ``out`` (``[c, V]``, rows contiguous; may be ``logits`` itself);
     CUDA tensors. The launch (``columns_per_program``, ``None`` for one program per row; ``block``, a power of two;
-    ``num_warps``) is the benchmark's to vary: ``benchmarks/device/check_logprob_grad.py`` times the choices side by
-    side. Returns ``out``."""
+    ``num_warps``; ``inline_top``) is the benchmark's to vary: ``benchmarks/models/logprob_kernels.py`` times the
+    choices side by side.
+
+    The top ids' terms (``N`` per row) are added by a second kernel that writes those ``N`` entries of each row
+    again; ``inline_top`` compares every entry with every top id instead, ``N`` comparisons per entry, which made
+    the pass bound by arithmetic rather than memory with the sampler's 8 top ids. Returns ``out``."""
     global _kernel
     if _kernel is None:
         _kernel = _build()
@@ -86,10 +115,17 @@ def triton_chunk_grad(out: Tensor, logits: Tensor, lse: Tensor, target_ids: Tens
     columns = vocab if columns_per_program is None else columns_per_program
     if columns < 1:
         raise ValueError(f"columns_per_program={columns_per_program}: use a positive count, or None for whole rows")
+    sampled = target_ids.long().contiguous()
+    rows_kernel, top_kernel = _kernel
+    fix_up = n_top > 0 and not inline_top
+    top_logits = logits.gather(1, ids).contiguous() if fix_up else None  # before ``out`` may overwrite them
     grid = (rows, triton_cdiv(vocab, columns))
-    _kernel[grid](out, logits, lse, target_ids.long().contiguous(), grad_target, ids, tops, masks, vocab,
-                  logits.stride(0), out.stride(0), float(temperature), columns, N_TOP=n_top,
-                  HAS_MASK=candidate_masks is not None, BLOCK=block, num_warps=num_warps)
+    rows_kernel[grid](out, logits, lse, sampled, grad_target, ids, tops, masks, vocab, logits.stride(0),
+                      out.stride(0), float(temperature), columns, N_TOP=n_top, INLINE_TOP=not fix_up,
+                      HAS_MASK=candidate_masks is not None, BLOCK=block, num_warps=num_warps)
+    if fix_up:
+        top_kernel[(rows,)](out, top_logits, lse, sampled, grad_target, ids, tops, masks, vocab, out.stride(0),
+                            float(temperature), N_TOP=n_top, HAS_MASK=candidate_masks is not None, num_warps=1)
     return out
 
 
