@@ -124,6 +124,13 @@ def _keep_weights(d: dict[str, Any]) -> str:
     return f"weights kept between micro-batches / freed: fwd+bwd time {times}; peak memory {peaks}"
 
 
+def _logprob_kernels(d: dict[str, Any]) -> str:
+    stats, grad = d["stats"], d["grad"]
+    return (f"statistics {stats['triton_chunk_stats']['ms']:.2f} ms against compiled {stats['compiled']['ms']:.2f} ms; "
+            f"gradient {grad['8192/2048/4']['ms']:.2f} ms against one program a row "
+            f"{grad['row/4096/8 inline']['ms']:.2f} ms ({grad['8192/2048/4']['tb_s']:.2f} TB/s)")
+
+
 HEADLINES: tuple[Headline, ...] = (
     Headline("Ours ÷ TRL trained tokens/s, Qwen3-1.7B, one H200, by packing ratio", "peer_trl_gpu.json", _peer_ratios),
     Headline("Peak GPU memory, ours against TRL, Qwen3-1.7B", "peer_trl_gpu.json", _peer_memory),
@@ -135,6 +142,8 @@ HEADLINES: tuple[Headline, ...] = (
              "qwen35_speed.json", _qwen35),
     Headline("FSDP2 on one GPU keeping the bf16 weights between micro-batches, Qwen3-1.7B, one H100, 8k rows",
              "fsdp_keep_weights_h100.json", _keep_weights),
+    Headline("Log-prob head's passes over 15k x 152k bf16 logits with 8 top ids, one H100", "logprob_kernels_h100.json",
+             _logprob_kernels),
     Headline("Sparse (delta) push against dense, Qwen3-1.7B, one H200", "sparse_push_gpu.json", _sparse_bytes),
     Headline("NCCL weight push, Qwen3-1.7B bf16, 2 x H200", "nccl_sync.json", _nccl),
     Headline("Fleet of two CPU servers against one", "fleet_throughput.json", _fleet),

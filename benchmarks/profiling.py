@@ -1,5 +1,6 @@
-"""Profiling helpers shared by the benchmarks' ``--profile`` options (``packing/tree_packing.py``,
-``models/moe_training.py`` and the scripts built on it, ``models/moe_experts.py``): where a step's CUDA time goes by
+"""Timing and profiling helpers shared by the benchmarks: ``time_ms`` (milliseconds a call, CUDA events on a GPU),
+and for the ``--profile`` options (``packing/tree_packing.py``, ``models/moe_training.py`` and the scripts built on
+it, ``models/moe_experts.py``): where a step's CUDA time goes by
 kind of kernel, where the host waits for the GPU, where compiled layers break their graphs, and which matmuls get
 operands cuBLAS serves slowly.
 """
@@ -11,6 +12,7 @@ import contextlib
 import logging
 import re
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -218,3 +220,22 @@ def graph_break_sites():
     finally:
         logging.getLogger("torch._dynamo").removeHandler(handler)
         torch._logging.set_logs()
+
+
+def time_ms(fn: Callable[[], object], repeats: int, dev: torch.device) -> float:
+    """Milliseconds per call after five warm-up calls: CUDA events on a GPU, the wall clock on the CPU."""
+    for _ in range(5):
+        fn()
+    if dev.type != "cuda":
+        start_s = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - start_s) * 1e3 / repeats
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats

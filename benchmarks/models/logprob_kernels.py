@@ -5,7 +5,7 @@ under several launches (columns per program / block / warps; the kernels' defaul
 launch of one program per row it had before).
 
 The default shape is one micro-batch of the Qwen3-30B-A3B profile's: 15,436 trained tokens of a 151,936-id
-vocabulary in bf16, with the sampler's 8 top ids per token. Each is timed over ``--repeats`` calls after three warm-up calls; the report gives ms, the bytes
+vocabulary in bf16, with the sampler's 8 top ids per token. Each is timed over ``--repeats`` calls after five warm-up calls (``profiling.time_ms``); the report gives ms, the bytes
 each pass must move per ms (``tb_s``: the logits read once, the gradient written once), every launch's time over
 the compiled form's (``over_compiled``), and its largest difference from the compiled form's result (``max_abs_diff``;
 the log-normaliser in fp32, the gradient in bf16).
@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -52,24 +50,6 @@ def use_interpreter_for_smoke() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def timed_ms(fn: Callable[[], object], repeats: int, cuda: bool) -> float:
-    for _ in range(3):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / repeats
-    start_s = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start_s) * 1e3 / repeats
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=15436)
@@ -81,6 +61,7 @@ def main() -> None:
     args = ap.parse_args()
     kernels = use_interpreter_for_smoke() if args.smoke else True
     from benchmarks.bench_io import write_report
+    from benchmarks.profiling import time_ms
     from grpo_core.models.head import grad_triton, stats_triton
     from grpo_core.models.head.fused import chunk_grad, chunk_stats
 
@@ -99,26 +80,26 @@ def main() -> None:
     logits_mb = logits.numel() * logits.element_size() / 1e6
 
     lse_want = compiled_stats(logits, targets, 1.0, tops, None)[0]
-    stats = {"compiled": {"ms": timed_ms(lambda: compiled_stats(logits, targets, 1.0, tops, None), repeats, cuda)}}
+    stats = {"compiled": {"ms": time_ms(lambda: compiled_stats(logits, targets, 1.0, tops, None), repeats, device)}}
     grad_want = compiled_grad(logits, lse_want, targets, upstream, tops, upstream_top, None, 1.0)
-    grad = {"compiled": {"ms": timed_ms(lambda: compiled_grad(logits, lse_want, targets, upstream, tops, upstream_top,
-                                                              None, 1.0), repeats, cuda)}}
+    grad = {"compiled": {"ms": time_ms(lambda: compiled_grad(logits, lse_want, targets, upstream, tops, upstream_top,
+                                                              None, 1.0), repeats, device)}}
     if kernels:
         for name, (columns, block, warps) in STATS_LAUNCHES.items():
-            stats[name] = {"ms": timed_ms(lambda: stats_triton.triton_lse(logits, 1.0, None, columns, block, warps),
-                                          repeats, cuda),
+            stats[name] = {"ms": time_ms(lambda: stats_triton.triton_lse(logits, 1.0, None, columns, block, warps),
+                                          repeats, device),
                            "max_abs_diff": (stats_triton.triton_lse(logits, 1.0, None, columns, block, warps)
                                             - lse_want).abs().max().item()}
         # the whole statistics as the head runs them: the default launch's log-normaliser, the ids gathered apart
         stats["triton_chunk_stats"] = {
-            "ms": timed_ms(lambda: stats_triton.triton_chunk_stats(logits, targets, 1.0, tops, None), repeats, cuda),
+            "ms": time_ms(lambda: stats_triton.triton_chunk_stats(logits, targets, 1.0, tops, None), repeats, device),
             "max_abs_diff": (stats_triton.triton_chunk_stats(logits, targets, 1.0, tops, None)[1]
                              - compiled_stats(logits, targets, 1.0, tops, None)[1]).abs().max().item()}
         out = torch.empty_like(logits)
         for name, (columns, block, warps, inline) in GRAD_LAUNCHES.items():
             run = lambda: grad_triton.triton_chunk_grad(out, logits, lse_want, targets, upstream, tops,  # noqa: E731
                                                         upstream_top, None, 1.0, columns, block, warps, inline)
-            grad[name] = {"ms": timed_ms(run, repeats, cuda),
+            grad[name] = {"ms": time_ms(run, repeats, device),
                           "max_abs_diff": (run().float() - grad_want.float()).abs().max().item()}
     for part, results, moved_mb in (("stats", stats, logits_mb), ("grad", grad, 2 * logits_mb)):
         for name, r in results.items():

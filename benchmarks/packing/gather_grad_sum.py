@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
 
 import torch
 from benchmarks.bench_io import write_report
+from benchmarks.profiling import time_ms
 
 
 def make_index(u: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -56,25 +56,6 @@ def sorted_index_add(grad, index, u, plan):
 def synchronize(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize()
-
-
-def time_ms(fn: Callable[[], object], repeats: int, dev: torch.device) -> float:
-    """Milliseconds per call after five warm-up calls: CUDA events on a GPU, the wall clock on the CPU."""
-    for _ in range(5):
-        fn()
-    synchronize(dev)
-    if dev.type != "cuda":
-        start_s = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        return (time.perf_counter() - start_s) * 1e3 / repeats
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def main() -> None:

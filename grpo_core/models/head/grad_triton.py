@@ -2,14 +2,15 @@
 
 ``torch.compile`` fuses ``chunk_grad`` into one pass, but with the row count dynamic its kernel walks the
 ``[c, V]`` gradient as one flat index and divides it by ``V`` at every entry to find the row, far below the
-memory bandwidth (the two side by side: benchmarks/README.md, "The fused head and in-place level calls";
-``benchmarks/device/check_logprob_grad.py``). Here a program owns ``columns_per_program`` columns of one token's
-row and walks them in blocks, so the row's ``lse``, sampled id and upstream gradients are loaded once per program
-and the column is the block's offset. Several programs per row keep more of the card's memory requests in flight
-than one program walking a whole 152k-entry row: a row's walk is a chain of dependent loads and stores, and with
-one program per row it took the same time on an H100 as on an H200, whose memory is 1.4x faster
-(``results/moe_qwen3_30b_a3b_profile_h200.json`` against the H100 profile beside it). The arithmetic is
-``chunk_grad``'s, in fp32, rounded once to the output's dtype (the one difference: ``exp`` is Triton's, within a
+memory bandwidth (the two side by side: benchmarks/README.md, "The fused head and in-place level calls"). Here a
+program owns ``columns_per_program`` columns of one token's row and walks them in blocks, so the row's ``lse``,
+sampled id and upstream gradients are loaded once per program and the column is the block's offset.
+
+The sampler's top ids add a term at a few entries of each row. Compared at every entry (``inline_top``), they made
+the pass bound by arithmetic rather than by memory; here a second, small kernel writes those entries again, with the
+same sums in the same order, so the pass over the vocabulary does no per-entry work for them (benchmarks/README.md,
+"The head's two passes"; ``benchmarks/models/logprob_kernels.py`` times the launches side by side). The arithmetic
+is ``chunk_grad``'s, in fp32, rounded once to the output's dtype (the one difference: ``exp`` is Triton's, within a
 few fp32 ulps).
 """
 
@@ -56,7 +57,9 @@ def _build():
     def top_entries(out, top_logits, lse, target_ids, grad_target, top_ids, grad_top, masks, vocab, out_stride,
                     temperature, N_TOP: tl.constexpr, HAS_MASK: tl.constexpr):  # noqa: N803
         # The entries of a row's top ids, written again with their top terms: the same sums in the same order as
-        # the inline form, from the logits gathered before ``logits_grad`` ran (it may have overwritten them).
+        # the inline form, from the logits gathered before ``logits_grad`` ran (it may have overwritten them). The
+        # row's terms are loaded as there: a jitted helper would have to live at module level, where Triton is not
+        # imported (it is optional).
         row = tl.program_id(0).to(tl.int64)
         row_lse = tl.load(lse + row)
         sampled = tl.load(target_ids + row)

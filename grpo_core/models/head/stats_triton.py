@@ -1,12 +1,11 @@
 """The fused head's forward statistics (``fused.chunk_stats``: each token's log-normaliser and the log-probs of its
 sampled and top ids) with the log-normaliser from a hand-written Triton kernel.
 
-Compiled with a dynamic row count, ``chunk_stats`` reads the ``[c, V]`` logits at about 1 TB/s, and took the same
-time on an H100 as on an H200 (``results/moe_qwen3_30b_a3b_profile_h200.json`` against
-``moe_qwen3_30b_a3b_4layers_profile_h100.json``): it is bound by its own schedule, not by memory. Here each program
-reduces ``columns_per_program`` columns of one row in one pass: per block of columns, the block's maximum, then the
-sum of ``exp(x - max)`` rescaled to the running maximum (one ``exp`` per entry). The partial maxima and sums, a few
-per row, are combined in PyTorch, and the sampled and top ids' logits are gathered there (one entry each).
+Compiled with a dynamic row count, ``chunk_stats`` was bound by its own schedule rather than by memory: it took
+the same time on an H100 as on an H200 (benchmarks/README.md, "The head's two passes"). Here each program reduces
+``columns_per_program`` columns of one row in one pass: per block of columns, the block's maximum, then the sum of
+``exp(x - max)`` rescaled to the running maximum (one ``exp`` per entry). The partial maxima and sums, a few per
+row, are combined in PyTorch, and the sampled and top ids' logits are gathered there (one entry each).
 
 The arithmetic is ``chunk_stats``'s in fp32: the logits divided by the temperature, candidate masks as ``-inf``.
 The sum runs in another order than ``torch.logsumexp``'s, so the log-normaliser agrees with it to fp32 rounding,
