@@ -121,7 +121,7 @@ def _kernels(device: torch.device) -> tuple[Callable, Callable, Callable]:
         _compiled["grad_into"] = torch.compile(chunk_grad_into_logits, dynamic=True)
 
     def stats(logits: Tensor, *args) -> tuple[Tensor, Tensor, Tensor | None]:
-        if stats_triton.available(logits):
+        if grad_triton.available(logits):  # the statistics' kernel takes the same logits
             return stats_triton.triton_chunk_stats(logits, *args)
         return _compiled["stats"](logits, *args)
 

@@ -122,7 +122,7 @@ def triton_chunk_grad(out: Tensor, logits: Tensor, lse: Tensor, target_ids: Tens
     rows_kernel, top_kernel = _kernel
     fix_up = n_top > 0 and not inline_top
     top_logits = logits.gather(1, ids).contiguous() if fix_up else None  # before ``out`` may overwrite them
-    grid = (rows, triton_cdiv(vocab, columns))
+    grid = (rows, -(-vocab // columns))
     rows_kernel[grid](out, logits, lse, sampled, grad_target, ids, tops, masks, vocab, logits.stride(0),
                       out.stride(0), float(temperature), columns, N_TOP=n_top, INLINE_TOP=not fix_up,
                       HAS_MASK=candidate_masks is not None, BLOCK=block, num_warps=num_warps)
@@ -132,13 +132,9 @@ def triton_chunk_grad(out: Tensor, logits: Tensor, lse: Tensor, target_ids: Tens
     return out
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def available(logits: Tensor) -> bool:
-    """Whether ``triton_chunk_grad`` takes these logits: CUDA with Triton, a 16- or 32-bit float, columns
-    contiguous."""
+    """Whether the head's Triton kernels (``triton_chunk_grad``, ``stats_triton.triton_chunk_stats``) take these
+    logits: CUDA with Triton, a 16- or 32-bit float, columns contiguous."""
     if logits.device.type != "cuda" or logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
     if logits.dim() != 2 or logits.stride(1) != 1:

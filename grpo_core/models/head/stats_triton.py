@@ -86,7 +86,8 @@ def triton_lse(logits: Tensor, temperature: float, candidate_masks: Tensor | Non
 def triton_chunk_stats(logits: Tensor, target_ids: Tensor, temperature: float, top_ids: Tensor | None,
                        candidate_masks: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
     """``fused.chunk_stats``' results (``lse [c]``, sampled log-probs ``[c]``, top log-probs ``[c, N]`` or None) with
-    the log-normaliser from ``triton_lse``; for logits ``available`` takes."""
+    the log-normaliser from ``triton_lse``; for the logits ``grad_triton.available`` takes (both kernels take the
+    same: CUDA with Triton, 16- or 32-bit floats, contiguous columns)."""
     lse = triton_lse(logits, temperature, candidate_masks)
 
     def logprobs_of(ids: Tensor) -> Tensor:
@@ -99,14 +100,3 @@ def triton_chunk_stats(logits: Tensor, target_ids: Tensor, temperature: float, t
     top = None if top_ids is None else logprobs_of(top_ids.long())
     return lse, target, top
 
-
-def available(logits: Tensor) -> bool:
-    """Whether ``triton_chunk_stats`` takes these logits: CUDA with Triton, a 16-bit float or fp32 (an fp64 chunk
-    stays in PyTorch, as ``chunk_stats`` keeps it in fp64), columns contiguous."""
-    if logits.device.type != "cuda" or logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return False
-    if logits.dim() != 2 or logits.stride(1) != 1:
-        return False
-    from torch.utils._triton import has_triton
-
-    return has_triton()
