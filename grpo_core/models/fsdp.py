@@ -195,9 +195,10 @@ def shard_policy(model: torch.nn.Module, settings: FSDPSettings, device: torch.d
         fully_shard(tower, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=settings.reshard_after_forward)
     for module in model.modules():
-        if isinstance(module, FSDPModule):
+        if isinstance(module, FSDPModule) and world_size > 1:
             # A plain SUM over ranks (see the module docstring); forcing SUM also keeps gloo, which
-            # has no pre-multiplied sum, working on CPU.
+            # has no pre-multiplied sum, working on CPU. One rank needs neither: its mean is the sum, and FSDP2
+            # divides a single rank's whole fp32 gradient by any factor that is set, 1.0 included.
             module.set_gradient_divide_factor(1.0)
             if hasattr(module, "set_force_sum_reduction_for_comms"):  # not in every torch >= 2.6
                 module.set_force_sum_reduction_for_comms(True)
