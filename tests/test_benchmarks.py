@@ -75,6 +75,7 @@ def runs_with_steps(report: Any) -> list[str]:
 SMOKES: dict[str, Smoke] = {
     "benchmarks.device.check_logprob_grad": Smoke(writes=False),
     "benchmarks.models.logprob_kernels": Smoke(),
+    "benchmarks.models.grad_accumulation": Smoke(),
     "benchmarks.device.check_split_kernels": Smoke(writes=False),
     "benchmarks.models.logprob_head": Smoke(),
     "benchmarks.models.moe_experts": Smoke(),

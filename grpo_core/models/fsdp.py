@@ -11,9 +11,10 @@
   master weights, the gradient reduction and the optimizer state stay fp32;
 * optional CPU offload of the sharded parameters, gradients and optimizer state.
 
-On one rank, the gradients of a step's micro-batches accumulate unsharded and are reduced once, after the last,
-and the gathered weights may stay from one micro-batch to the next (``before_micro_batch``, which the trainer's
-step calls before each micro-batch); several ranks reduce and free after every micro-batch.
+On one rank, the gradients of a step's micro-batches accumulate unsharded (in fp32, through the kernels of
+``grpo_core.models.grad_accumulation``) and are reduced once, after the last, and the gathered weights may stay
+from one micro-batch to the next (``before_micro_batch``, which the trainer's step calls before each micro-batch);
+several ranks reduce and free after every micro-batch.
 
 Gradients are reduced as a *sum* over ranks, not FSDP's default mean: the GRPO loss of every rank is
 already divided by the trained tokens of the whole step (``grpo_core.training.loss.grpo_loss``), so the sum is
@@ -194,6 +195,12 @@ def shard_policy(model: torch.nn.Module, settings: FSDPSettings, device: torch.d
         # and is never gathered, where inside the root unit it would be gathered every forward.
         fully_shard(tower, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=settings.reshard_after_forward)
+    if world_size == 1 and compute_dtype is not None:
+        # One rank accumulates a step's gradients unsharded in fp32 (before_micro_batch): the widening cast and
+        # the mixed-dtype add run as Triton kernels where they can.
+        from grpo_core.models import grad_accumulation
+
+        grad_accumulation.install(model)
     for module in model.modules():
         if isinstance(module, FSDPModule) and world_size > 1:
             # A plain SUM over ranks (see the module docstring); forcing SUM also keeps gloo, which
