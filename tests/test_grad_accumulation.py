@@ -81,6 +81,7 @@ def accumulated_grads(install: bool, calls: dict[str, int]) -> dict[str, torch.T
     fully_shard(model, mp_policy=policy)
     if install:
         assert grad_accumulation.install(model) == 6  # three weights and three biases
+    assert grad_accumulation.installed_on(model) == (6 if install else 0)
     add_into, upcast = grad_accumulation.add_into, grad_accumulation.upcast
 
     def counted_add_into(*args, **kwargs):

@@ -50,6 +50,7 @@ from grpo_core.models.attention.gated_delta import active_gdn_backend, fla_kerne
 from grpo_core.models.attention.short_conv import active_conv_backend  # noqa: E402
 from grpo_core.models.attention.hybrid import gated_delta_layers, head_sizes  # noqa: E402
 from grpo_core.models.fsdp import FSDPSettings, before_micro_batch, needs_fsdp, shard_policy  # noqa: E402
+from grpo_core.models import grad_accumulation  # noqa: E402
 from grpo_core.models.moe.experts import active_expert_params, use_grouped_experts  # noqa: E402
 from grpo_core.models.moe.policy import MoEPolicy  # noqa: E402
 from grpo_core.packing.collator import pack_row  # noqa: E402
@@ -260,6 +261,8 @@ def run_shape(args, shape: str, device: torch.device, rank: int, world: int, bui
               "activation_checkpointing": settings.activation_checkpointing,
               "weight_gathers": weight_gathers(settings, keep_weights, needs_fsdp(settings, world)),
               "world_size": world,
+              # FSDP2 parameters whose one-rank fp32 accumulation runs grpo_core.models.grad_accumulation's kernels
+              "grad_accumulation_kernels_on": grad_accumulation.installed_on(model),
               # the caching allocator's settings (expandable segments change how fragmented a full card gets)
               "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")}
     results = []

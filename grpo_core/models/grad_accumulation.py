@@ -159,3 +159,16 @@ def install(model: torch.nn.Module) -> int:
             param.accumulate_unsharded_grad_if_needed = types.MethodType(_accumulate_unsharded_grad, param)
             installed += 1
     return installed
+
+
+def installed_on(model: torch.nn.Module) -> int:
+    """How many of ``model``'s FSDP2 parameters accumulate through ``install``'s methods (what a benchmark records)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    count = 0
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for param in group.fsdp_params if group is not None else ():
+            method = param.__dict__.get("accumulate_unsharded_grad_if_needed")
+            count += getattr(method, "__func__", None) is _accumulate_unsharded_grad
+    return count
