@@ -7,6 +7,9 @@ right secret, which joins the gloo group and receives a broadcast. The full path
 vLLM server (its worker dials with the secret from the init info) is every weight push in the
 integration tests, e.g. ``tests/integration/test_async_loop.py``.
 
+A rendezvous port taken between its choice and its bind raises ``PortTaken`` before anything is sent to the server,
+and the weight sync chooses another (``ProtocolWeightSync``, ``PORT_ATTEMPTS``).
+
     .venv/bin/python -m pytest -q tests/test_gated_store.py
 """
 
@@ -121,3 +124,60 @@ def test_rendezvous_is_not_reachable_on_other_interfaces():
                 socket.create_connection((address, gate.port), timeout=2).close()
     finally:
         gate.close()
+
+
+def test_a_gate_on_a_port_taken_since_its_choice_says_so_and_holds_no_socket():
+    """``PortTaken`` (the caller may choose again), and no loopback socket left bound behind it."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        opened: list[socket.socket] = []
+        real_create_server = socket.create_server
+
+        def recording_create_server(*args, **kwargs):
+            opened.append(real_create_server(*args, **kwargs))
+            return opened[-1]
+
+        gated_store.socket.create_server = recording_create_server
+        try:
+            with pytest.raises(gated_store.PortTaken, match=f"127.0.0.1:{port} was taken"):
+                StoreGate("127.0.0.1", port, new_secret())
+        finally:
+            gated_store.socket.create_server = real_create_server
+        assert opened == []  # the chosen port is bound first: nothing was opened before it failed
+
+
+def test_the_weight_sync_chooses_another_port_when_its_first_is_taken(monkeypatch):
+    """``ProtocolWeightSync`` tries ``PORT_ATTEMPTS`` ports, each chosen afresh, and gives up after the last."""
+    from grpo_core.sync import protocol
+
+    class Control:
+        base_url = "http://127.0.0.1:9"
+
+        def world_size(self) -> int:
+            return 1
+
+    class Source:
+        def metadata(self):
+            return []
+
+    chosen, tried = iter([41001, 41002, 41003, 41004]), []
+    monkeypatch.setattr(protocol, "choose_port", lambda address, port_range=None: next(chosen))
+
+    def engine_on(taken: set[int]):
+        def make(backend, control, source, rank, address, port, *rest):
+            tried.append(port)
+            if port in taken:
+                raise gated_store.PortTaken(f"{address}:{port} was taken")
+            return type("Engine", (), {})()
+        return make
+
+    monkeypatch.setattr(protocol, "_trainer_engine", engine_on({41001}))
+    sync = protocol.ProtocolWeightSync(Control(), Source(), "gloo", master_address="127.0.0.1")
+    assert tried == [41001, 41002] and sync.engine is not None
+    tried.clear()
+    monkeypatch.setattr(protocol, "_trainer_engine", engine_on({41003, 41004, 41005}))
+    chosen = iter([41003, 41004, 41005, 41006])
+    monkeypatch.setattr(protocol, "choose_port", lambda address, port_range=None: next(chosen))
+    with pytest.raises(gated_store.PortTaken):
+        protocol.ProtocolWeightSync(Control(), Source(), "gloo", master_address="127.0.0.1")
+    assert tried == [41003, 41004, 41005] and protocol.PORT_ATTEMPTS == 3

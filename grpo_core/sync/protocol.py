@@ -32,10 +32,15 @@ from grpo_core.sync.errors import WeightSyncError
 from grpo_core.sync.timed import TimedControl
 from grpo_core.sync.wire.address import PortRange, choose_port, rendezvous_address
 from grpo_core.sync.wire.buckets import DEFAULT_BUCKET_BYTES
+from grpo_core.sync.wire.gated_store import PortTaken
 from grpo_core.sync.wire.gloo_messages import GLOO_BACKEND
 
 if TYPE_CHECKING:
     from grpo_core.vllm_server.control import VLLMControlClient
+
+
+PORT_ATTEMPTS = 3
+"""Rendezvous ports tried when one is taken between its choice and its bind (``PortTaken``)."""
 
 
 def _trainer_engine(backend: str, control: Any, source: WeightSource, rank: int, address: str, port: int,
@@ -98,8 +103,16 @@ class ProtocolWeightSync(WeightSync):
             port = choose_port(self.master_address, port_range)
             world_size = 1 + self.control.world_size()
             init_calls = TimedControl(self.control, self.deadlines, None, 0)
-        self.engine = _trainer_engine(backend, init_calls, source, rank, self.master_address, port, world_size,
-                                      bucket_bytes, encoding, self.deadlines.seconds("init", 0))
+        for attempt in range(PORT_ATTEMPTS):
+            try:
+                self.engine = _trainer_engine(backend, init_calls, source, rank, self.master_address, port, world_size,
+                                              bucket_bytes, encoding, self.deadlines.seconds("init", 0))
+                break
+            except PortTaken:
+                # Taken between its choice and its bind, before the server was told it: choose again.
+                if attempt == PORT_ATTEMPTS - 1:
+                    raise
+                port = choose_port(self.master_address, port_range)
         self.engine.client = self.control  # each push wraps it in that push's deadlines
         self.engine.deadlines = self.deadlines
         self.bytes_per_push = sum(m.dtype.itemsize * _numel(m.shape) for m in source.metadata())

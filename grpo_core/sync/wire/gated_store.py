@@ -22,6 +22,7 @@ ephemeral and published only through the gated store.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
 import secrets
@@ -101,6 +102,11 @@ class _Listener:
             pass
 
 
+class PortTaken(OSError):
+    """The rendezvous port, free when it was chosen, was bound by something else before the gate bound it: nothing
+    has been sent to the server yet, so the caller may choose another and try again."""
+
+
 class StoreGate(_Listener):
     """Trainer side: the public listener that admits only connections carrying the secret.
 
@@ -111,11 +117,23 @@ class StoreGate(_Listener):
     def __init__(self, address: str, port: int, secret: str):
         self.secret = bytes.fromhex(secret)
         self.address = address
-        self.store_socket = socket.create_server(("127.0.0.1", 0))
-        self.store_port = self.store_socket.getsockname()[1]
         self.refused: list[str] = []
-        listen_socket = socket.create_server((address, port))
+        # The chosen port first: it was free when chosen, not reserved, and a loopback socket bound to any port
+        # (the kernel's pick) before it could be handed that very port.
+        try:
+            listen_socket = socket.create_server((address, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortTaken(f"the weight-transfer rendezvous port {address}:{port} was taken after it was chosen "
+                                "free") from exc
+            raise
         self.port = listen_socket.getsockname()[1]
+        try:
+            self.store_socket = socket.create_server(("127.0.0.1", 0))
+        except BaseException:
+            listen_socket.close()
+            raise
+        self.store_port = self.store_socket.getsockname()[1]
         super().__init__(listen_socket, "rendezvous-gate")
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
