@@ -131,6 +131,12 @@ def _logprob_kernels(d: dict[str, Any]) -> str:
             f"{grad['row/4096/8 inline']['ms']:.2f} ms ({grad['8192/2048/4']['tb_s']:.2f} TB/s)")
 
 
+def _grad_kernels(d: dict[str, Any]) -> str:
+    on, off = d["runs"]
+    return (f"with the kernels {on['moe'][0]['mfu_fwd_bwd']:.1%} MFU against FSDP2's own {off['moe'][0]['mfu_fwd_bwd']:.1%}; "
+            f"fwd+bwd {d['fwd_bwd_on_over_off']:.2f}x")
+
+
 HEADLINES: tuple[Headline, ...] = (
     Headline("Ours ÷ TRL trained tokens/s, Qwen3-1.7B, one H200, by packing ratio", "peer_trl_gpu.json", _peer_ratios),
     Headline("Peak GPU memory, ours against TRL, Qwen3-1.7B", "peer_trl_gpu.json", _peer_memory),
@@ -144,6 +150,8 @@ HEADLINES: tuple[Headline, ...] = (
              "fsdp_keep_weights_h100.json", _keep_weights),
     Headline("Log-prob head's passes over 15k x 152k bf16 logits with 8 top ids, one H100", "logprob_kernels_h100.json",
              _logprob_kernels),
+    Headline("One rank's fp32 gradient accumulation kernels, Qwen3-30B-A3B shape at 4 layers, one H100",
+             "moe_qwen3_30b_a3b_4layers_grad_kernels_h100.json", _grad_kernels),
     Headline("Sparse (delta) push against dense, Qwen3-1.7B, one H200", "sparse_push_gpu.json", _sparse_bytes),
     Headline("NCCL weight push, Qwen3-1.7B bf16, 2 x H200", "nccl_sync.json", _nccl),
     Headline("Fleet of two CPU servers against one", "fleet_throughput.json", _fleet),
