@@ -118,8 +118,8 @@ class StoreGate(_Listener):
         self.secret = bytes.fromhex(secret)
         self.address = address
         self.refused: list[str] = []
-        # The chosen port first: it was free when chosen, not reserved, and a loopback socket bound to any port
-        # (the kernel's pick) before it could be handed that very port.
+        # Bind the chosen port first: it was free when chosen but not reserved, and a loopback socket bound before
+        # it to any port (the kernel's pick) could be handed that very port.
         try:
             listen_socket = socket.create_server((address, port))
         except OSError as exc:
