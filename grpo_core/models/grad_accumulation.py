@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -142,33 +143,29 @@ def fsdp_params_understood() -> bool:
     return True
 
 
+def _fsdp_params(model: torch.nn.Module) -> Iterator[Any]:
+    """The FSDP2 parameters (``FSDPParam``) of ``model``'s FSDP2 units."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        yield from group.fsdp_params if group is not None else ()
+
+
 def install(model: torch.nn.Module) -> int:
     """Route the fp32 accumulation of ``model``'s FSDP2 parameters through ``upcast`` and ``add_into``; returns how
     many parameters now take them (0 where ``fsdp_params_understood`` is False). Idempotent."""
-    from torch.distributed.fsdp import FSDPModule
-
     if not fsdp_params_understood():
         return 0
     installed = 0
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        group = module._get_fsdp_state()._fsdp_param_group
-        for param in group.fsdp_params if group is not None else ():
-            param.to_accumulated_grad_if_needed = types.MethodType(_to_accumulated_grad, param)
-            param.accumulate_unsharded_grad_if_needed = types.MethodType(_accumulate_unsharded_grad, param)
-            installed += 1
+    for param in _fsdp_params(model):
+        param.to_accumulated_grad_if_needed = types.MethodType(_to_accumulated_grad, param)
+        param.accumulate_unsharded_grad_if_needed = types.MethodType(_accumulate_unsharded_grad, param)
+        installed += 1
     return installed
 
 
 def installed_on(model: torch.nn.Module) -> int:
     """How many of ``model``'s FSDP2 parameters accumulate through ``install``'s methods (what a benchmark records)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    count = 0
-    for module in model.modules():
-        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
-        for param in group.fsdp_params if group is not None else ():
-            method = param.__dict__.get("accumulate_unsharded_grad_if_needed")
-            count += getattr(method, "__func__", None) is _accumulate_unsharded_grad
-    return count
+    return sum(getattr(param.__dict__.get("accumulate_unsharded_grad_if_needed"), "__func__", None)
+               is _accumulate_unsharded_grad for param in _fsdp_params(model))
