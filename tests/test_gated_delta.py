@@ -37,6 +37,7 @@ from grpo_core.models.attention import short_conv as sc
 from grpo_core.models.attention import tree as ta
 from grpo_core.models.attention.metadata import TreeAttentionMetadata
 from grpo_core.models.attention.probe_rows import probe_meta
+from grpo_core.models.attention.tree_conv_plan import conv_context, conv_indices
 from grpo_core.packing.collator import pack_row
 from grpo_core.packing.planner import plan_step
 from grpo_core.packing.trie import TreeRow
@@ -137,7 +138,7 @@ def test_conv_window_crosses_into_the_parent_never_the_sibling():
     row.add(make_sample([1, 2, 3, 4, 9, 9, 3, 4], 2))
     meta = pack_row(row).attention
     assert gd.segment_parents(meta).tolist() == [-1, 0, 0, 2, 2]
-    source, keep = sc.conv_indices(meta, 4)
+    source, keep = conv_indices(meta, 4)
     # Segment 2 ([4 9] at row 6-7) reads the root's last three tokens, not segment 1 (rows 3-5).
     assert source.tolist()[12:17] == [0, 1, 2, 6, 7]
     # Segment 3 (row 8) reads its parent's two tokens and the root's last one.
@@ -149,9 +150,9 @@ def test_conv_context_reads_the_path_before_each_segment():
     """A root of 5 tokens (rows 0-4), a child of one token (5), its child (6-8), a second child (9-10): the context of
     the grandchild reaches past its one-token parent into the root."""
     meta = probe_meta(torch.device("cpu"), [5, 1, 3, 2])
-    assert sc.conv_context(meta, 4).tolist() == [[-1, -1, -1], [2, 3, 4], [3, 4, 5], [2, 3, 4]]
-    assert sc.conv_context(meta, 1).shape == (4, 0)
-    source, _ = sc.conv_indices(meta, 4)
+    assert conv_context(meta, 4).tolist() == [[-1, -1, -1], [2, 3, 4], [3, 4, 5], [2, 3, 4]]
+    assert conv_context(meta, 1).shape == (4, 0)
+    source, _ = conv_indices(meta, 4)
     assert source.tolist()[:8] == [-1, -1, -1, 0, 1, 2, 3, 4] and source.tolist()[12:18] == [3, 4, 5, 6, 7, 8]
 
 
@@ -219,7 +220,7 @@ def test_plans_read_the_collators_host_copy_not_the_device():
     host = probe_meta(torch.device("cpu"), [5, 1, 3, 2])
     moved = host.to(torch.device("meta"))
     assert moved.on_host() is host and host.on_host() is host
-    assert sc.conv_context(moved, 4).tolist() == sc.conv_context(host, 4).tolist()
+    assert conv_context(moved, 4).tolist() == conv_context(host, 4).tolist()
     assert [d.cu_seqlens_cpu.tolist() for d in gd.build_segment_tree(moved, torch.device("cpu")).depths] == \
         [[0, 5], [0, 1, 3], [0, 3]]
     orphan = TreeAttentionMetadata(*(t.to("meta") for t in (host.cu_seq_q, host.cu_seq_k)), 5, 8, None)

@@ -3,7 +3,7 @@
 A Gated DeltaNet layer (``grpo_core.models.attention.gated_delta``) runs a depthwise causal convolution (kernel
 ``K``, 4 in Qwen3.5/Qwen3-Next) before its delta rule. It reads the ``K - 1`` tokens before each token. For a
 segment's first tokens those are the last tokens of its *path* (its parent's tail, or further up when the parent
-is short), never the sibling laid out just before it in the row (``conv_context``).
+is short), never the sibling laid out just before it in the row (``tree_conv_plan.conv_context``).
 
 Backends (picked with the delta rule's, ``select_conv_backend``; the active one is ``active_conv_backend``):
 
@@ -23,50 +23,15 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from grpo_core.models.attention.gather import gather_rows
 from grpo_core.models.attention.metadata import TreeAttentionMetadata
 from grpo_core.models.attention.probe_rows import PROBE_TREES, probe_meta
+from grpo_core.models.attention.tree_conv_plan import conv_context, conv_indices, tree_conv_plan
 
 log = logging.getLogger(__name__)
-
-
-# ---- the convolution's context ----------------------------------------------------------------------
-def conv_context(meta: TreeAttentionMetadata, kernel: int) -> np.ndarray:
-    """int64 ``[G, kernel - 1]``: per segment, the path positions just before its own tokens, oldest first
-    (-1 above the root): what the short convolution reads before a segment's first token."""
-    cu_q, cu_k, kv = meta.host_arrays()
-    ctx = kernel - 1
-    out = np.full((len(cu_q) - 1, ctx), -1, dtype=np.int64)
-    if kv is None or ctx == 0:
-        return out
-    for g in range(len(cu_q) - 1):
-        q = int(cu_q[g + 1] - cu_q[g])
-        before = kv[cu_k[g] : cu_k[g + 1]][: int(cu_k[g + 1] - cu_k[g]) - q][-ctx:]
-        out[g, ctx - len(before):] = before
-    return out
-
-
-def conv_indices(meta: TreeAttentionMetadata, kernel: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(source, keep)`` for ``tree_causal_conv1d``.
-
-    ``source`` (int64): per segment, the ``kernel - 1`` path positions before its own tokens (-1 above
-    the root, ``conv_context``) followed by its own positions. ``keep`` (int64 [U]): for each row position,
-    the index of its output among the valid convolution outputs over ``source``.
-    """
-    cu_q = meta.host_arrays()[0]
-    context = conv_context(meta, kernel)
-    ctx, parts, keep, offset = kernel - 1, [], [], 0
-    for g in range(len(cu_q) - 1):
-        q = int(cu_q[g + 1] - cu_q[g])
-        parts.append(np.concatenate([context[g], np.arange(cu_q[g], cu_q[g + 1])]))
-        # Valid output j covers source[j : j + kernel], so own token i (at source ctx + i) is output i.
-        keep.append(offset + np.arange(q))
-        offset += ctx + q
-    return np.concatenate(parts), np.concatenate(keep)
 
 
 # ---- the short convolution --------------------------------------------------------------------------
@@ -186,7 +151,7 @@ def _triton_conv(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                  meta: TreeAttentionMetadata) -> torch.Tensor:
     """The project's Triton kernels (``tree_conv_triton``), reading the trie's index tables (``tree_conv_plan``,
     built once per row)."""
-    from grpo_core.models.attention.tree_conv_plan import tree_conv_plan
+    # Deferred: Triton is optional, and this backend is only chosen where it imports (``probe_failure``).
     from grpo_core.models.attention.tree_conv_triton import FUSED_ACTIVATIONS, tree_conv_triton
 
     kernel = weight.shape[-1]

@@ -1,9 +1,10 @@
-"""Index tables of the short convolution over a packed prefix trie, for kernels that read them (``tree_conv_triton``).
+"""Index tables of the short convolution over a packed prefix trie: the path context every backend reads
+(``conv_context``, ``conv_indices``) and the tables the Triton kernels read (``tree_conv_plan``, ``tree_conv_triton``).
 
 The tree convolution (``short_conv``) reads, for output ``t`` and tap ``j`` of ``K``, the token ``K - 1 - j`` steps
 back along ``t``'s path (tap ``K - 1`` is ``t`` itself). Inside a segment that is the row position
 ``t - (K - 1 - j)``; for a segment's first ``K - 1`` tokens it is a token of an ancestor segment (its path context,
-``short_conv.conv_context``), or nothing above a root. So:
+``conv_context``), or nothing above a root. So:
 
 - the forward reads ``taps[t, j]`` (a gather per tap, -1 for zeros);
 - the input gradient of token ``s`` sums the output gradients of every token that read it. The readers inside
@@ -27,7 +28,40 @@ import numpy as np
 import torch
 
 from grpo_core.models.attention.metadata import TreeAttentionMetadata
-from grpo_core.models.attention.short_conv import conv_indices
+
+
+def conv_context(meta: TreeAttentionMetadata, kernel: int) -> np.ndarray:
+    """int64 ``[G, kernel - 1]``: per segment, the path positions just before its own tokens, oldest first
+    (-1 above the root): what the short convolution reads before a segment's first token."""
+    cu_q, cu_k, kv = meta.host_arrays()
+    ctx = kernel - 1
+    out = np.full((len(cu_q) - 1, ctx), -1, dtype=np.int64)
+    if kv is None or ctx == 0:
+        return out
+    for g in range(len(cu_q) - 1):
+        q = int(cu_q[g + 1] - cu_q[g])
+        before = kv[cu_k[g] : cu_k[g + 1]][: int(cu_k[g + 1] - cu_k[g]) - q][-ctx:]
+        out[g, ctx - len(before):] = before
+    return out
+
+
+def conv_indices(meta: TreeAttentionMetadata, kernel: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(source, keep)`` for ``tree_causal_conv1d``.
+
+    ``source`` (int64): per segment, the ``kernel - 1`` path positions before its own tokens (-1 above
+    the root, ``conv_context``) followed by its own positions. ``keep`` (int64 [U]): for each row position,
+    the index of its output among the valid convolution outputs over ``source``.
+    """
+    cu_q = meta.host_arrays()[0]
+    context = conv_context(meta, kernel)
+    ctx, parts, keep, offset = kernel - 1, [], [], 0
+    for g in range(len(cu_q) - 1):
+        q = int(cu_q[g + 1] - cu_q[g])
+        parts.append(np.concatenate([context[g], np.arange(cu_q[g], cu_q[g + 1])]))
+        # Valid output j covers source[j : j + kernel], so own token i (at source ctx + i) is output i.
+        keep.append(offset + np.arange(q))
+        offset += ctx + q
+    return np.concatenate(parts), np.concatenate(keep)
 
 
 @dataclass(frozen=True)
