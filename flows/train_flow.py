@@ -122,7 +122,8 @@ def evaluate(job: JobConfig, model_path: str, server_url: str, label: str) -> di
     from transformers import AutoTokenizer
 
     from grpo_core.data.inputs import first_rows
-    from grpo_core.evaluation.heldout import evaluate_rewards, problem_keys
+    from grpo_core.evaluation.heldout import EvalRollouts, evaluate_rewards, problem_keys
+    from grpo_core.rollout.stages import AsyncRolloutLoop
 
     if trainer.environment is None:
         data = resolve_dataset(job.dataset, trainer.seed)
@@ -131,6 +132,11 @@ def evaluate(job: JobConfig, model_path: str, server_url: str, label: str) -> di
         data, reward_funcs, weights = resolve_job_inputs(job)
     if "eval" not in data:
         return None
+    # Rolled out as the training process rolls out: the job's loop class, tools and environment factory.
+    rollouts = EvalRollouts(
+        reward_funcs=reward_funcs, loop_cls=import_string(job.loop_cls) if job.loop_cls else AsyncRolloutLoop,
+        tools=[import_string(name) for name in job.tools],
+        environment_factory=import_string(job.environment_factory) if job.environment_factory else None)
     result = evaluate_rewards(
         server_url,
         AutoTokenizer.from_pretrained(model_path),
@@ -140,6 +146,8 @@ def evaluate(job: JobConfig, model_path: str, server_url: str, label: str) -> di
         samples_per_prompt=trainer.num_eval_generations(),
         temperature=trainer.temperature,
         max_tokens=trainer.max_completion_length,
+        config=trainer,
+        rollouts=rollouts,
     )
     _logger().info("held-out accuracy %s: %.3f over %d samples (%s)", label, result.accuracy, result.num_samples,
                    ", ".join(f"{k} {v:.3f}" for k, v in result.per_func.items()))
@@ -353,6 +361,17 @@ def reward_summary(tracking_uri: str, run_id: str) -> dict[str, float]:
     }
 
 
+def waste_summary(tracking_uri: str, run_id: str) -> dict[str, float]:
+    """What the run generated and did not train, over all its steps (``training.waste.run_waste``)."""
+    import mlflow
+
+    from grpo_core.training.waste import run_waste
+
+    client = mlflow.MlflowClient(tracking_uri)
+    return run_waste(lambda name: [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, name),
+                                                                      key=lambda m: m.timestamp)])
+
+
 # Prints are not captured as run logs: libraries print stray output (dill disassembles functions
 # through print while datasets fingerprints them); the flow reports through its logger and console.
 @flow(name="grpo-train", log_prints=False)
@@ -422,6 +441,7 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
     summary = {
         **rewards,
         **heldout,
+        **waste_summary(tracking_uri, run_id),
         "seed": job.trainer.seed,
         "eval_prompts_digest": (eval_after or eval_before or {}).get("prompts_digest"),
         "mlflow_tracking_uri": tracking_uri,

@@ -285,7 +285,14 @@ class AsyncGRPOConfig:
 
     # ---- asynchrony -----------------------------------------------------------------------------
     max_staleness: Annotated[int, Field(ge=0)] = 4
-    """Weight updates (pushes to the server) a sample may lag behind the trainer before it is dropped."""
+    """Weight updates (pushes to the server) a sample may lag behind the trainer before it counts as stale
+    (``stale_samples`` says what happens to it then)."""
+    stale_samples: Literal["drop", "keep"] = "drop"
+    """What the trainer does with a sample more than ``max_staleness`` updates behind it: ``drop`` it (its
+    generation is wasted, and since long completions arrive last, dropping them biases training toward short
+    answers), or ``keep`` it: trained in the step it arrives for, corrected like every sample by the importance
+    ratio against the sampler's log-probs (``vllm_importance_sampling_*``) and counted in ``sample/late_kept``.
+    The ``waste/*`` metrics show what each costs (docs/metrics.md)."""
     max_concurrent_rollouts: Annotated[int, Field(ge=1)] | None = None
     """Ceiling on rollouts in flight (None: max(max_staleness, 1) x batch x accumulation x processes)."""
     queue_maxsize: Annotated[int, Field(ge=1)] = 1024

@@ -30,7 +30,7 @@ SECTIONS: dict[str, frozenset[str]] = {
         "attention_backend", "tree_attention_plan", "tree_kv_regather", "attention_kernel", "logprob_chunk_size",
         "epsilon", "epsilon_high", "score_centering", "score_centering_weights", "vllm_importance_sampling_clip_min",
         "vllm_importance_sampling_clip_max", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
-        "vllm_importance_sampling_cap", "max_staleness", "token_budget", "packing", "gdn_backend", "routing_replay",
+        "vllm_importance_sampling_cap", "max_staleness", "stale_samples", "token_budget", "packing", "gdn_backend", "routing_replay",
         "no_signal_patience_steps", "num_generations",
         "moe_aux_loss_coef", "num_sampler_logprobs", "temperature", "resolved_bf16", "resolved_logprob_chunk_size", "needs_candidate_sets"}),
     "sync": frozenset({

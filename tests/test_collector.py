@@ -193,3 +193,31 @@ def test_a_long_wait_on_equal_groups_is_said_every_minute_and_never_stops_at_pat
     assert len(warnings) == 3  # at 60, 120 and 180 s
     assert warnings[0].startswith("no trainable group for 60 s: the last 61 groups each scored one reward")
     assert "reward 0 in 61" in warnings[0] and "stops at" not in warnings[0]
+
+
+def test_keep_trains_stale_samples_with_their_staleness_and_counts_them_late():
+    # The same arrivals as test_stale_samples_are_dropped_and_counted, under stale_samples="keep".
+    items = [report(0, 4), sample(0, 3), sample(0, 4), sample(0, 2, n_out=5), sample(0, 5), END_OF_DATA]
+    c = StepCollector(
+        source=ListSource(items), world_size=1, gradient_accumulation_steps=1, token_budget=1000,
+        max_samples_per_step=4, max_staleness=1, flat=False, frontier=TrainingFrontier(), timeout_s=1.0,
+        stale_samples="keep",
+    )
+    batch = c.collect(WeightVersions([0, 1, 2, 3, 4, 5]))
+    assert [s.policy_version for s in batch.samples] == [3, 4, 2, 5]  # in arrival order: nothing waits
+    assert batch.staleness == [2, 1, 3, 0] and [s.staleness for s in batch.samples] == [2, 1, 3, 0]
+    assert batch.stale_dropped == 0 and batch.stale_dropped_tokens == 0 and batch.late_kept == 2
+    assert c.consumed_total == 4
+
+
+def test_drop_counts_the_sampled_tokens_it_discards():
+    items = [report(0, 3), sample(0, 3, n_out=2), sample(0, 2, n_out=7), sample(0, 5, n_out=4), END_OF_DATA]
+    batch = collector(items, max_staleness=1).collect(WeightVersions([0, 1, 2, 3, 4, 5]))
+    assert batch.stale_dropped == 2 and batch.stale_dropped_tokens == 2 + 7 and batch.late_kept == 0
+
+
+def test_an_unknown_stale_samples_policy_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"stale_samples='requeue'.*\('drop', 'keep'\)"):
+        StepCollector(source=ListSource([]), world_size=1, gradient_accumulation_steps=1, token_budget=10,
+                      max_samples_per_step=1, max_staleness=0, flat=False, frontier=TrainingFrontier(), timeout_s=1.0,
+                      stale_samples="requeue")

@@ -11,6 +11,7 @@ from grpo_core.config import AsyncGRPOConfig
 from grpo_core.evaluation.heldout import EvalResult
 from grpo_core.launch.job import JobConfig
 from grpo_core.rewards import accuracy_reward, format_reward
+from grpo_core.rollout.stages import AsyncRolloutLoop
 
 
 @pytest.mark.parametrize("key,value,field", [
@@ -65,5 +66,9 @@ def test_the_flow_evaluates_with_the_trainers_settings(flow_evaluation) -> None:
     assert [r["prompt"] for r in call["dataset"]] == ["e1", "e2", "e3"] and call["reward_funcs"] == [accuracy_reward, format_reward]
     assert call["samples_per_prompt"] == 3 and call["weights"] == [1.0, 0.5]
     assert call["temperature"] == 0.7 and call["max_tokens"] == 20
+    # Rolled out and scored by the training process's loop: the run's config, loop class, tools and environment.
+    assert call["config"] is job.trainer and call["rollouts"].reward_funcs == [accuracy_reward, format_reward]
+    assert call["rollouts"].loop_cls is AsyncRolloutLoop and call["rollouts"].tools == []
+    assert call["rollouts"].environment_factory is None
     assert evaluate(JobConfig(trainer={"do_eval": False}), "model", "http://server", "after") is None
     assert len(calls) == 1

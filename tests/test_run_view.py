@@ -75,9 +75,9 @@ def test_the_headline_section_is_laid_out_first_and_holds_a_copy_of_each_headlin
     copies = {k: v for k, v in charted.items() if k not in metrics}
     present = [k for k in HEADLINE_METRICS if k in metrics]
     assert copies == {f"{HEADLINE_SECTION}/{HEADLINE_METRICS[k]}": metrics[k] for k in present}
-    # Six charts: two rows on the metrics page; the UI sorts them by name, three to a row at 1366 pixels, and the
-    # held-out accuracy and the reward are in the first row.
-    assert len(set(HEADLINE_METRICS.values())) == len(HEADLINE_METRICS) <= 6
+    # At most nine charts: three rows on the metrics page; the UI sorts them by name, three to a row at 1366 pixels,
+    # and the held-out accuracy and the reward are in the first row.
+    assert len(set(HEADLINE_METRICS.values())) == len(HEADLINE_METRICS) <= 9
     assert {HEADLINE_METRICS["reward"], HEADLINE_METRICS["heldout_accuracy"]} <= set(sorted(HEADLINE_METRICS.values())[:3])
 
 

@@ -1,4 +1,10 @@
-"""Held-out evaluation by sampling from the vLLM server (whatever weights it serves right now).
+"""Held-out evaluation by sampling from a vLLM server (whatever weights it serves right now).
+
+A held-out prompt is rolled out and scored by the run's own rollout loop (``rollout.stages.AsyncRolloutLoop``, or
+the trainer's ``loop_cls``): the same turns, tools, environment sessions and ``get_reward``, the same reward
+functions called the same way (sync or async, ``None`` for unscored, ``reward_weights``), so a verifiers rubric or a
+reasoning-gym scorer scores a held-out answer exactly as it scores a trained one. Only the sampling differs from
+training: ``num_generations_eval`` rollouts per prompt, and nothing is queued for training.
 
 ``evaluate_rewards`` (every reward function's mean and their weighted sum) is used by the job flow before
 training and after the final weight sync (the first function's mean as the held-out accuracy) and by the
@@ -17,13 +23,17 @@ from typing import Any
 
 import numpy as np
 
-from grpo_core.data.inputs import as_messages, first_rows, refuse_images, reward_name
-from grpo_core.rollout.generation import VLLMGenerateClient
-
+from grpo_core.config import AsyncGRPOConfig
+from grpo_core.data.inputs import as_messages, first_rows, refuse_images
+from grpo_core.rollout.stages import AsyncRolloutLoop, rollout_rewards
+from grpo_core.rollout.types import RolloutGroup
 
 PROBLEM_COLUMN = "problem"
 """A data set column naming the problem each prompt asks, when several prompts ask one (the tiny task phrases each
 problem 5 ways): the held-out intervals count problems, not prompts, as independent draws (``evaluation.intervals``)."""
+
+OWN_REWARD = "rollout_reward"
+"""The name an environment's ``get_reward`` (``Rollout.reward``) is reported under, as the rollout worker reports it."""
 
 
 def problem_keys(dataset: Any) -> list[Any]:
@@ -41,72 +51,73 @@ class EvalResult:
     per_func: dict[str, float] = field(default_factory=dict)  # mean of each reward function
     reward: float = float("nan")  # mean weighted sum, as the trainer sums rewards
     prompt_scores: list[float] = field(default_factory=list)  # the first function's mean per prompt (NaN: none judged)
+    # The weight versions the completions were sampled under (oldest token of each), as the server reported them.
+    versions: list[int] = field(default_factory=list)
 
 
-async def _evaluate(
-    base_url: str,
-    tokenizer: Any,
-    prompts: list[list[dict[str, Any]]],
-    columns: dict[str, list[Any]],
-    reward_funcs: list[Callable[..., Any]],
-    weights: list[float] | None,
-    samples_per_prompt: int,
-    temperature: float,
-    max_tokens: int,
-    seed: int | None,
-    concurrency: int,
-    tokens_endpoint: bool,
-) -> EvalResult:
-    client = VLLMGenerateClient(base_url, tokens_endpoint=tokens_endpoint)
+@dataclass
+class EvalRollouts:
+    """How held-out prompts are rolled out: the run's loop class and what it is built from, as the trainer hands
+    them to its rollout worker (``training.orchestrator.RolloutInputs``)."""
+
+    reward_funcs: list[Callable[..., Any]]
+    loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
+    tools: list[Callable[..., Any]] = field(default_factory=list)
+    environment_factory: Callable[[], Any] | None = None
+
+
+async def _rollout_groups(loop: AsyncRolloutLoop, rows: list[dict[str, Any]], samples_per_prompt: int,
+                          concurrency: int) -> list[RolloutGroup]:
+    """Every row rolled out ``samples_per_prompt`` times and scored, by the loop's own stages."""
     gate = asyncio.Semaphore(concurrency)
-    context = await client.max_model_len()
 
-    async def one(i: int) -> list[tuple[str, int]]:
-        text = tokenizer.apply_chat_template(prompts[i], tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        # Never past the server's context, as in training.
-        params: dict[str, Any] = {"max_tokens": max(1, min(max_tokens, context - len(ids))), "temperature": temperature,
-                                  "n": samples_per_prompt}
-        if seed is not None:
-            params["seed"] = seed + i
+    async def one(index: int, row: dict[str, Any], k: int) -> Any:
         async with gate:
-            choices = await client.generate(ids, params)
-        return [(tokenizer.decode(c.token_ids, skip_special_tokens=True), len(c.token_ids)) for c in choices]
+            return await loop.generate_one(index, row, k)
 
+    async def group(index: int, row: dict[str, Any]) -> RolloutGroup:
+        rollouts = await asyncio.gather(*(one(index, row, k) for k in range(samples_per_prompt)))
+        scored = RolloutGroup(row_index=index, epoch=0, prompt=_prompt_messages(row), rollouts=list(rollouts), row=row)
+        await loop.score(scored)
+        return scored
+
+    await loop.connect()
     try:
-        outputs = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        await loop.setup()
+        return list(await asyncio.gather(*(group(i, row) for i, row in enumerate(rows))))
     finally:
-        await client.aclose()
-    flat_prompts, completions, lengths = [], [], []
-    flat_columns: dict[str, list[Any]] = {k: [] for k in columns}
-    for i, outs in enumerate(outputs):
-        for text, n in outs:
-            flat_prompts.append(prompts[i])
-            completions.append([{"role": "assistant", "content": text}])
-            lengths.append(n)
-            for k in columns:
-                flat_columns[k].append(columns[k][i])
-    per_func: dict[str, float] = {}
-    weighted = np.zeros(len(completions))
-    scored = np.zeros(len(completions), dtype=bool)
-    for j, func in enumerate(reward_funcs):
-        scores = func(prompts=flat_prompts, completions=completions, **flat_columns)
-        values = np.array([np.nan if v is None else float(v) for v in scores])
-        if j == 0:
-            first_values = values
-        per_func[reward_name(func)] = _nan_mean(values)
-        weighted += np.nan_to_num(values) * (weights[j] if weights else 1.0)
-        scored |= ~np.isnan(values)
-    first = next(iter(per_func.values()), float("nan"))
-    prompt_scores = _per_prompt(first_values, [len(outs) for outs in outputs]) if reward_funcs else []
+        await loop.close()
+
+
+def _prompt_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = as_messages(row["prompt"])
+    refuse_images(messages, row)
+    return messages
+
+
+def summarise(groups: list[RolloutGroup]) -> EvalResult:
+    """The scored groups as one result: each reward function's mean (an environment's own reward as
+    ``OWN_REWARD``), the weighted sum's mean and the first function's mean per prompt (NaN-scored ones skipped)."""
+    names = list(groups[0].reward_func_names) if groups else []
+    per_func_values = [np.concatenate([g.rewards_per_func[:, j] for g in groups]) for j in range(len(names))]
+    own = np.concatenate([rollout_rewards(g) for g in groups]) if groups else np.zeros(0)
+    if own.size and not np.isnan(own).all():
+        names.append(OWN_REWARD)
+        per_func_values.append(own)
+    per_func = {name: _nan_mean(values) for name, values in zip(names, per_func_values, strict=True)}
+    first = per_func_values[0] if per_func_values else np.zeros(0)
+    totals = np.concatenate([g.rewards for g in groups]) if groups else np.zeros(0)
+    lengths = [sum(len(t.output_ids) for t in r.turns) for g in groups for r in g.rollouts]
+    versions = [min((t.policy_version for t in r.turns), default=0) for g in groups for r in g.rollouts]
     return EvalResult(
-        accuracy=first,
-        num_prompts=len(prompts),
-        num_samples=len(completions),
+        accuracy=next(iter(per_func.values()), float("nan")),
+        num_prompts=len(groups),
+        num_samples=len(lengths),
         mean_length=float(np.mean(lengths)) if lengths else 0.0,
         per_func=per_func,
-        reward=float(weighted[scored].mean()) if scored.any() else float("nan"),
-        prompt_scores=prompt_scores,
+        reward=_nan_mean(totals),
+        prompt_scores=_per_prompt(first, [len(g.rollouts) for g in groups]) if first.size else [],
+        versions=versions,
     )
 
 
@@ -130,44 +141,60 @@ def evaluate_rewards(
     samples_per_prompt: int = 4,
     temperature: float = 1.0,
     max_tokens: int = 64,
-    seed: int | None = None,
     concurrency: int = 32,
     tokens_endpoint: bool = True,
+    config: AsyncGRPOConfig | None = None,
+    rollouts: EvalRollouts | None = None,
 ) -> EvalResult:
-    """Every reward function's mean (and their weighted sum) over sampled completions of ``dataset``'s prompts
-    (NaN-scored ones skipped); ``accuracy`` is the first function's.
+    """Every reward function's mean (and their weighted sum) over ``samples_per_prompt`` rollouts of each of
+    ``dataset``'s prompts, rolled out and scored by the run's loop (module docstring); ``accuracy`` is the first
+    function's mean.
 
-    ``seed`` (prompt i gets ``seed + i``) makes the samples repeatable on GPU servers. It stays off by
-    default because vLLM's CPU build fails its engine on a seeded request whose prefill is split
-    across scheduler steps ("CPU Generator does not use offset"), which happens as soon as the
-    prompts in flight exceed the server's batched-token budget.
+    ``config`` is the run's (its tool, template and turn settings; a default config without one), with the
+    evaluation's ``temperature``, ``max_tokens`` and ``weights`` in place of its own; ``rollouts`` the run's loop
+    class, tools and environment factory (None: the plain loop with ``reward_funcs``).
     """
     rows = first_rows(dataset, 1 << 62)
-    prompts = [as_messages(r["prompt"]) for r in rows]
-    for prompt, row in zip(prompts, rows):
-        refuse_images(prompt, row)
-    columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"} if rows else {}
-    return asyncio.run(
-        _evaluate(base_url, tokenizer, prompts, columns, reward_funcs, weights, samples_per_prompt, temperature, max_tokens,
-                  seed, concurrency, tokens_endpoint)
+    for row in rows:
+        _prompt_messages(row)  # a bad prompt is refused before any request
+    setup = rollouts or EvalRollouts(reward_funcs=list(reward_funcs))
+    if rollouts is not None and list(rollouts.reward_funcs) != list(reward_funcs):
+        raise ValueError("evaluate_rewards: reward_funcs differ from rollouts.reward_funcs; pass the same functions")
+    run_config = (config or AsyncGRPOConfig()).replace(
+        temperature=temperature, max_completion_length=max_tokens, reward_weights=weights)
+    loop = setup.loop_cls(
+        config=run_config, tokenizer=tokenizer, dataset=dataset, reward_funcs=list(setup.reward_funcs),
+        base_url=base_url, emit=_never_emits, tools=list(setup.tools),
+        environment_factory=setup.environment_factory, tokens_endpoint=tokens_endpoint,
     )
+    return summarise(asyncio.run(_rollout_groups(loop, rows, samples_per_prompt, concurrency)))
 
 
-def evaluate_on_server(base_url: str, args: Any, tokenizer: Any, dataset: Any, reward_funcs: list[Callable[..., Any]],
+async def _never_emits(item: Any) -> float:
+    raise RuntimeError("held-out evaluation queues nothing for training; an evaluation loop called emit()")
+
+
+def evaluate_on_server(base_url: str, args: AsyncGRPOConfig, tokenizer: Any, dataset: Any, rollouts: EvalRollouts,
                        tokens_endpoint: bool = True) -> dict[str, float]:
-    """The trainer's ``evaluate()``: ``dataset`` sampled from the server at ``base_url`` with the run's settings
-    (``args``, the config's evaluation section ``config.evaluation``: reward weights, samples per prompt,
-    temperature, completion length) and scored; ``eval/*`` metrics."""
+    """The trainer's ``evaluate()``: ``dataset`` rolled out on the server at ``base_url`` with the run's settings
+    (``args``: reward weights, samples per prompt, temperature, completion length, tools) and scored; ``eval/*``
+    metrics."""
     start = time.perf_counter()
     result = evaluate_rewards(
-        base_url, tokenizer, dataset, reward_funcs,
+        base_url, tokenizer, dataset, rollouts.reward_funcs,
         weights=args.reward_weights,
         samples_per_prompt=args.num_eval_generations(),
         temperature=args.temperature,
         max_tokens=args.max_completion_length,
         tokens_endpoint=tokens_endpoint,
+        config=args,
+        rollouts=rollouts,
     )
-    metrics = {"eval/reward": result.reward, "eval/completion_length": result.mean_length,
-               "eval/seconds": time.perf_counter() - start}
+    return eval_metrics(result, time.perf_counter() - start)
+
+
+def eval_metrics(result: EvalResult, seconds: float) -> dict[str, float]:
+    """``eval/*`` metrics of one evaluation."""
+    metrics = {"eval/reward": result.reward, "eval/completion_length": result.mean_length, "eval/seconds": seconds}
     metrics.update({f"eval/rewards/{name}": value for name, value in result.per_func.items()})
     return metrics

@@ -57,6 +57,10 @@ HEADLINE_METRICS: dict[str, str] = {
     "mismatch/k3_token": "sampler_mismatch_k3",
     "rollout/generated_tok_s": "tokens_per_s",
     "sample/staleness_mean": "staleness_mean",
+    # What the run generated and did not train, over the run so far (``training/waste.py``, docs/metrics.md): the
+    # share of generated tokens dropped as stale, and the trained completions' mean length over the generated ones'.
+    "waste/discarded_share_total": "wasted_token_share",
+    "waste/length_ratio_total": "trained_to_generated_length",
 }
 """Metrics repeated under ``HEADLINE_SECTION``: the source's name to the chart's name in that section. The UI lays a
 section's charts out sorted by name, three to a row on a 1366-pixel screen: the names put the held-out accuracy and

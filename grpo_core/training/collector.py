@@ -1,10 +1,12 @@
-"""Trainer side of the queue: pull samples, drop stale ones, fill one optimizer step's rows.
+"""Trainer side of the queue: pull samples, drop or keep stale ones, fill one optimizer step's rows.
 
 ``StepCollector.collect(versions)`` returns the next ``StepBatch``: the packing plan for every rank and
 micro-batch, plus the group reports that arrived meanwhile (rewards are logged per group, kept or
 dropped). A sample's staleness is the number of weight updates pushed to the server since the
 version that sampled it (``WeightVersions``): with ``weight_sync_steps > 1`` that is fewer than the
-optimizer steps in between, and ``max_staleness`` counts updates. It also tracks the *training frontier*: the first prompt position whose samples have not
+optimizer steps in between, and ``max_staleness`` counts updates. A sample past it is dropped
+(``stale_samples="drop"``) or trained in the step it arrives for (``"keep"``: the importance ratio against the
+sampler's log-probs corrects it as it corrects every sample, and it is counted as late). It also tracks the *training frontier*: the first prompt position whose samples have not
 all been trained. That, not the worker's position, is what a checkpoint records, because the
 worker runs ahead by the queue's depth and those buffered samples die with the process.
 """
@@ -39,6 +41,15 @@ trainer waits would otherwise leave it waiting (every new sample is dropped) unt
 
 NO_SIGNAL_WARN_EVERY_S = 60.0
 """While only groups without learning signal arrive, the trainer says so this often."""
+
+
+STALE_SAMPLE_POLICIES = ("drop", "keep")
+"""What ``AsyncGRPOConfig.stale_samples`` may name: what the collector does with a sample past ``max_staleness``."""
+
+
+def trained_positions(sample: RolloutSample) -> int:
+    """The tokens of ``sample`` that training would read: its sampled (completion) tokens."""
+    return int(np.count_nonzero(sample.completion_mask))
 
 
 class NoLearningSignalError(RuntimeError):
@@ -177,6 +188,8 @@ class StepBatch:
     end_of_data: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     foreign_dropped: int = 0  # samples of weight versions this trainer never pushed (a restarted server's)
+    stale_dropped_tokens: int = 0  # trained-position tokens of the samples dropped as stale (their sampled tokens)
+    late_kept: int = 0  # samples past max_staleness trained all the same (stale_samples="keep")
 
 
 class StepCollector:
@@ -194,6 +207,7 @@ class StepCollector:
         frontier: TrainingFrontier,
         timeout_s: float,
         signal: SignalWatch | None = None,
+        stale_samples: str = "drop",
     ):
         self.source = source  # RolloutWorker-like: get(timeout_s) -> item
         self.signal = signal or SignalWatch(limit=0, steps=0)
@@ -205,6 +219,9 @@ class StepCollector:
         )
         self.max_samples_per_step = max_samples_per_step
         self.max_staleness = max_staleness
+        if stale_samples not in STALE_SAMPLE_POLICIES:
+            raise ValueError(f"AsyncGRPOConfig.stale_samples={stale_samples!r}: use one of {STALE_SAMPLE_POLICIES}")
+        self.keep_stale = stale_samples == "keep"
         self.frontier = frontier
         self.timeout_s = timeout_s
         self._carried: RolloutSample | None = None
@@ -221,7 +238,7 @@ class StepCollector:
         samples: list[RolloutSample]
         reports: list[GroupReport]
         staleness: list[int]
-        samples, reports, staleness, stale, foreign, wait_s = self._interrupted or ([], [], [], 0, 0, 0.0)
+        samples, reports, staleness, stale, stale_tokens, foreign, wait_s = self._interrupted or ([], [], [], 0, 0, 0, 0.0)
         self._interrupted = None
         while not self.planner.full() and len(samples) < self.max_samples_per_step:
             if self._carried is not None:
@@ -236,7 +253,7 @@ class StepCollector:
                 self.end_of_data = True
                 continue
             if isinstance(item, str) and item == COLLECTION_INTERRUPTED:
-                self._interrupted = (samples, reports, staleness, stale, foreign, wait_s)
+                self._interrupted = (samples, reports, staleness, stale, stale_tokens, foreign, wait_s)
                 return COLLECTION_INTERRUPTED
             if isinstance(item, GroupReport):
                 self.frontier.on_report(item)
@@ -248,8 +265,9 @@ class StepCollector:
                 self.frontier.on_consumed(item)
                 continue
             lag = versions.staleness(item.policy_version)
-            if lag > self.max_staleness:
+            if lag > self.max_staleness and not self.keep_stale:
                 stale += 1
+                stale_tokens += trained_positions(item)
                 self.frontier.on_consumed(item)
                 continue
             placed_before = len(self.planner)
@@ -279,6 +297,8 @@ class StepCollector:
             wait_s=wait_s,
             end_of_data=self.end_of_data,
             foreign_dropped=foreign,
+            stale_dropped_tokens=stale_tokens,
+            late_kept=sum(lag > self.max_staleness for lag in staleness),
         )
 
     def mark_trained(self, batch: StepBatch) -> None:

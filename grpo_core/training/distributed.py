@@ -54,6 +54,8 @@ class StepMessage:
     wait_s: float
     end_of_data: bool
     dropped_too_long: int
+    stale_dropped_tokens: int = 0
+    late_kept: int = 0
 
 
 def step_message(batch: StepBatch, stale_dropped_total: int) -> StepMessage:
@@ -63,6 +65,7 @@ def step_message(batch: StepBatch, stale_dropped_total: int) -> StepMessage:
         samples=batch.samples, layout=layout, reports=batch.reports, stale_dropped=batch.stale_dropped,
         stale_dropped_total=stale_dropped_total, staleness=batch.staleness, wait_s=batch.wait_s,
         end_of_data=batch.end_of_data, dropped_too_long=batch.plan.dropped_too_long,
+        stale_dropped_tokens=batch.stale_dropped_tokens, late_kept=batch.late_kept,
     )
 
 
@@ -87,6 +90,7 @@ def rebuild_batch(msg: StepMessage, planner: Planner) -> StepBatch:
     return StepBatch(
         plan=plan, samples=msg.samples, reports=msg.reports, stale_dropped=msg.stale_dropped,
         staleness=msg.staleness, wait_s=msg.wait_s, end_of_data=msg.end_of_data,
+        stale_dropped_tokens=msg.stale_dropped_tokens, late_kept=msg.late_kept,
     )
 
 

@@ -44,6 +44,7 @@ from grpo_core.training.forward import probe_logprobs
 from grpo_core.training.sources import assumed_capabilities, call_if_present, is_source
 from grpo_core.training.step_log import StepLog
 from grpo_core.training.step_metrics import sample_and_queue_metrics
+from grpo_core.training.waste import WasteLedger
 from grpo_core.vllm_server.checks import check_server, expected_server_dtype, wait_for_server
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class RunOrchestrator:
         self.feed: StepFeed | None = None
         self.probe: VersionProbe | None = None  # the trainer's probe log-probs, once per pushed version
         self.server_restarts = 0  # servers that came back (restarted, or lost and answering again) and got the weights
+        self.waste = WasteLedger()  # what this attempt generated and did not train (``waste/*``)
 
     def check_crossing(self) -> None:
         """What the rollout process is handed must cross to it: fail here, not in the worker."""
@@ -167,7 +169,7 @@ class RunOrchestrator:
             gradient_accumulation_steps=args.gradient_accumulation_steps, token_budget=args.token_budget,
             max_samples_per_step=args.per_device_train_batch_size * args.gradient_accumulation_steps * self.dist.world_size,
             max_staleness=args.max_staleness, flat=args.packing == "flat", frontier=self.frontier,
-            timeout_s=args.request_timeout, signal=self._signal_watch())
+            timeout_s=args.request_timeout, signal=self._signal_watch(), stale_samples=args.stale_samples)
         return StepFeed(collector, self.dist.rank, self.dist.world_size)
 
     def _signal_watch(self) -> SignalWatch:
@@ -272,15 +274,24 @@ class RunOrchestrator:
             return {}
         # While running: a server that serves; before or after (no fleet is held then): the first one configured.
         serving = [url for url in self.fleet.serving_urls() if url] if self.fleet is not None else []
-        return evaluate_on_server(serving[0] if serving else self.args.server_urls()[0], self.args.evaluation,
-                                  self.rollout.tokenizer, dataset, self.rollout.reward_funcs,
+        return evaluate_on_server(serving[0] if serving else self.args.server_urls()[0], self.args,
+                                  self.rollout.tokenizer, dataset, self.eval_rollouts(),
                                   tokens_endpoint=self.server.tokens_endpoint if self.server else True)
+
+    def eval_rollouts(self) -> Any:
+        """How held-out prompts are rolled out: by the rollout worker's own loop class, tools and environment."""
+        from grpo_core.evaluation.heldout import EvalRollouts
+
+        rollout = self.rollout
+        return EvalRollouts(reward_funcs=list(rollout.reward_funcs), loop_cls=rollout.loop_cls,
+                            tools=list(rollout.tools or []), environment_factory=rollout.environment_factory)
 
     def step_metrics(self, batch: Any, step_s: float) -> dict[str, float]:
         """The step's samples, its queue and, on rank 0, how the servers serve."""
         metrics = sample_and_queue_metrics(
             batch, step_s, stale_dropped_total=self.feed.stale_dropped_total, server_restarts=self.server_restarts,
             frontier=self.frontier.position, queue_size=self.worker.queue_size() if self.worker is not None else 0)
+        metrics.update(self.waste.step(batch))
         if self.dist.is_main and self.talks_to_servers:
             metrics.update(self.fleet.serving_metrics())
         return metrics
