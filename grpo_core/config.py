@@ -92,6 +92,12 @@ class AsyncGRPOConfig:
     """Evaluate every N optimizer steps when ``eval_strategy`` is ``steps``."""
     num_generations_eval: Annotated[int, Field(ge=1)] | None = None
     """Completions per evaluation prompt; None: ``num_generations``."""
+    eval_beside_training: bool = False
+    """With ``eval_strategy="steps"``: run each evaluation in a thread beside training instead of in the step. The
+    step does not wait for it; its ``eval/*`` metrics are logged against the step whose weights it evaluated, once it
+    ends, with ``eval/version_share``: the share of its completions sampled entirely under those weights (the server
+    takes later pushes meanwhile). One runs at a time; one due while another runs is skipped (``eval/skipped``).
+    The job flow's evaluation before and after training is unchanged."""
 
     # ---- optimisation ---------------------------------------------------------------------------
     learning_rate: Annotated[float, Field(gt=0)] = 1e-6
@@ -350,9 +356,12 @@ class AsyncGRPOConfig:
     answering (an external server being restarted) before the run fails. A server that comes back under a
     weight version the trainer did not push (restarted on its disk weights) gets the trainer's weights
     again; what it generated before that is never trained."""
-    weight_transfer_backend: Literal["gloo", "nccl"] | None = None
-    """``nccl`` (GPU servers) or ``gloo`` (CPU servers, this package's vLLM plugin); must match the server's weight-transfer
-    configuration (checked at start-up). None: ``nccl`` when the trainer runs on CUDA, else ``gloo``."""
+    weight_transfer_backend: Literal["gloo", "nccl", "ipc"] | None = None
+    """``nccl`` (a GPU server on GPUs of its own), ``ipc`` (a GPU server on the trainer's own GPU: vLLM's CUDA IPC
+    engine, since NCCL refuses two processes on one device) or ``gloo`` (CPU servers, this package's vLLM plugin; it
+    also reaches a GPU server); must match the server's weight-transfer configuration (checked at start-up). None:
+    ``gloo`` without CUDA; on CUDA ``ipc`` when the flow starts the server on the trainer's GPU (one GPU on the
+    machine), else ``nccl``."""
     weight_transfer_address: str | None = None
     """Address the server connects back to for the weight-transfer rendezvous. None: this host's address on the
     interface that routes to the server's host (loopback for a local server)."""
@@ -436,7 +445,7 @@ class AsyncGRPOConfig:
                 parse_kernel_ref(self.attention_kernel)
             except ValueError as exc:
                 fail_field(self, "attention_kernel", str(exc).split(": ", 1)[1])
-        if self.weight_sync_encoding == "delta" and self.weight_transfer_backend == "nccl" \
+        if self.weight_sync_encoding == "delta" and self.weight_transfer_backend in ("nccl", "ipc") \
                 and self.weight_sync_transport == "group":
             fail_field(self, "weight_sync_encoding", "delta pushes need the gloo backend or weight_sync_transport='storage'")
         urls = self.server_urls()
@@ -484,11 +493,18 @@ class AsyncGRPOConfig:
         urls = [self.vllm_server_base_url] if isinstance(self.vllm_server_base_url, str) else self.vllm_server_base_url
         return [u.rstrip("/") for u in urls]
 
-    def resolved_weight_transfer_backend(self, cuda: bool) -> Literal["gloo", "nccl"]:
-        """The backend the run uses: the configured one, else ``nccl`` on CUDA and ``gloo`` elsewhere."""
+    def resolved_weight_transfer_backend(self, cuda: bool, shared_gpu: bool = False) -> Literal["gloo", "nccl", "ipc"]:
+        """The backend the run uses: the configured one, else ``gloo`` without CUDA, ``ipc`` for a server on the
+        trainer's own GPU (``shared_gpu``; benchmarks/results/e2e_gpu.json times it against gloo) and ``nccl``
+        for a server on GPUs of its own."""
         if self.weight_transfer_backend is not None:
+            if shared_gpu and self.weight_transfer_backend == "nccl":
+                fail_field(self, "weight_transfer_backend", "the server shares the trainer's GPU, where NCCL refuses "
+                           "two processes on one device; use 'ipc' (or 'gloo'), or leave it unset")
             return self.weight_transfer_backend
-        return "nccl" if cuda else "gloo"
+        if not cuda:
+            return "gloo"
+        return "ipc" if shared_gpu else "nccl"
 
     def resolved_bf16(self, bf16_supported: bool) -> bool:
         """Whether the trainer computes in bf16 on a device that does (or does not) support it well."""

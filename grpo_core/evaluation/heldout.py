@@ -145,6 +145,7 @@ def evaluate_rewards(
     tokens_endpoint: bool = True,
     config: AsyncGRPOConfig | None = None,
     rollouts: EvalRollouts | None = None,
+    version: int = 0,
 ) -> EvalResult:
     """Every reward function's mean (and their weighted sum) over ``samples_per_prompt`` rollouts of each of
     ``dataset``'s prompts, rolled out and scored by the run's loop (module docstring); ``accuracy`` is the first
@@ -152,7 +153,8 @@ def evaluate_rewards(
 
     ``config`` is the run's (its tool, template and turn settings; a default config without one), with the
     evaluation's ``temperature``, ``max_tokens`` and ``weights`` in place of its own; ``rollouts`` the run's loop
-    class, tools and environment factory (None: the plain loop with ``reward_funcs``).
+    class, tools and environment factory (None: the plain loop with ``reward_funcs``). ``version`` is the weight
+    version asked for: a completion dates to it when the server reports no versions of its own.
     """
     rows = first_rows(dataset, 1 << 62)
     for row in rows:
@@ -167,6 +169,7 @@ def evaluate_rewards(
         base_url=base_url, emit=_never_emits, tools=list(setup.tools),
         environment_factory=setup.environment_factory, tokens_endpoint=tokens_endpoint,
     )
+    loop.served_version = lambda: version
     return summarise(asyncio.run(_rollout_groups(loop, rows, samples_per_prompt, concurrency)))
 
 
@@ -175,10 +178,10 @@ async def _never_emits(item: Any) -> float:
 
 
 def evaluate_on_server(base_url: str, args: AsyncGRPOConfig, tokenizer: Any, dataset: Any, rollouts: EvalRollouts,
-                       tokens_endpoint: bool = True) -> dict[str, float]:
-    """The trainer's ``evaluate()``: ``dataset`` rolled out on the server at ``base_url`` with the run's settings
-    (``args``: reward weights, samples per prompt, temperature, completion length, tools) and scored; ``eval/*``
-    metrics."""
+                       tokens_endpoint: bool = True, version: int = 0) -> dict[str, float]:
+    """The trainer's ``evaluate()``: ``dataset`` rolled out on the server at ``base_url`` (serving weight
+    ``version``) with the run's settings (``args``: reward weights, samples per prompt, temperature, completion
+    length, tools) and scored; ``eval/*`` metrics."""
     start = time.perf_counter()
     result = evaluate_rewards(
         base_url, tokenizer, dataset, rollouts.reward_funcs,
@@ -189,12 +192,17 @@ def evaluate_on_server(base_url: str, args: AsyncGRPOConfig, tokenizer: Any, dat
         tokens_endpoint=tokens_endpoint,
         config=args,
         rollouts=rollouts,
+        version=version,
     )
-    return eval_metrics(result, time.perf_counter() - start)
+    return eval_metrics(result, time.perf_counter() - start, version)
 
 
-def eval_metrics(result: EvalResult, seconds: float) -> dict[str, float]:
-    """``eval/*`` metrics of one evaluation."""
-    metrics = {"eval/reward": result.reward, "eval/completion_length": result.mean_length, "eval/seconds": seconds}
+def eval_metrics(result: EvalResult, seconds: float, version: int) -> dict[str, float]:
+    """``eval/*`` metrics of one evaluation of weight ``version``."""
+    metrics = {"eval/reward": result.reward, "eval/completion_length": result.mean_length, "eval/seconds": seconds,
+               # The share of completions sampled entirely under the version asked for (the server may have taken a
+               # newer one while the evaluation ran beside training).
+               "eval/version_share": float(np.mean([v == version for v in result.versions])) if result.versions
+               else float("nan")}
     metrics.update({f"eval/rewards/{name}": value for name, value in result.per_func.items()})
     return metrics

@@ -16,6 +16,7 @@ transfer can be the caller's (``training.sources``); with both given, no vLLM se
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from grpo_core.data.inputs import check_crossing
+from grpo_core.evaluation.beside import EvaluationBeside
 from grpo_core.fleet.servers import ServerFleet, VersionProbe
 from grpo_core.fleet.weight_push import WeightPusher
 from grpo_core.ranks import DistInfo, broadcast_object
@@ -97,6 +99,8 @@ class RunOrchestrator:
         self.probe: VersionProbe | None = None  # the trainer's probe log-probs, once per pushed version
         self.server_restarts = 0  # servers that came back (restarted, or lost and answering again) and got the weights
         self.waste = WasteLedger()  # what this attempt generated and did not train (``waste/*``)
+        self.beside: EvaluationBeside | None = None  # evaluations beside training (``eval_beside_training``)
+        self.beside_tokenizer: Any = None
 
     def check_crossing(self) -> None:
         """What the rollout process is handed must cross to it: fail here, not in the worker."""
@@ -268,15 +272,39 @@ class RunOrchestrator:
     def evaluate(self, dataset: Any) -> dict[str, float]:
         """Sample ``dataset`` from a serving server (which serves the last pushed weights) and score it with the
         reward functions; ``eval/*`` metrics (empty off rank 0)."""
+        return self._evaluation(dataset, self.versions.current, self.rollout.tokenizer)() if self.dist.is_main else {}
+
+    def evaluate_step(self, dataset: Any, version: int) -> dict[str, float]:
+        """The held-out evaluation due right after ``version`` was pushed: in the step, or started beside training
+        (``eval_beside_training``: its metrics come back through ``evaluations_ended``)."""
+        if not self.args.eval_beside_training:
+            return self.evaluate(dataset)
+        if self.dist.is_main:
+            if self.beside is None:
+                # Its own tokenizer: the evaluation thread encodes while the trainer's thread may decode.
+                self.beside = EvaluationBeside()
+                self.beside_tokenizer = copy.deepcopy(self.rollout.tokenizer)
+            if not self.beside.start(version, self._evaluation(dataset, version, self.beside_tokenizer)):
+                return {"eval/skipped": 1.0}
+        return {}
+
+    def evaluations_ended(self, wait_s: float = 0.0) -> list[tuple[int, dict[str, float]]]:
+        """Evaluations beside training that ended, as ``(version, eval/* metrics)``; ``wait_s`` > 0 (the run's end)
+        waits that long for a running one."""
+        if self.beside is None:
+            return []
+        return self.beside.wait(wait_s) if wait_s > 0 else self.beside.finished()
+
+    def _evaluation(self, dataset: Any, version: int, tokenizer: Any) -> Any:
+        """The evaluation of ``version`` on a server serving it now, as a call (run here or on another thread)."""
         from grpo_core.evaluation.heldout import evaluate_on_server
 
-        if not self.dist.is_main:
-            return {}
         # While running: a server that serves; before or after (no fleet is held then): the first one configured.
         serving = [url for url in self.fleet.serving_urls() if url] if self.fleet is not None else []
-        return evaluate_on_server(serving[0] if serving else self.args.server_urls()[0], self.args,
-                                  self.rollout.tokenizer, dataset, self.eval_rollouts(),
-                                  tokens_endpoint=self.server.tokens_endpoint if self.server else True)
+        url = serving[0] if serving else self.args.server_urls()[0]
+        rollouts, tokens_endpoint = self.eval_rollouts(), self.server.tokens_endpoint if self.server else True
+        return lambda: evaluate_on_server(url, self.args, tokenizer, dataset, rollouts, tokens_endpoint=tokens_endpoint,
+                                          version=version)
 
     def eval_rollouts(self) -> Any:
         """How held-out prompts are rolled out: by the rollout worker's own loop class, tools and environment."""
@@ -299,6 +327,9 @@ class RunOrchestrator:
     # ------------------------------------------------------------------------------------------ close
     def close(self) -> None:
         """Stop the worker and close the servers' transports (the tracker stays open: ``close_tracking``)."""
+        if self.beside is not None:
+            self.beside.close()
+            self.beside = None
         if self.worker is not None:
             call_if_present(self.worker, "stop")
             self.worker = None

@@ -4,7 +4,7 @@ The history (``TrainerState.log_history``, what ``train()`` returns) keeps every
 rank. Rank 0 also sends them to the tracker every ``logging_steps``: the metrics the run's settings fix (a flat
 chart would say nothing) go as tags, once and again only if their value changes, and the rest as metrics. The
 console gets one line per logged step (``progress_line``: step of total, reward, loss, speed, time left). With ``log_completions`` each logged step's completions go to the tracker as
-a table of their own (a column per reward function), and every ``print_completions_steps`` a few of them to the
+rows of a table (a column per reward function; a file per block of steps, ``tracking/tables.py``), and every ``print_completions_steps`` a few of them to the
 console as one compact table (``completions_table``), not a record per completion.
 """
 
@@ -21,6 +21,7 @@ import numpy as np
 
 from grpo_core.config_sections import ConfigSection
 from grpo_core.tracking.run_view import constant_tags
+from grpo_core.tracking.tables import table_block
 from grpo_core.tracking.tracker import Tracker
 from grpo_core.training.collector import StepBatch
 
@@ -61,6 +62,17 @@ class StepLog:
             log.info("%s", progress_line(step, self.args.max_steps, metrics, eta_s(self._first_logged, (now, step),
                                                                                    self.args.max_steps)))
 
+    def record_late(self, step: int, metrics: dict[str, Any]) -> None:
+        """``metrics`` that belong to an earlier ``step`` and came in later (an evaluation beside training): a
+        history entry of their own for that step, and the tracker's charts at that step."""
+        metrics = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+        self.history.append({"step": float(step), **metrics})
+        if self.is_main:
+            self._track(step, metrics)
+            log.info("held-out evaluation of step %d: %s", step, ", ".join(
+                f"{k.removeprefix('eval/')} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/rewards/")
+                or k in ("eval/reward", "eval/version_share")))
+
     def _track(self, step: int, metrics: dict[str, float]) -> None:
         self.tracker.log_metrics({k: v for k, v in metrics.items() if k not in self.constant_metrics}, step=step)
         tags = constant_tags({k: v for k, v in metrics.items() if k in self.constant_metrics})
@@ -79,7 +91,8 @@ class StepLog:
             return
         if self.args.num_completions_to_log is not None:  # the first groups of the step, whole where the count allows
             table = {k: v[: self.args.num_completions_to_log] for k, v in table.items()}
-        self.tracker.log_table("completions", table, step=step)
+        self.tracker.log_table("completions", table, step=step,
+                               block=table_block("completions", step, self.args.max_steps, self.args.logging_steps))
         rows = self.args.num_completions_to_print
         if rows and step % self.args.print_completions_steps == 0:
             log.info("completions of step %d (%d of %d):\n%s", step, min(rows, len(table["step"])), len(table["step"]),

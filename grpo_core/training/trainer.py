@@ -175,17 +175,21 @@ class AsyncGRPOTrainer:
                 metrics.update(self.checkpointer.record_step(batch, self.server_restarts))  # the prompts it consumed
                 if self._is_sync_step():
                     metrics.update(self.run.push(self.global_step))
-                if self._is_eval_step():
-                    metrics.update(self.evaluate())  # after the push: the server serves this step's policy
+                if self._is_eval_step():  # after the push: the server serves this step's policy
+                    metrics.update(self.run.evaluate_step(self.eval_dataset, self.global_step))
                 metrics.update(self.run.step_metrics(batch, time.perf_counter() - step_start))
                 metrics.update(self.perf.metrics(batch.plan.rows, metrics["perf/fwd_bwd_s"], metrics["perf/step_s"]))
                 self.step_log.record(self.global_step, metrics)
                 self.step_log.completions(self.global_step, batch)
+                for version, evaluated in self.run.evaluations_ended():  # beside training: at the step evaluated
+                    self.step_log.record_late(version, evaluated)
                 # After the step is logged: a step that a checkpoint holds is always in the run's
                 # history, so resuming from it leaves no gap in the logged steps.
                 if self.checkpointer.should_save(self.global_step) or self._is_last_step():
                     self.step_log.record(self.global_step, self.checkpointer.save(), same_step=True)
                 release_free_heap()  # the step's host tensors are gone; keep resident memory flat
+            for version, evaluated in self.run.evaluations_ended(wait_s=self.args.request_timeout):
+                self.step_log.record_late(version, evaluated)
             finished = True
         finally:
             self._teardown(finished)

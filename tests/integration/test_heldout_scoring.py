@@ -135,3 +135,28 @@ def test_grpo_train_evaluates_before_and_after_with_the_default_settings(kind, v
     for when in ("before", "after"):
         accuracy = summary[f"eval_accuracy_{when}"]
         assert accuracy is not None and 0.0 <= accuracy <= 1.0, summary
+
+
+def test_evaluation_beside_training_logs_each_version_at_its_step(vllm_server, tiny_model_path, tmp_path) -> None:
+    from grpo_core.config import AsyncGRPOConfig
+    from grpo_core.training.trainer import AsyncGRPOTrainer
+
+    data = arithmetic_dataset(num_train=400, num_eval=16, seed=1)
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path / "run"), vllm_server_base_url=vllm_server.base_url, report_to="none", max_steps=4,
+        learning_rate=1e-4, num_generations=4, per_device_train_batch_size=16, max_completion_length=16,
+        save_strategy="no", eval_strategy="steps", eval_steps=2, eval_beside_training=True, num_generations_eval=4)
+    history = AsyncGRPOTrainer(tiny_model_path, reward_funcs=[async_accuracy], train_dataset=data["train"],
+                               eval_dataset=data["eval"], args=args).train()
+    trained = [h for h in history if "loss" in h]
+    evaluated = [h for h in history if "eval/reward" in h]
+    skipped = [h["step"] for h in trained if h.get("eval/skipped")]
+    assert [h["step"] for h in trained] == [1.0, 2.0, 3.0, 4.0]
+    # Each due evaluation ran beside its step (none of the step's own entries holds it) or was skipped while the one
+    # before it still ran; each that ran came back as an entry of its own, at the step whose weights it evaluated.
+    assert sorted([h["step"] for h in evaluated] + skipped) == [2.0, 4.0] and evaluated
+    for entry in evaluated:
+        at = next(i for i, h in enumerate(history) if h is entry)
+        step_at = next(i for i, h in enumerate(history) if "loss" in h and h["step"] == entry["step"])
+        assert at > step_at  # logged after its step went on
+        assert 0.0 <= entry["eval/rewards/async_accuracy"] <= 1.0 and 0.0 <= entry["eval/version_share"] <= 1.0
