@@ -84,3 +84,10 @@ def test_the_config_names_the_field_and_its_choices_on_a_bad_policy():
     assert AsyncGRPOConfig().stale_samples in ("drop", "keep")
     with pytest.raises(Exception, match="stale_samples"):
         AsyncGRPOConfig(stale_samples="requeue")
+
+
+def test_the_long_tail_reward_asks_half_the_problems_for_long_answers():
+    from benchmarks.staleness.long_tail import LONG_TOKENS, long_answer_reward
+
+    ids = [[1] * (LONG_TOKENS // 2), [1] * (2 * LONG_TOKENS), [1] * 5]
+    assert long_answer_reward(completion_ids=ids, problem=["7 + 5", "3 + 1", "8 + 9"]) == [0.5, 1.0, 0.0]
