@@ -70,7 +70,8 @@ class AsyncGRPOConfig:
     """Log a table of prompts, completions and rewards to the tracker every ``logging_steps``."""
     num_completions_to_log: Annotated[int, Field(ge=1)] | None = None
     """With ``log_completions``: rows of each logged step in the table, its first groups (None: every completion of
-    the step, as TRL logs them). Each logged step's rows are one artifact of their own (``completions/step-N.json``)."""
+    the step, as TRL logs them). They go to a table MLflow's UI shows as one: ``completions/step-N.json``, or in a run
+    too long for a file per step, a file per block of steps (``grpo_core/tracking/tables.py``)."""
     num_completions_to_print: Annotated[int, Field(ge=0)] = 3
     """With ``log_completions``: the rows of the console's completions table (``print_completions_steps``)."""
     print_completions_steps: Annotated[int, Field(ge=1)] = 20

@@ -28,10 +28,10 @@ from grpo_core.tracking.tracker import (
     MLflowTracker,
     complete_headline,
     log_transformers_model,
-    read_table,
     system_metrics,
     training_experiment,
 )
+from grpo_core.tracking.tables import LOGGED_ARTIFACTS_TAG, read_table, table_block
 from tests.test_checkpoint import model_path  # noqa: F401 - fixture
 
 
@@ -153,3 +153,41 @@ def test_each_logged_step_is_a_table_file_of_its_own_that_mlflow_reads(store, tm
     assert table["step"].tolist() == [10, 10] and table["accuracy_reward"].tolist() == [1.0, 0.0]
     joined = read_table(client, tracker.run_id, "completions")
     assert joined["step"].tolist() == [1, 1, 2, 2, 10, 10] and joined["reward"].isna().tolist() == [False, True] * 3
+    # MLflow's UI shows a file as a table (View as table, Artifact evaluation) when the run's tag names it so.
+    assert ui_tables(client.get_run(tracker.run_id).data.tags) == files
+
+
+def ui_tables(tags: dict[str, str]) -> list[str]:
+    """The artifacts MLflow's UI offers as tables, by its own rule (3.17): the entries of ``mlflow.loggedArtifacts``
+    (a JSON list) whose type is ``table``."""
+    return [e["path"] for e in json.loads(tags.get(LOGGED_ARTIFACTS_TAG, "[]")) if e.get("type") == "table"]
+
+
+def test_a_long_run_logs_a_file_per_block_of_steps_each_named_a_table_and_resumes_in_its_block(store, tmp_path):
+    # 400 steps cannot each be named in a tag of 8,000 characters: blocks of 4 steps (100 files) can.
+    blocks = [table_block("completions", step, 400, 1) for step in range(1, 401)]
+    assert blocks[0] == (1, 4) and blocks[3] == (1, 4) and blocks[4] == (5, 8) and len(set(blocks)) == 100
+    assert table_block("completions", 7, 120, 1) == (7, 7)  # the demo's 120 steps: a file each
+
+    def rows(step: int) -> dict[str, list]:
+        return {"step": [step, step], "prompt": ["p", "q"], "completion": [f"{step}", "b"], "reward": [1.0, 0.0]}
+
+    tracker = MLflowTracker(store, "grpo", "run")
+    for step in range(1, 7):  # the run stops after step 6, in the middle of block 5-8
+        tracker.log_table("completions", rows(step), step=step, block=blocks[step - 1])
+    tracker.close()
+    client = mlflow.MlflowClient(store)
+    files = ["completions/steps-00000001-00000004.json", "completions/steps-00000005-00000008.json"]
+    assert [a.path for a in client.list_artifacts(tracker.run_id, "completions")] == files
+    assert ui_tables(client.get_run(tracker.run_id).data.tags) == files
+    assert read_table(client, tracker.run_id, "completions")["step"].tolist() == [s for s in range(1, 7) for _ in "pq"]
+
+    # Resumed from a checkpoint of step 5: step 6 is trained again, and the block keeps steps 5 and 6 once each.
+    resumed = MLflowTracker(store, "grpo", "run", run_id=tracker.run_id)
+    for step in range(6, 10):
+        resumed.log_table("completions", rows(step), step=step, block=blocks[step - 1])
+    resumed.close()
+    table = read_table(client, tracker.run_id, "completions")
+    assert table["step"].tolist() == [s for s in range(1, 10) for _ in "pq"]
+    assert ui_tables(client.get_run(tracker.run_id).data.tags) == [*files, "completions/steps-00000009-00000012.json"]
+    assert len(client.get_run(tracker.run_id).data.tags[LOGGED_ARTIFACTS_TAG]) < 8000

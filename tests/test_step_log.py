@@ -39,7 +39,7 @@ class TableRecorder(NullTracker):
     def __init__(self) -> None:
         self.tables: list[tuple[str, dict, int]] = []
 
-    def log_table(self, name, columns, step):  # noqa: ANN001
+    def log_table(self, name, columns, step, block=None):  # noqa: ANN001
         self.tables.append((name, columns, step))
 
 

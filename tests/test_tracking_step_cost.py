@@ -1,5 +1,7 @@
 """What a logged step costs the artifact store does not grow with the run: bytes read and written at step 10 and at
-step 1,000 are equal within 10%.
+step 1,000 are equal within 10%, and so are the means over ten blocks of steps early and late, with every step's
+completions in a table MLflow's UI shows as one (a file per block of 9 steps, each named in the run's tag
+``mlflow.loggedArtifacts``; ``grpo_core/tracking/tables.py``).
 
 A real MLflow tracker (SQLite for runs, a moto S3 server behind a byte-counting proxy as the artifact store, the way
 a cluster's runs keep artifacts in S3) is driven by the trainer's own metric log (``StepLog.record`` and
@@ -12,6 +14,7 @@ per-step logging path is the thing measured, with every earlier step's artifacts
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -25,6 +28,7 @@ import pytest
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.packing.planner import StepPlan
 from grpo_core.rollout.types import GroupReport
+from grpo_core.tracking.tables import LOGGED_ARTIFACTS_TAG, block_path, read_table, table_block
 from grpo_core.training.collector import StepBatch
 from grpo_core.training.step_log import StepLog
 from grpo_core.vllm_server.process import free_port
@@ -95,7 +99,7 @@ def test_a_logged_step_costs_the_artifact_store_the_same_at_step_10_and_step_100
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     mlflow.MlflowClient(store).create_experiment("cost", artifact_location=f"s3://{BUCKET}/mlflow")
     tracker = MLflowTracker(store, "cost", "cost")
-    args = AsyncGRPOConfig(log_completions=True, num_completions_to_log=16, num_completions_to_print=0)
+    args = AsyncGRPOConfig(log_completions=True, num_completions_to_log=16, num_completions_to_print=0, max_steps=STEPS)
     step_log = StepLog(args, tracker, True, [], frozenset())
 
     def traffic() -> tuple[int, int, int]:
@@ -116,7 +120,14 @@ def test_a_logged_step_costs_the_artifact_store_the_same_at_step_10_and_step_100
     tracker.close()
 
     client = mlflow.MlflowClient(store)
-    assert len(client.list_artifacts(tracker.run_id, "completions")) == STEPS  # every step's table is in the store
+    # Every step's rows are in a table MLflow's UI shows as one: a file per block, each named in the run's tag.
+    blocks = sorted({table_block("completions", step, STEPS, 1) for step in range(1, STEPS + 1)})
+    files = [a.path for a in client.list_artifacts(tracker.run_id, "completions")]
+    assert files == [block_path("completions", b) for b in blocks] and blocks[1] == (10, 18) and blocks[-1] == (1000, 1008)
+    listed = json.loads(client.get_run(tracker.run_id).data.tags[LOGGED_ARTIFACTS_TAG])
+    assert [e["path"] for e in listed if e["type"] == "table"] == files
+    assert read_table(client, tracker.run_id, "completions")["step"].tolist() == [s for s in range(1, STEPS + 1)
+                                                                                   for _ in range(16)]
     requests_10, sent_10, received_10 = cost[10]
     requests_1000, sent_1000, received_1000 = cost[STEPS]
     print(f"artifact store per logged step: step 10 {requests_10} requests, {sent_10} B written, {received_10} B read;"
@@ -125,6 +136,17 @@ def test_a_logged_step_costs_the_artifact_store_the_same_at_step_10_and_step_100
     assert requests_1000 == requests_10
     assert abs(sent_1000 - sent_10) <= 0.1 * sent_10
     assert abs(received_1000 - received_10) <= 0.1 * received_10  # nothing is read back to add a step
+    # A block's file is written again at each of its steps: over whole blocks (ten of 9 steps), late costs as early.
+    early, late = range(10, 100), range(901, 991)
+    assert blocks.index((10, 18)) + 10 == blocks.index((100, 108)) and (901, 909) in blocks and (991, 999) in blocks
+    for i, what in ((0, "requests"), (1, "bytes written"), (2, "bytes read")):
+        mean_early, mean_late = (sum(cost[s][i] for s in steps) / len(steps) for steps in (early, late))
+        print(f"{what} per step, mean over steps 10-99: {mean_early:.0f}, over steps 901-990: {mean_late:.0f}")
+        assert abs(mean_late - mean_early) <= 0.1 * max(mean_early, 1), what
     # A checkpoint reference costs the same late in the run as early.
-    save_first, save_last = cost[SAVE_EVERY], cost[SAVE_EVERY * (STEPS // SAVE_EVERY)]
+    # A late saving step at the same place in its block as step 7 (the block's file then holds as many steps).
+    span = blocks[0][1]
+    late_save = max(s for s in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY) if (s - 1) % span == (SAVE_EVERY - 1) % span)
+    assert late_save > 900
+    save_first, save_last = cost[SAVE_EVERY], cost[late_save]
     assert save_last[0] == save_first[0] and abs(save_last[1] - save_first[1]) <= 0.1 * save_first[1]

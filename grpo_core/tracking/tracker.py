@@ -72,7 +72,8 @@ class Tracker(Protocol):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def set_tags(self, tags: dict[str, str]) -> None: ...
     def log_artifact_uri(self, name: str, uri: str, step: int | None = None) -> None: ...
-    def log_table(self, name: str, columns: dict[str, list[Any]], step: int) -> None: ...
+    def log_table(self, name: str, columns: dict[str, list[Any]], step: int,
+                  block: tuple[int, int] | None = None) -> None: ...
     def last_logged_step(self, key: str) -> int | None: ...
     def flush(self) -> list[str]: ...
     def close(self, status: str = "FINISHED") -> None: ...
@@ -95,7 +96,8 @@ class NullTracker:
     def log_artifact_uri(self, name: str, uri: str, step: int | None = None) -> None:
         pass
 
-    def log_table(self, name: str, columns: dict[str, list[Any]], step: int) -> None:
+    def log_table(self, name: str, columns: dict[str, list[Any]], step: int,
+                  block: tuple[int, int] | None = None) -> None:
         pass
 
     def last_logged_step(self, key: str) -> int | None:
@@ -135,6 +137,7 @@ class MLflowTracker:
             mlflow.set_tracking_uri(tracking_uri)
         self.tracking_uri = mlflow.get_tracking_uri()
         self._client = mlflow.MlflowClient(self.tracking_uri)
+        reopened = run_id is not None
         if run_id is None:
             experiment_id = training_experiment(self._client, experiment)
             run = self._client.create_run(experiment_id, run_name=run_name)
@@ -144,6 +147,10 @@ class MLflowTracker:
             experiment_id = self._client.get_run(run_id).info.experiment_id
         self.run_id = run_id
         self.experiment_id = experiment_id
+        self._reopened = reopened
+        self._tables: dict[str, Any] = {}  # table name -> its current block's rows (tables.BlockRows)
+        self._resumed: set[str] = set()
+        self._logged_artifacts: str | None = None
         self._outbox = Outbox(f"MLflow at {self.tracking_uri}")
         self._system_monitor = None
         if system_metrics:
@@ -194,13 +201,64 @@ class MLflowTracker:
         # After the file: the tag names the newest checkpoint, for the run list (and log_final_model).
         self._outbox.put(f"tag artifact.{name}", functools.partial(self._client.set_tag, self.run_id, f"artifact.{name}", uri))
 
-    def log_table(self, name: str, columns: dict[str, list[Any]], step: int) -> None:
-        """The rows of ``step`` as the table ``<name>/step-<step>.json`` (``table_file``): one new file per logged
-        step, written once and never read back, so a step's write costs the same at step 10 and at step 10,000
-        (MLflow's own ``log_table`` downloads the whole table and uploads it again to add rows).
-        ``columns`` maps column names to equally long lists."""
-        path, text = table_file(name, columns, step)
-        self._outbox.put(f"table {path}", functools.partial(self._client.log_text, self.run_id, text, path))
+    def log_table(self, name: str, columns: dict[str, list[Any]], step: int,
+                  block: tuple[int, int] | None = None) -> None:
+        """The rows of ``step`` (``columns``: names to equally long lists) into table ``name``'s file for ``block``
+        (the first and last step it covers, ``tables.table_block``; ``(step, step)`` when None), which MLflow's UI
+        shows as a table: the file is written again with the block's rows this process holds, and named in the tag
+        ``mlflow.loggedArtifacts`` when its block starts. Nothing is read back from the store, except once by a
+        reopened run (``_resumed_rows``), so a step costs at most one block's rows whatever the run's length (MLflow's
+        own ``log_table`` downloads the whole table and uploads it again to add rows)."""
+        from grpo_core.tracking.tables import LOGGED_ARTIFACTS_TAG, BlockRows, block_path, table_text, with_table
+
+        block = block or (step, step)
+        path = block_path(name, block)
+        current = self._tables.get(name)
+        if current is None or current.block != block:
+            current = self._tables[name] = BlockRows(block)
+            if self._reopened and name not in self._resumed:
+                self._resumed.add(name)
+                current.add(self._resumed_rows(path, step))
+            listed = self._listed_tables()
+            tag = with_table(listed, path)
+            if tag is not None:
+                self._logged_artifacts = tag
+                self._outbox.put(f"tag {LOGGED_ARTIFACTS_TAG}", functools.partial(
+                    self._client.set_tag, self.run_id, LOGGED_ARTIFACTS_TAG, tag))
+            elif f'"{path}"' not in listed:
+                log.warning("table %s of run %s is not named in its tag %s (MLflow's 8,000 characters are taken): "
+                            "MLflow's UI shows it as a file, and read_table reads it", path, self.run_id,
+                            LOGGED_ARTIFACTS_TAG)
+        current.add(columns)
+        self._outbox.put(f"table {path}", functools.partial(
+            self._client.log_text, self.run_id, table_text(current.columns), path))
+
+    def _listed_tables(self) -> str:
+        """The run's ``mlflow.loggedArtifacts`` tag as this tracker last set it, read from the store once when the
+        run was reopened."""
+        from grpo_core.tracking.tables import LOGGED_ARTIFACTS_TAG
+
+        if self._logged_artifacts is None:
+            self._logged_artifacts = (self._client.get_run(self.run_id).data.tags.get(LOGGED_ARTIFACTS_TAG, "")
+                                      if self._reopened else "")
+        return self._logged_artifacts
+
+    def _resumed_rows(self, path: str, step: int) -> dict[str, list[Any]]:
+        """The rows the reopened run's earlier attempt wrote to ``path`` for steps before ``step`` (none when it wrote
+        no such file): a resumed run goes on filling the block it stopped in."""
+        import tempfile
+
+        from grpo_core.tracking.tables import BlockRows, rows_of
+
+        self.flush()
+        try:
+            with tempfile.TemporaryDirectory(prefix="grpo-table-") as tmp:
+                text = Path(self._client.download_artifacts(self.run_id, path, tmp)).read_text()
+        except Exception:  # noqa: BLE001 - absent: the attempt stopped before this block, and nothing is kept
+            return {}
+        earlier = BlockRows((0, 0), rows_of(text))
+        earlier.keep_before(step)
+        return earlier.columns
 
     def last_logged_step(self, key: str) -> int | None:
         """Highest step at which ``key`` was logged in this run (a resumed trainer marks re-runs up to it)."""
@@ -257,28 +315,6 @@ def trainer_params(config: Any, server_urls: list[str] | None = None) -> dict[st
     import dataclasses
 
     return trainer_param_values({f.name: getattr(config, f.name) for f in dataclasses.fields(config)}, server_urls)
-
-
-def table_file(name: str, columns: dict[str, list[Any]], step: int) -> tuple[str, str]:
-    """The artifact path and text of one logged step's rows of table ``name``: ``<name>/step-<step:08d>.json`` in
-    the layout MLflow's tables use (``{"columns": [...], "data": [[...], ...]}``, what ``MlflowClient.load_table``
-    and ``pandas.read_json(orient="split")`` read), so the files sort by step."""
-    names = list(columns)
-    rows = [list(row) for row in zip(*(columns[c] for c in names), strict=True)]
-    return f"{name}/step-{step:08d}.json", json.dumps({"columns": names, "data": rows}, default=str)
-
-
-def read_table(client: Any, run_id: str, name: str) -> Any:
-    """The table ``name`` of run ``run_id`` (``MLflowTracker.log_table``: a file per logged step) as one
-    ``pandas.DataFrame``, its steps in order; empty when the run logged none."""
-    import tempfile
-
-    import pandas
-
-    files = sorted(a.path for a in client.list_artifacts(run_id, name) if a.path.endswith(".json"))
-    with tempfile.TemporaryDirectory(prefix="grpo-table-") as tmp:
-        parts = [pandas.read_json(client.download_artifacts(run_id, path, tmp), orient="split") for path in files]
-    return pandas.concat(parts, ignore_index=True) if parts else pandas.DataFrame()
 
 
 def training_experiment(client: Any, name: str) -> str:

@@ -32,7 +32,7 @@ import yaml
 
 from flows.heldout import heldout_line, prompts_digest
 from grpo_core.launch.job import resolve_dataset
-from grpo_core.tracking.tracker import read_table
+from grpo_core.tracking.tables import read_table
 from tests.conftest import HTTP, Service
 
 pytestmark = pytest.mark.integration
