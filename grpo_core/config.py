@@ -459,6 +459,9 @@ class AsyncGRPOConfig:
             ecosystem, _, name = self.environment.partition(":")
             if ecosystem not in ("verifiers", "reasoning_gym") or not name.strip():
                 fail_field(self, "environment", "write 'verifiers:<taskset id>' (an installed verifiers taskset) or 'reasoning_gym:<generator name>'")
+        if self.eval_beside_training and self.eval_strategy != "steps":
+            fail_field(self, "eval_beside_training", "it places the evaluations of eval_strategy='steps' beside "
+                       "training, and there are none: set eval_strategy='steps' too, or leave it False")
         if self.environment_args is not None and self.environment is None:
             fail_field(self, "environment_args", "it has no environment to go to: set environment too, or drop environment_args")
         if self.server_drain_after_s > self.server_unavailable_timeout_s:

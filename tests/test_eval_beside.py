@@ -66,3 +66,7 @@ def test_evaluation_beside_training_is_off_by_default_and_typed():
     assert AsyncGRPOConfig().eval_beside_training is False
     with pytest.raises(Exception, match="eval_beside_training"):
         AsyncGRPOConfig(eval_beside_training="sometimes")
+    # Set where it would do nothing: refused, naming the field and the fix.
+    with pytest.raises(ValueError, match=r"eval_beside_training=True is invalid: .*set eval_strategy='steps'"):
+        AsyncGRPOConfig(eval_beside_training=True)
+    assert AsyncGRPOConfig(eval_beside_training=True, eval_strategy="steps").eval_beside_training
