@@ -68,15 +68,15 @@ class EvalRollouts:
 
 async def _rollout_groups(loop: AsyncRolloutLoop, rows: list[dict[str, Any]], samples_per_prompt: int,
                           concurrency: int) -> list[RolloutGroup]:
-    """Every row rolled out ``samples_per_prompt`` times and scored, by the loop's own stages."""
+    """Every row rolled out ``samples_per_prompt`` times and scored, by the loop's own stages; ``concurrency``
+    prompts at a time."""
+    # Per prompt, not per rollout: a prompt's rollouts start together, so the client sends their identical first
+    # turns as one request for all of them (``rollout.generation``), as a group's are sent in training.
     gate = asyncio.Semaphore(concurrency)
 
-    async def one(index: int, row: dict[str, Any], k: int) -> Any:
-        async with gate:
-            return await loop.generate_one(index, row, k)
-
     async def group(index: int, row: dict[str, Any]) -> RolloutGroup:
-        rollouts = await asyncio.gather(*(one(index, row, k) for k in range(samples_per_prompt)))
+        async with gate:
+            rollouts = await asyncio.gather(*(loop.generate_one(index, row, k) for k in range(samples_per_prompt)))
         scored = RolloutGroup(row_index=index, epoch=0, prompt=_prompt_messages(row), rollouts=list(rollouts), row=row)
         await loop.score(scored)
         return scored
