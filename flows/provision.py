@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from grpo_core.vllm_server.cpu_placement import CpuPlacement, forked_on, joined, resolve_placement
+from grpo_core.vllm_server.gpu_placement import GpuPlacement, place_on_gpus, visible_gpus
 from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,12 @@ class Provisioner(ABC):
 
     @abstractmethod
     def trains_on_gpu(self) -> bool:
-        """Whether the trainers run on CUDA devices (their weight-transfer backend is then NCCL)."""
+        """Whether the trainers run on CUDA devices (their weight-transfer backend is then NCCL or CUDA IPC)."""
+
+    def gpu_placement(self, trainer_processes: int) -> GpuPlacement | None:
+        """The GPUs of a managed server and of the trainers, where this provisioner places both on one machine
+        (None: the cluster's scheduler places them, or there is no GPU)."""
+        return None
 
 
 class LocalProvisioner(Provisioner):
@@ -182,6 +188,10 @@ class LocalProvisioner(Provisioner):
     def trains_on_gpu(self) -> bool:
         return _has_cuda()
 
+    def gpu_placement(self, trainer_processes: int) -> GpuPlacement | None:
+        gpus = visible_gpus()
+        return place_on_gpus(gpus, trainer_processes) if gpus else None
+
     def stop_server(self, base_url: str) -> None:
         server = self.servers.pop(base_url, None)
         if server is not None:
@@ -197,6 +207,9 @@ class LocalProvisioner(Provisioner):
         is set already. A server this provisioner started placed also names the rollout worker's cores
         (``GRPO_ROLLOUT_CPUS``); ``run_training`` starts the trainers on the others."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        gpus = self.gpu_placement(launch.nproc_per_node)
+        if gpus is not None and launch.nnodes == 1:
+            env["CUDA_VISIBLE_DEVICES"] = gpus.trainer_devices()
         placement = self.placement_for(launch.server_url)
         if placement is not None:
             placed = placement.trainer_environment(launch.nproc_per_node)

@@ -46,14 +46,13 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.fleet_keeper import FleetKeeper
 from flows.heldout import heldout_scores, heldout_summary, log_heldout, prompts_digest
+from flows.placement import place_on_machine, server_spec
 from flows.progress import TrainingProgress, stage
 from flows.provision import LocalProvisioner, Provisioner, TrainingLaunch
 from grpo_core.launch import attempt_failure
 from grpo_core.launch.job import JobConfig, import_string, resolve_dataset, resolve_job_inputs, resolve_model
 from grpo_core.tracking.run_view import experiment_url, run_url, ui_command
 from grpo_core.tracking.tracker import system_metrics
-from grpo_core.vllm_server.model_needs import model_server_options
-from grpo_core.vllm_server.process import VLLMServerSpec
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +75,6 @@ def task(**options: Any):  # noqa: ANN201
 def prepare_model(model: str) -> str:
     with stage(f"preparing model {model}"):
         return resolve_model(model)
-
-
-def server_spec(job: JobConfig, model_path: str, provisioner: Provisioner) -> VLLMServerSpec:
-    """The managed server the job's trainer needs (its backend matches where the trainer will run), with
-    what the model needs of it (bf16 for Gated DeltaNet layers on CPU, no vision tower: ``vllm_server.model_needs``)."""
-    cuda = provisioner.trains_on_gpu()
-    options = model_server_options(model_path, job.server.options(), cuda)
-    return VLLMServerSpec.for_run(model_path, job.trainer, options, cuda=cuda)
 
 
 @task(name="start-vllm-servers", retries=1, retry_delay_seconds=5)
@@ -387,6 +378,7 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
     out = local_run_dir(job)
     tracking_uri = default_tracking_uri(job)
     model_path = prepare_model(job.model)
+    job = place_on_machine(job, prov)
     server_urls = job.server.urls()
     exit_stack = contextlib.ExitStack()
     try:

@@ -10,6 +10,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# `--cuda` (or GRPO_CORE_CUDA=1) installs requirements-cuda.lock: vLLM's CUDA build 0.25.0 with torch 2.11.0 for
+# CUDA 13 on Python 3.12, the versions the recorded GPU run used (benchmarks/results/e2e_gpu.json).
+cuda=${GRPO_CORE_CUDA:-0}
+for arg in "$@"; do
+  case "$arg" in
+    --cuda) cuda=1 ;;
+    *) echo "setup: unknown argument '$arg'; the only one is --cuda" >&2; exit 1 ;;
+  esac
+done
 # GRPO_CORE_EXTRAS=environments installs requirements-environments.lock instead: the same set plus verifiers,
 # reasoning-gym and openenv-core (pyproject.toml's `environments` extra), resolved together with it.
 case "${GRPO_CORE_EXTRAS:-}" in
@@ -17,23 +26,35 @@ case "${GRPO_CORE_EXTRAS:-}" in
   environments) lock=requirements-environments.lock ;;
   *) echo "setup: GRPO_CORE_EXTRAS=${GRPO_CORE_EXTRAS} is not known; leave it unset or set it to 'environments'" >&2; exit 1 ;;
 esac
+python_minor=11
+if [ "$cuda" = 1 ]; then
+  if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "setup: --cuda needs an NVIDIA GPU and its driver (nvidia-smi is missing or finds no GPU); on this machine run 'bash scripts/setup.sh' for the CPU build" >&2
+    exit 1
+  fi
+  if [ -n "${GRPO_CORE_EXTRAS:-}" ]; then
+    echo "setup: GRPO_CORE_EXTRAS=${GRPO_CORE_EXTRAS} has no CUDA lock yet; unset it with --cuda" >&2; exit 1
+  fi
+  lock=requirements-cuda.lock
+  python_minor=12
+fi
 want=$(cat "$lock" pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 stamp=.venv/.installed-from
 if [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   exit 0
 fi
 
-# ---- a Python 3.11 to build from --------------------------------------------------------------------
+# ---- a Python 3.11 (3.12 with --cuda) to build from -------------------------------------------------
 python=""
-for candidate in ${GRPO_CORE_PYTHON:-} python3.11 python3; do
+for candidate in ${GRPO_CORE_PYTHON:-} python3.$python_minor python3; do
   if command -v "$candidate" >/dev/null 2>&1 &&
-     "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+     "$candidate" -c "import sys; sys.exit(sys.version_info[:2] != (3, $python_minor))" 2>/dev/null; then
     python=$(command -v "$candidate")
     break
   fi
 done
 if [ -z "$python" ]; then
-  echo "setup: no Python 3.11 found (tried \$GRPO_CORE_PYTHON, python3.11, python3); install Python 3.11" >&2
+  echo "setup: no Python 3.$python_minor found (tried \$GRPO_CORE_PYTHON, python3.$python_minor, python3); install Python 3.$python_minor" >&2
   exit 1
 fi
 
@@ -63,18 +84,22 @@ export UV_SYSTEM_CERTS=${UV_SYSTEM_CERTS:-1}
 # that index by default.
 extra=()
 links=""
-for folder in "${GRPO_CORE_WHEELS:-}" "${PIP_FIND_LINKS:-}" \
-              "$("$python" -m pip config list 2>/dev/null | sed -n "s/^[a-z:.]*find-links='\(.*\)'$/\1/p" | head -n1)" \
-              /opt/wheels; do
-  if [ -n "$folder" ] && ls "$folder"/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then
-    links=$folder
-    break
-  fi
-done
-if [ -n "$links" ]; then
-  extra+=(--find-links "$links")
+if [ "$cuda" = 1 ]; then
+  : # torch 2.11.0 for CUDA 13 is PyPI's own build: no other index
 else
-  extra+=(--extra-index-url https://download.pytorch.org/whl/cpu)
+  for folder in "${GRPO_CORE_WHEELS:-}" "${PIP_FIND_LINKS:-}" \
+                "$("$python" -m pip config list 2>/dev/null | sed -n "s/^[a-z:.]*find-links='\(.*\)'$/\1/p" | head -n1)" \
+                /opt/wheels; do
+    if [ -n "$folder" ] && ls "$folder"/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then
+      links=$folder
+      break
+    fi
+  done
+  if [ -n "$links" ]; then
+    extra+=(--find-links "$links")
+  else
+    extra+=(--extra-index-url https://download.pytorch.org/whl/cpu)
+  fi
 fi
 
 "$uv" venv .venv --python "$python" --allow-existing --quiet

@@ -110,7 +110,7 @@ def test_server_options_follow_the_model(built: dict[str, Path], tmp_path: Path)
 
 def test_flow_server_spec_derives_the_options(built: dict[str, Path]) -> None:
     from flows.provision import LocalProvisioner
-    from flows.train_flow import server_spec
+    from flows.placement import server_spec
     from grpo_core.launch.job import JobConfig
 
     job = JobConfig.model_validate({"model": "tiny:arithmetic-vlm", "trainer": {"output_dir": "unused"}})

@@ -21,12 +21,6 @@ from datetime import timedelta
 from typing import Any, ClassVar, Self
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    TrainerInitInfo,
-    TrainerWeightTransferEngine,
-    VLLMWeightSyncClient,
-    WeightSource,
-)
 
 from grpo_core.sync.bucket_stream import TransferStats, local_tensors, send_buckets, source_device
 from grpo_core.sync.deadline import DeadlineConfig, Deadlines, PhaseClock
@@ -35,6 +29,7 @@ from grpo_core.sync.timed import TimedControl
 from grpo_core.sync.wire.buckets import DEFAULT_BUCKET_BYTES, Bucket, plan_buckets, update_info
 from grpo_core.sync.wire.delta import encode_bucket
 from grpo_core.sync.wire.gloo_messages import RENDEZVOUS_TIMEOUT, GlooWeightTransferInitInfo
+from grpo_core.vllm_lines import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
 ENCODINGS = ("dense", "delta")
 _POLL_S = 0.25

@@ -24,13 +24,13 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Self
 
-from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
 from vllm.distributed.weight_transfer.nccl_common import trainer_init as open_trainer_endpoint
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
 from grpo_core.sync.bucket_stream import TransferStats
 from grpo_core.sync.packed_send import send_packed
+from grpo_core.vllm_lines import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
 
 class BucketedNCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):

@@ -1,7 +1,8 @@
 """Full-weight sync through vLLM's weight-transfer protocol: pause → start → update → finish → resume.
 
-The transport is picked by name: ``gloo`` (this package's backend, CPU servers) or ``nccl`` (vLLM's
-packed NCCL format, sent by ``nccl_trainer.BucketedNCCLTrainerEngine``). Both send the model in
+The transport is picked by name: ``gloo`` (this package's backend, CPU servers), ``nccl`` (vLLM's
+packed NCCL format, sent by ``nccl_trainer.BucketedNCCLTrainerEngine``) or ``ipc`` (vLLM's CUDA IPC engine, for a
+server on the trainer's own GPU, sent by ``ipc_trainer.IPCTrainerWeightTransferEngine``). Both send the model in
 buckets of about ``bucket_bytes``, gathered with one collective per bucket across FSDP2 ranks; gloo
 can also send only what changed since the last push (``encoding="delta"``, ``gloo_trainer``).
 
@@ -23,17 +24,17 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.weight_transfer.base import WeightSource
-
 from grpo_core.sync.base import SyncStats, WeightSync
 from grpo_core.sync.bucket_stream import TransferStats
 from grpo_core.sync.deadline import DeadlineConfig, Deadlines
 from grpo_core.sync.errors import WeightSyncError
+from grpo_core.sync.ipc_trainer import IPC_BACKEND, IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 from grpo_core.sync.timed import TimedControl
 from grpo_core.sync.wire.address import PortRange, choose_port, rendezvous_address
 from grpo_core.sync.wire.buckets import DEFAULT_BUCKET_BYTES
 from grpo_core.sync.wire.gated_store import PortTaken
 from grpo_core.sync.wire.gloo_messages import GLOO_BACKEND
+from grpo_core.vllm_lines import WeightSource, installed_line
 
 if TYPE_CHECKING:
     from grpo_core.vllm_server.control import VLLMControlClient
@@ -54,7 +55,17 @@ def _trainer_engine(backend: str, control: Any, source: WeightSource, rank: int,
         return GlooTrainerWeightTransferEngine.trainer_init(info, client=control, source=source)
     if encoding != "dense":
         raise ValueError(f"weight_sync_encoding={encoding!r} needs the gloo backend; {backend!r} pushes dense weights")
+    if backend == IPC_BACKEND:
+        if world_size > 2:
+            raise ValueError(f"weight_transfer_backend='ipc' reaches a server of one GPU worker; this one has "
+                             f"{world_size - 1}: use 'nccl' for a tensor-parallel server")
+        return IPCTrainerWeightTransferEngine.trainer_init(IPCTrainerInitInfo(rank=rank, bucket_bytes=bucket_bytes),
+                                                           client=control, source=source)
     if backend == "nccl":
+        if not installed_line().trainer_engine_api:
+            raise ValueError(
+                "weight_transfer_backend='nccl' sends through vLLM's trainer-side NCCL API, which the installed vLLM "
+                f"line ({installed_line().line}) lacks; a server on the trainer's own GPU takes 'ipc' (or 'gloo')")
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
         from grpo_core.sync.nccl_trainer import BucketedNCCLTrainerEngine
@@ -62,7 +73,8 @@ def _trainer_engine(backend: str, control: Any, source: WeightSource, rank: int,
         info = NCCLTrainerInitInfo(rank=rank, master_address=address, master_port=port, world_size=world_size,
                                    packed=True, packed_buffer_size_bytes=bucket_bytes)
         return BucketedNCCLTrainerEngine.trainer_init(info, client=control, source=source)
-    raise ValueError(f"weight_transfer_backend={backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (GPU)")
+    raise ValueError(f"weight_transfer_backend={backend!r} is not supported; use 'gloo' (CPU), 'nccl' (GPUs of its "
+                     "own) or 'ipc' (a server on the trainer's GPU)")
 
 
 class ProtocolWeightSync(WeightSync):

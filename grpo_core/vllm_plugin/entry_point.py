@@ -16,8 +16,10 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
 from types import ModuleType
+from typing import Any
 
 GLOO_BACKEND = "gloo"
 
@@ -25,20 +27,59 @@ GLOO_BACKEND = "gloo"
 def register() -> None:
     """Register the worker-side and trainer-side gloo engines with vLLM's factories (idempotent)."""
     _text_only_vision_imports()
-    from vllm.distributed.weight_transfer.factory import (
-        WeightTransferEngineFactory,
-        WeightTransferTrainerFactory,
-    )
+    from vllm.distributed.weight_transfer import factory
+
+    from grpo_core.vllm_lines import installed_line
 
     # Registering a name twice raises, and vLLM may call plugins more than once per process.
-    if GLOO_BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(
+    if GLOO_BACKEND not in factory.WeightTransferEngineFactory._registry:
+        factory.WeightTransferEngineFactory.register_engine(
             GLOO_BACKEND, "grpo_core.vllm_plugin.gloo_engine", "GlooWeightTransferEngine"
         )
-    if GLOO_BACKEND not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(
+    line = installed_line()
+    if line.trainer_engine_api and GLOO_BACKEND not in factory.WeightTransferTrainerFactory._registry:
+        factory.WeightTransferTrainerFactory.register_engine(
             GLOO_BACKEND, "grpo_core.sync.gloo_trainer", "GlooTrainerWeightTransferEngine"
         )
+    if not line.weight_version_routes:
+        add_weight_version_routes()
+
+
+INITIAL_WEIGHT_VERSION = "default"
+"""What a server reports before its first push (vLLM's own name for the weights it loaded from disk)."""
+
+
+def add_weight_version_routes(router: Any = None) -> None:
+    """Give a server whose vLLM line lacks them (0.25) the two weight-version routes the trainer reads and writes:
+    ``GET /weight_info`` and ``POST /update_weight_version``, on vLLM's dev-mode weight-transfer router (so they
+    exist only where the other weight-transfer routes do). The version lives in the API server process; a server
+    that restarts reports ``INITIAL_WEIGHT_VERSION`` again, which is how the trainer's restart watch tells.
+
+    Runs in every vLLM process (plugins load before the API server builds its app, which then takes these routes
+    with the rest of the router); in the others the router is imported and never served."""
+    if router is None:
+        if os.environ.get("VLLM_SERVER_DEV_MODE") != "1":
+            return  # no weight-transfer routes at all: nothing to add to
+        try:
+            from vllm.entrypoints.serve.dev.rlhf import api_router
+        except ImportError:
+            return
+        router = api_router.router
+    if any(getattr(route, "path", None) == "/weight_info" for route in router.routes):
+        return
+    from fastapi import Body
+    from fastapi.responses import JSONResponse
+
+    served = {"version": INITIAL_WEIGHT_VERSION}
+
+    @router.get("/weight_info")
+    async def weight_info() -> JSONResponse:
+        return JSONResponse(content={"weight_version": served["version"]})
+
+    @router.post("/update_weight_version")
+    async def update_weight_version(new_version: str = Body(embed=True)) -> JSONResponse:
+        served["version"] = str(new_version)
+        return JSONResponse(content={"success": True, "new_version": served["version"]})
 
 
 # vLLM's qwen3_vl module (imported by qwen3_5 too) imports ``smart_resize`` from transformers'

@@ -200,7 +200,7 @@ def _check_same_model(served: dict[str, Any], model: str, model_config: Any) -> 
 
 
 # ---- weight transfer --------------------------------------------------------------------------------
-_ENGINE_BACKENDS = {"GlooWeightTransferEngine": "gloo", "NCCLWeightTransferEngine": "nccl"}
+_ENGINE_BACKENDS = {"GlooWeightTransferEngine": "gloo", "NCCLWeightTransferEngine": "nccl", "IPCWeightTransferEngine": "ipc"}
 
 
 def _check_weight_transfer_backend(control: VLLMControlClient, backend: str, command: str) -> None:

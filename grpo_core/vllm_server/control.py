@@ -14,6 +14,8 @@ from typing import Any
 
 import httpx
 
+from grpo_core.vllm_lines import LineFeatures, line_of
+
 
 # Failures of a connection the server had already closed: the request never reached it.
 DROPPED_CONNECTION = (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError)
@@ -40,6 +42,7 @@ class VLLMControlClient:
         self.base_url = base_url.rstrip("/")
         self._timeout = timeout
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
+        self._line: LineFeatures | None = None
 
     def close(self) -> None:
         self._http.close()
@@ -163,6 +166,15 @@ class VLLMControlClient:
     def finish_weight_update(self, weight_version: str | None = None, timeout: float | None = None) -> None:
         body = {"weight_version": weight_version} if weight_version is not None else None
         self._post("/finish_weight_update", json=body, timeout=timeout)
+        if weight_version is not None and not self.line().weight_version_routes:
+            # A 0.25 server's finish takes no version: record it through the plugin's route (vllm_lines).
+            self._post("/update_weight_version", json={"new_version": weight_version}, timeout=timeout)
+
+    def line(self) -> LineFeatures:
+        """What the server's vLLM line offers (``GET /version``, asked once)."""
+        if self._line is None:
+            self._line = line_of(str(self._get("/version").json()["version"]))
+        return self._line
 
     def shutdown_weight_transfer_engine(self) -> None:
         self._post("/shutdown_weight_transfer_engine")

