@@ -18,7 +18,11 @@ if [ ! -f /tmp/vcuda/archive.sha256 ] || \
   exit 1
 fi
 rm -rf /tmp/site && mkdir -p /tmp/site
-cat /tmp/vcuda/vcuda.part* | xz -d -T0 | tar -x -C /tmp/site
+if command -v xz >/dev/null 2>&1; then
+  cat /tmp/vcuda/vcuda.part* | xz -d -T0 | tar -x -C /tmp/site
+else  # Python's own lzma where the image has no xz
+  cat /tmp/vcuda/vcuda.part* | python3 -c "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site')"
+fi
 rm -rf /tmp/vcuda
 # The project's own metadata: vLLM finds its plugin through entry points, and `grpo` is the command users run.
 repo=$(cd "$here/.." && pwd)
