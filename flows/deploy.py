@@ -32,6 +32,9 @@ from typing import Any
 
 import yaml
 
+from flows.train_flow import grpo_train
+from grpo_core.launch.job import JobConfig
+
 POOLS_INDEX = Path("infra") / "work-pools" / "pools.yaml"
 
 
@@ -105,8 +108,6 @@ def deploy_command(file: Path, names: list[str] | None) -> list[str]:
 def full_jobs(project: dict[str, Any]) -> dict[str, Any]:
     """``project`` with each deployment's ``job`` parameter replaced by the whole ``JobConfig`` it validates to:
     every value written out, defaults included, as the run will use them (an invalid job fails here, named)."""
-    from grpo_core.launch.job import JobConfig
-
     out = copy.deepcopy(project)
     for deployment in out["deployments"]:
         parameters = deployment.get("parameters") or {}
@@ -142,6 +143,4 @@ def deploy_all(file: str | Path = "prefect.yaml", names: list[str] | None = None
         full.flush()
         subprocess.run(deploy_command(Path(full.name), short_names), cwd=root, check=True)
     # Every deployment here runs the same flow; its name comes from the @flow decorator.
-    from flows.train_flow import grpo_train
-
     return [f"{grpo_train.name}/{d['name']}" for d in deployments]

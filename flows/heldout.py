@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from grpo_core.evaluation.intervals import Interval, cluster_means, interval, paired_gain
+from grpo_core.tracking.run_view import HELDOUT_ACCURACY, HELDOUT_CI95
 
 
 def heldout_scores(result: Any, problems: Sequence[Any]) -> dict[str, Any]:
@@ -80,8 +81,6 @@ def log_heldout(tracking_uri: str, run_id: str, before: dict[str, Any] | None, a
     """``heldout_accuracy`` and its interval (``heldout_accuracy_ci95_low``/``_high``, ``run_view.HELDOUT_CI95``) at
     step 0 (before training) and at the last step (after the final weight sync)."""
     import mlflow
-
-    from grpo_core.tracking.run_view import HELDOUT_ACCURACY, HELDOUT_CI95
 
     client = mlflow.MlflowClient(tracking_uri)
     for step, scores in ((0, before), (last_step, after)):

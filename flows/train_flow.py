@@ -45,14 +45,27 @@ from prefect import task as prefect_task
 from prefect.cache_policies import NO_CACHE
 
 from flows.fleet_keeper import FleetKeeper
-from flows.heldout import heldout_scores, heldout_summary, log_heldout, prompts_digest
+from flows.heldout import heldout_line, heldout_scores, heldout_summary, log_heldout, prompts_digest
+from flows.kubernetes import KubernetesProvisioner
 from flows.placement import place_on_machine, server_spec
 from flows.progress import TrainingProgress, stage
 from flows.provision import LocalProvisioner, Provisioner, TrainingLaunch
+from flows.run_picture import draw_run_picture, metric_history
+from grpo_core.checkpoint import ledger_summary
+from grpo_core.data.inputs import first_rows
+from grpo_core.evaluation.heldout import EvalRollouts, evaluate_rewards, problem_keys
 from grpo_core.launch import attempt_failure
 from grpo_core.launch.job import JobConfig, import_string, resolve_dataset, resolve_job_inputs, resolve_model
-from grpo_core.tracking.run_view import experiment_url, run_url, ui_command
-from grpo_core.tracking.tracker import system_metrics
+from grpo_core.rollout.fleet import server_name
+from grpo_core.rollout.stages import AsyncRolloutLoop
+from grpo_core.storage.store import open_url
+from grpo_core.tracking import tracker
+from grpo_core.tracking.run_answer import record_answer
+from grpo_core.tracking.run_view import experiment_url, job_params, machine_tags, run_url, ui_command
+from grpo_core.tracking.tracker import (MLflowTracker, complete_headline, git_commit, link_model_metrics, recipe_name,
+                                        run_identity, system_metrics, trainer_params)
+from grpo_core.training.waste import run_waste
+from grpo_core.vllm_server.control import VLLMControlClient
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +125,6 @@ def evaluate(job: JobConfig, model_path: str, server_url: str, label: str) -> di
         return None
     from transformers import AutoTokenizer
 
-    from grpo_core.data.inputs import first_rows
-    from grpo_core.evaluation.heldout import EvalRollouts, evaluate_rewards, problem_keys
-    from grpo_core.rollout.stages import AsyncRolloutLoop
-
     if trainer.environment is None:
         data = resolve_dataset(job.dataset, trainer.seed)
         reward_funcs, weights = [import_string(name) for name in job.reward_funcs], trainer.reward_weights
@@ -148,9 +157,6 @@ def evaluate(job: JobConfig, model_path: str, server_url: str, label: str) -> di
 
 @task(name="create-mlflow-run")
 def create_mlflow_run(job: JobConfig, tracking_uri: str, tags: dict[str, str], server_urls: list[str]) -> str:
-    from grpo_core.tracking.run_view import job_params, machine_tags
-    from grpo_core.tracking.tracker import MLflowTracker, run_identity, trainer_params
-
     job_dict = json.loads(job.model_dump_json())
     # Named <model>-<task>-<config hash> unless the job names it; tagged so runs of a recipe group.
     default_name, identity = run_identity(job_dict)
@@ -168,8 +174,6 @@ def log_final_model(tracking_uri: str, run_id: str, registered_model_name: str) 
     """Log the final checkpoint's servable files to the MLflow run as a transformers model (loadable
     with ``mlflow.transformers.load_model``), registered under ``registered_model_name``."""
     import mlflow
-
-    from grpo_core.tracking import tracker
 
     with stage("logging the final model to MLflow"):
         uri = tracker.log_final_model(mlflow.MlflowClient(tracking_uri), run_id, registered_model_name)
@@ -222,8 +226,6 @@ def keep_fleet(provisioner: Provisioner, job: JobConfig, urls: list[str], tracki
         return
     import mlflow
 
-    from grpo_core.rollout.fleet import server_name
-
     client = mlflow.MlflowClient(tracking_uri)
 
     def record(url: str, what: str, seconds: float) -> None:
@@ -240,8 +242,6 @@ def keep_fleet(provisioner: Provisioner, job: JobConfig, urls: list[str], tracki
 def server_usable(provisioner: Provisioner, base_url: str) -> bool:
     """The server process runs and its engine answers: a trainer killed during a weight sync can
     leave the API process up over a dead engine, which only a new server fixes."""
-    from grpo_core.vllm_server.control import VLLMControlClient
-
     if not provisioner.server_alive(base_url):
         return False
     client = VLLMControlClient(base_url)
@@ -255,8 +255,6 @@ def local_run_dir(job: JobConfig) -> Path:
     """Where the job file, logs and pid file go: ``output_dir`` when it is a local folder, else a
     folder under the temp dir named after the URL (object stores hold no logs that grow)."""
     from fsspec.implementations.local import LocalFileSystem
-
-    from grpo_core.storage.store import open_url
 
     fs, path = open_url(job.trainer.output_dir)
     out = Path(path) if isinstance(fs, LocalFileSystem) else (
@@ -304,8 +302,6 @@ def report_resumes(job: JobConfig, tracking_uri: str, run_id: str, resumes: int)
     """Count attempts and prompts trained twice from the run's ledger, and tag its MLflow run with them."""
     import mlflow
 
-    from grpo_core.checkpoint import ledger_summary
-
     counts = {**ledger_summary(job.trainer.output_dir), "resumes": resumes}
     client = mlflow.MlflowClient(tracking_uri)
     for key in RESUME_COUNTS:
@@ -320,10 +316,6 @@ def log_run_summary(tracking_uri: str, run_id: str, summary_file: Path, final_mo
     the headline charts, as the trainer's own are, and onto the final model with the others; the held-out result as
     the run's and its registered version's description (``run_answer.record_answer``)."""
     import mlflow
-
-    from flows.heldout import heldout_line
-    from grpo_core.tracking.run_answer import record_answer
-    from grpo_core.tracking.tracker import complete_headline, git_commit, link_model_metrics
 
     client = mlflow.MlflowClient(tracking_uri)
     client.log_artifact(run_id, str(summary_file))
@@ -355,8 +347,6 @@ def reward_summary(tracking_uri: str, run_id: str) -> dict[str, float]:
 def waste_summary(tracking_uri: str, run_id: str) -> dict[str, float]:
     """What the run generated and did not train, over all its steps (``training.waste.run_waste``)."""
     import mlflow
-
-    from grpo_core.training.waste import run_waste
 
     client = mlflow.MlflowClient(tracking_uri)
     return run_waste(lambda name: [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, name),
@@ -468,8 +458,6 @@ def fail_training(tracking_uri: str, run_id: str, reason: str) -> None:
 
 def registered_model_name(job: JobConfig) -> str:
     """The job's ``tracking.registered_model_name``, else ``<model>-<task>`` (the run's name without its hash)."""
-    from grpo_core.tracking.tracker import recipe_name
-
     return job.tracking.registered_model_name or recipe_name(json.loads(job.model_dump_json()))
 
 
@@ -477,8 +465,6 @@ def run_picture(tracking_uri: str, run_id: str, heldout: dict[str, Any], path: P
     """Draw the run (``flows.run_picture``) beside ``summary.json`` and log it to the MLflow run; its path, or None
     when it could not be drawn (a picture must never fail a finished run)."""
     import mlflow
-
-    from flows.run_picture import draw_run_picture, metric_history
 
     try:
         draw_run_picture(metric_history(tracking_uri, run_id), heldout, path, title=title)
@@ -605,8 +591,6 @@ def follow_log(path: str | None) -> Iterator[None]:
 
 def _cluster_provisioner(name: str) -> Provisioner:
     if name == "kubernetes":
-        from flows.kubernetes import KubernetesProvisioner
-
         return KubernetesProvisioner.from_env()
     raise ValueError(f"provisioner {name!r} is unknown; use 'local' or 'kubernetes'")
 

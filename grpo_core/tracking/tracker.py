@@ -32,16 +32,29 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
+from grpo_core.checkpoint.folders import (
+    MANIFEST,
+    MASTER_FILE,
+    OPTIMIZER_FILE,
+    RNG_FILE,
+    ROLLOUT_STATE,
+    SCHEDULER_FILE,
+    TRAINER_STATE,
+)
+from grpo_core.storage.store import open_url
+from grpo_core.tracking.outbox import Outbox
 from grpo_core.tracking.run_view import (
     EXPERIMENT_KIND_TAG,
     HEADLINE_METRICS,
     as_params,
     experiment_tags,
+    headline_name,
     machine_tags,
     read_saved_view,
     trainer_param_values,
     with_headline,
 )
+from grpo_core.tracking.tables import LOGGED_ARTIFACTS_TAG, BlockRows, block_path, rows_of, table_text, with_table
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +142,6 @@ class MLflowTracker:
     ):
         import mlflow
 
-        from grpo_core.tracking.outbox import Outbox
-
         self._mlflow = mlflow
         self.flush_timeout_s = flush_timeout_s
         if tracking_uri:
@@ -209,8 +220,6 @@ class MLflowTracker:
         ``mlflow.loggedArtifacts`` when its block starts. Nothing is read back from the store, except once by a
         reopened run (``_resumed_rows``), so a step costs at most one block's rows whatever the run's length (MLflow's
         own ``log_table`` downloads the whole table and uploads it again to add rows)."""
-        from grpo_core.tracking.tables import LOGGED_ARTIFACTS_TAG, BlockRows, block_path, table_text, with_table
-
         block = block or (step, step)
         path = block_path(name, block)
         current = self._tables.get(name)
@@ -236,8 +245,6 @@ class MLflowTracker:
     def _listed_tables(self) -> str:
         """The run's ``mlflow.loggedArtifacts`` tag as this tracker last set it, read from the store once when the
         run was reopened."""
-        from grpo_core.tracking.tables import LOGGED_ARTIFACTS_TAG
-
         if self._logged_artifacts is None:
             self._logged_artifacts = (self._client.get_run(self.run_id).data.tags.get(LOGGED_ARTIFACTS_TAG, "")
                                       if self._reopened else "")
@@ -247,8 +254,6 @@ class MLflowTracker:
         """The rows the reopened run's earlier attempt wrote to ``path`` for steps before ``step`` (none when it wrote
         no such file): a resumed run goes on filling the block it stopped in."""
         import tempfile
-
-        from grpo_core.tracking.tables import BlockRows, rows_of
 
         self.flush()
         try:
@@ -374,17 +379,6 @@ def log_final_model(client: Any, run_id: str, registered_model_name: str | None 
     """
     import tempfile
 
-    from grpo_core.checkpoint.folders import (
-        MANIFEST,
-        MASTER_FILE,
-        OPTIMIZER_FILE,
-        RNG_FILE,
-        ROLLOUT_STATE,
-        SCHEDULER_FILE,
-        TRAINER_STATE,
-    )
-    from grpo_core.storage.store import open_url
-
     url = client.get_run(run_id).data.tags.get("artifact.checkpoint")
     if not url:
         return None
@@ -456,8 +450,6 @@ def complete_headline(client: Any, run_id: str) -> int:
     run without its copy: those logged by the flow itself (the held-out accuracy), not through a tracker. The copies
     keep each value's step and timestamp, so completing twice adds nothing. Returns how many were copied."""
     from mlflow.entities import Metric
-
-    from grpo_core.tracking.run_view import headline_name
 
     missing = []
     for key in HEADLINE_METRICS:

@@ -16,7 +16,6 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import os
 import sys
 from types import ModuleType
 from typing import Any
@@ -58,8 +57,6 @@ def add_weight_version_routes(router: Any = None) -> None:
     Runs in every vLLM process (plugins load before the API server builds its app, which then takes these routes
     with the rest of the router); in the others the router is imported and never served."""
     if router is None:
-        if os.environ.get("VLLM_SERVER_DEV_MODE") != "1":
-            return  # no weight-transfer routes at all: nothing to add to
         try:
             from vllm.entrypoints.serve.dev.rlhf import api_router
         except ImportError:

@@ -29,8 +29,9 @@ from pydantic import ConfigDict, Field
 from grpo_core.config import LoraRank
 from grpo_core.config_checks import check_fields
 from grpo_core.staleness import resident_adapters
-from grpo_core.vllm_server.cpu_placement import CpuPlacement, forked_on, format_cpus
 from grpo_core.vllm_lines import LINES, LineFeatures, installed_line
+from grpo_core.vllm_server.control import VLLMControlClient
+from grpo_core.vllm_server.cpu_placement import CpuPlacement, forked_on, format_cpus
 from grpo_core.waiting import announced_wait
 
 
@@ -348,8 +349,6 @@ class VLLMServer:
         return max(1, len(os.sched_getaffinity(0)) - 1)
 
     def _wait_ready(self, timeout_s: float) -> None:
-        from grpo_core.vllm_server.control import VLLMControlClient
-
         deadline = time.monotonic() + timeout_s
         client = VLLMControlClient(self.base_url)
         hint = (f"its log is {self.log_path}; a CPU server takes 1-3 min to start on two cores, so if the log stops "
