@@ -47,6 +47,7 @@ from grpo_core.checkpoint.state import (
     tied_aliases,
     write_servable,
 )
+from grpo_core.models.lora import adapter_files_state, write_adapter
 from grpo_core.storage.store import Storage, fsync_dir
 
 log = logging.getLogger(__name__)
@@ -303,8 +304,6 @@ class Checkpointer:
         serve_dtype = parts.serve_dtype or master_dtype
         write_servable(folder, parts.model, model_state, parts.tokenizer, serve_dtype)
         if parts.adapter_base is not None:
-            from grpo_core.models.lora import adapter_files_state, write_adapter
-
             # LoRA: the adapter in PEFT's layout beside the weights, so vLLM (--lora-modules) and peft load
             # it from this folder; .vllm_lora/ is only a serving cache and is not kept.
             write_adapter(parts.model, str(folder), parts.adapter_base, state=adapter_files_state(model_state))

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from grpo_core.checkpoint.folders import MODEL_FILE, CheckpointError
+from grpo_core.models.lora import adapter_files_state, write_adapter
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     """``alias -> canonical`` for parameters registered under several names (tied embeddings)."""
@@ -131,6 +132,4 @@ def save_policy(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Opt
     dtype = next(iter(model_state.values())).dtype if compute_dtype == torch.float32 else compute_dtype
     write_servable(folder, model, model_state, tokenizer, dtype)
     if lora:
-        from grpo_core.models.lora import adapter_files_state, write_adapter
-
         write_adapter(model, str(folder), model_path, state=adapter_files_state(model_state))

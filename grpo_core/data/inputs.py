@@ -19,6 +19,8 @@ from typing import Any
 
 import cloudpickle
 
+from grpo_core.environments import environment_inputs as from_environment
+
 
 class InputError(ValueError):
     """Something handed to the trainer cannot work; the message names it and says what fixes it."""
@@ -264,6 +266,4 @@ def inputs_with_environment(args: Any, reward_funcs: list[Callable[..., Any]], t
     (``grpo_core.environments``; its packages are imported only then), else returned as given."""
     if getattr(args, "environment", None) is None:
         return args, reward_funcs, train_dataset, eval_dataset
-    from grpo_core.environments import environment_inputs as from_environment
-
     return from_environment(args, reward_funcs, train_dataset, eval_dataset)

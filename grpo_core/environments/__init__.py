@@ -15,22 +15,13 @@ or ``GRPO_CORE_EXTRAS=environments bash scripts/setup.sh`` for the tested set.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from grpo_core.environments.inputs import EnvironmentInputs
+
 ECOSYSTEMS = ("verifiers", "reasoning_gym")
 """What ``AsyncGRPOConfig.environment`` may name before its ``:``."""
-
-
-@dataclasses.dataclass
-class EnvironmentInputs:
-    """What an environment gives a run: its prompts, its reward functions and their weights."""
-
-    train_dataset: Any
-    eval_dataset: Any
-    reward_funcs: list[Callable[..., Any]]
-    reward_weights: list[float]
 
 
 def parse_environment(spec: str) -> tuple[str, str]:

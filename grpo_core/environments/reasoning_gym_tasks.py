@@ -25,7 +25,7 @@ import json
 import re
 from typing import Any
 
-from grpo_core.environments import EnvironmentInputs
+from grpo_core.environments.inputs import EnvironmentInputs
 
 ANSWER_TAG_PROMPT = "Think it through, then give only the final answer between <answer> and </answer>."
 """The default system prompt: reasoning-gym's own answer convention."""

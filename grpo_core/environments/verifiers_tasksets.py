@@ -26,7 +26,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from grpo_core.environments import EnvironmentInputs
+from grpo_core.environments.inputs import EnvironmentInputs
 
 _CACHE_ROLLOUTS = 4096
 """Scored rollouts kept per process, so that every rubric function of a group reads one scoring."""

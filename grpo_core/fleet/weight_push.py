@@ -31,6 +31,7 @@ import torch
 from grpo_core.ranks import DistInfo, broadcast_object
 from grpo_core.sync.base import SyncStats, WeightSync
 from grpo_core.sync.errors import WeightSyncError
+from grpo_core.sync.factory import SYNC_MODE_CODES, make_patch_publisher, make_weight_sync
 from grpo_core.sync.verify import ProbeOutlier, PushVerifier, VerifyConfig, VerifyReport, check_version
 from grpo_core.vllm_server.control import VLLMRequestError
 from grpo_core.vllm_server.watch import close_open_weight_update
@@ -57,8 +58,6 @@ class PushOutcome:
 
     def metrics(self, version: int, recoveries: int) -> dict[str, float]:
         """The push's ``sync/*`` metrics (and ``weight_version``) for the step's log."""
-        from grpo_core.sync.factory import SYNC_MODE_CODES
-
         stats, report = self.stats, self.report
         metrics = {
             "sync/bytes": float(stats.bytes),
@@ -99,8 +98,6 @@ class WeightPusher:
     @classmethod
     def for_run(cls, setup: Any, dist: DistInfo, control: Any, watch: Any, vocab_size: int, probe: Probe) -> WeightPusher:
         """The pusher of a run (``setup``: ``sync.factory.SyncSetup``; its config's ``weight_sync_*`` settings)."""
-        from grpo_core.sync.factory import make_patch_publisher, make_weight_sync
-
         args = setup.config
         if args.weight_sync_transport == "storage":
             setup.publisher = make_patch_publisher(setup)  # one writer for the run, whatever the sessions

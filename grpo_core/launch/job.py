@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from grpo_core.config import AsyncGRPOConfig, ConfigError
 from grpo_core.config_checks import check_known_keys
+from grpo_core.environments import load_environment
+from grpo_core.tiny import arithmetic_dataset, build_tiny_model
 from grpo_core.vllm_server.process import ServerOptions
 
 ImportString = Annotated[str, Field(pattern=r"^[\w.]+:[\w.]+$", description="package.module:attribute")]
@@ -212,8 +214,6 @@ def import_string(path: str) -> Any:
 def resolve_model(spec: str) -> str:
     """A model folder for ``spec``: ``tiny:<variant>`` builds (or reuses) the offline tiny model."""
     if spec.startswith("tiny:"):
-        from grpo_core.tiny import build_tiny_model
-
         return str(build_tiny_model(variant=spec.removeprefix("tiny:")))
     return spec
 
@@ -223,8 +223,6 @@ def resolve_dataset(spec: str, seed: int = 0) -> Any:
     tiny task's rows, so one seed always gives the same training and held-out prompts. A tiny task's held-out
     problems are the tiny model's, whatever the seed (see ``tiny.tasks.arithmetic_dataset``)."""
     if spec.startswith("tiny:"):
-        from grpo_core.tiny import arithmetic_dataset
-
         # The tools variant uses the same arithmetic prompts; only the model knows the calculator.
         builders = {"arithmetic": arithmetic_dataset, "tools": arithmetic_dataset}
         task = spec.removeprefix("tiny:")
@@ -241,8 +239,6 @@ def resolve_job_inputs(job: JobConfig) -> tuple[Any, list[Any], list[float] | No
     if trainer.environment is None:
         return resolve_dataset(job.dataset, trainer.seed), [import_string(n) for n in job.reward_funcs], trainer.reward_weights
     from datasets import DatasetDict
-
-    from grpo_core.environments import load_environment
 
     inputs = load_environment(trainer.environment, trainer.environment_args, seed=trainer.seed)
     splits = {"train": inputs.train_dataset, **({"eval": inputs.eval_dataset} if inputs.eval_dataset is not None else {})}

@@ -35,6 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from grpo_core.models import grad_accumulation
+from grpo_core.models.vision import vision_towers
+
 
 COMPILE_MODES = ("none", "pointwise", "layers")
 
@@ -175,8 +178,6 @@ def shard_policy(model: torch.nn.Module, settings: FSDPSettings, device: torch.d
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    from grpo_core.models.vision import vision_towers
-
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
     compute_dtype = torch.bfloat16 if settings.bf16 else torch.float16 if settings.fp16 else None
     mp = (
@@ -198,8 +199,6 @@ def shard_policy(model: torch.nn.Module, settings: FSDPSettings, device: torch.d
     if world_size == 1 and compute_dtype is not None:
         # One rank accumulates a step's gradients unsharded in fp32 (before_micro_batch): the widening cast and
         # the mixed-dtype add run as Triton kernels where they can.
-        from grpo_core.models import grad_accumulation
-
         grad_accumulation.install(model)
     for module in model.modules():
         if isinstance(module, FSDPModule) and world_size > 1:

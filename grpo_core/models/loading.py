@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from grpo_core.models.vision import freeze_vision_towers, policy_class
+
 
 def load_policy(model: Any, device: torch.device) -> tuple[torch.nn.Module, str | None]:
     """The policy module in fp32 (master weights) on ``device``; also its source path when known.
@@ -16,8 +18,6 @@ def load_policy(model: Any, device: torch.device) -> tuple[torch.nn.Module, str 
     tower and projector is frozen (text-only training, see ``grpo_core.models.vision``).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from grpo_core.models.vision import freeze_vision_towers, policy_class
 
     if isinstance(model, (str, os.PathLike)):
         path = str(model)

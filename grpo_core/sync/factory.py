@@ -12,7 +12,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from grpo_core.models.lora import base_named_tensors, max_rank, merged_named_tensors
 from grpo_core.sync.base import WeightSync
+from grpo_core.sync.deadline import DeadlineConfig
+from grpo_core.sync.lora import LoraAdapterSync
+from grpo_core.sync.storage_sync import PatchPublisher, StoragePatchSync
+from grpo_core.sync.wire.address import parse_port_range
 from grpo_core.vllm_server.checks import (
     LoraServing,
     ServerConfigError,
@@ -60,8 +65,6 @@ class SyncSetup:
 
 def deadline_config(config: Any) -> Any:
     """The push deadlines a run's config asks for (``AsyncGRPOConfig.weight_sync_deadline_*``)."""
-    from grpo_core.sync.deadline import DeadlineConfig
-
     return DeadlineConfig(floor_s=config.weight_sync_deadline_floor_s, slack=config.weight_sync_deadline_slack,
                           assumed_mb_s=config.weight_sync_assumed_mb_s)
 
@@ -69,8 +72,6 @@ def deadline_config(config: Any) -> Any:
 def make_patch_publisher(setup: SyncSetup) -> Any:
     """The writer of a storage-fed run's weight patches (one per trainer, kept across syncs)."""
     from grpo_core.sync.source import ModelWeightSource
-    from grpo_core.sync.storage_sync import PatchPublisher
-
     config = setup.config
     url = config.weight_patch_url or f"{config.output_dir.rstrip('/')}/weight_patches"
     return PatchPublisher(ModelWeightSource(setup.model, wire_dtype=setup.wire_dtype, named_tensors=_named(setup)),
@@ -82,8 +83,6 @@ def _named(setup: SyncSetup) -> Any:
     """LoRA: the merged weights (storage and group pushes of a LoRA run send them); else the parameters."""
     if setup.peft_config is None:
         return None
-    from grpo_core.models.lora import merged_named_tensors
-
     return functools.partial(merged_named_tensors, setup.model)
 
 
@@ -92,12 +91,8 @@ def make_weight_sync(setup: SyncSetup, control: Any) -> WeightSync:
     from grpo_core.sync.protocol import ProtocolWeightSync
     from grpo_core.sync.source import ModelWeightSource
 
-    from grpo_core.sync.wire.address import parse_port_range
-
     config, model = setup.config, setup.model
     if config.weight_sync_transport == "storage":
-        from grpo_core.sync.storage_sync import StoragePatchSync
-
         if setup.peft_config is not None and config.lora_sync_mode == "adapter":
             raise ValueError("weight_sync_transport='storage' pushes whole (merged) weights; set lora_sync_mode='merged'")
         if setup.publisher is None:
@@ -116,9 +111,6 @@ def make_weight_sync(setup: SyncSetup, control: Any) -> WeightSync:
     )
     if setup.peft_config is None:
         return ProtocolWeightSync(control, ModelWeightSource(model, wire_dtype=setup.wire_dtype), **transport)
-
-    from grpo_core.models.lora import base_named_tensors, max_rank, merged_named_tensors
-    from grpo_core.sync.lora import LoraAdapterSync
 
     mode = _agree_on_mode(_choose_lora_mode(setup, control, max_rank(setup.peft_config)) if control is not None else None)
     log.info("LoRA weight sync: %s", mode)

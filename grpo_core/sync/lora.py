@@ -28,7 +28,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpo_core.models.lora import adapter_state, write_adapter
 from grpo_core.staleness import versions_in_flight
+from grpo_core.storage.store import open_url
 from grpo_core.sync.base import SyncStats, WeightSync
 
 log = logging.getLogger(__name__)
@@ -106,8 +108,6 @@ class AdapterWindow:
 
 def serving_path(url: str) -> str:
     """The path to hand to vLLM: a plain path for local folders, the URL itself otherwise."""
-    from grpo_core.storage.store import open_url
-
     fs, path = open_url(url)
     protocols = fs.protocol if isinstance(fs.protocol, (list, tuple)) else [fs.protocol]
     return path if "file" in protocols or "local" in protocols else url
@@ -164,8 +164,6 @@ class LoraAdapterSync(WeightSync):
 
     # -- push -----------------------------------------------------------------------------------------
     def push(self, version: int) -> SyncStats:
-        from grpo_core.models.lora import adapter_state, write_adapter
-
         start = time.perf_counter()
         state = adapter_state(self.model)  # every rank: FSDP gathers are collectives
         sent = 0
@@ -187,8 +185,6 @@ class LoraAdapterSync(WeightSync):
         )
 
     def _delete(self, versions: list[int]) -> None:
-        from grpo_core.storage.store import open_url
-
         fs, root = open_url(self.cache_url)
         for version in versions:
             path = f"{root.rstrip('/')}/{self.adapter_name(version)}"
@@ -201,8 +197,6 @@ class LoraAdapterSync(WeightSync):
         A crashed or preempted trainer cannot clean up; its worker died with it, so no request of
         its can still need those folders once their names are gone from the server.
         """
-        from grpo_core.storage.store import open_url
-
         prefix = serving_path(self.cache_url).rstrip("/") + "/"
         for entry in self.control.models():
             root = str(entry.get("root") or "")

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from grpo_core.storage.store import Storage
 from grpo_core.sync.base import SyncStats, WeightSync
 from grpo_core.sync.bucket_stream import local_tensors, send_buckets, source_device
 from grpo_core.sync.deadline import DeadlineConfig, Deadlines
@@ -40,8 +41,6 @@ class PatchPublisher:
 
     def __init__(self, source: Any, url: str, rank: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  keyframe_every: int = 20):
-        from grpo_core.storage.store import Storage
-
         self.source = source
         self.url = url
         self.rank = rank

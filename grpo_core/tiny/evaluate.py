@@ -4,12 +4,11 @@ Used to tune the warm-up and by the slow test. Tool calls in the output are pars
 ``tasks.calculator`` and fed back as a ``tool`` message, so the tools variant is measured on the
 same multi-turn loop that RL will use.
 
-    .venv/bin/python -m grpo_core.tiny.evaluate --variant arithmetic   # builds (or reuses) and prints
+    .venv/bin/python -m grpo_core.tiny --variant arithmetic   # builds (or reuses) and prints (``__main__``)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from collections.abc import Sequence
@@ -122,29 +121,3 @@ def sampled_eval(
         mean_completion_tokens=sum(token_counts) / n,
         samples=completions,
     )
-
-
-def main() -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from grpo_core.tiny import arithmetic_dataset, build_tiny_model
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variant", default="arithmetic")
-    parser.add_argument("--split", default="eval")
-    parser.add_argument("--num", type=int, default=400)
-    args = parser.parse_args()
-    path = build_tiny_model(variant=args.variant)
-    torch.set_num_threads(2)
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    ds = arithmetic_dataset(num_train=args.num, num_eval=args.num, seed=1)[args.split]
-    tools = [tasks.CALCULATOR_SCHEMA] if args.variant == "tools" else None
-    res = sampled_eval(model, tokenizer, ds["prompt"], ds["solution"], tools=tools, max_turns=2 if tools else 1)
-    print(res)
-    for sample in res.samples[:5]:
-        print(sample)
-
-
-if __name__ == "__main__":
-    main()

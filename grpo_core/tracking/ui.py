@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from grpo_core.tracking.run_view import experiment_url, model_version_url, run_url
+from grpo_core.vllm_server.process import free_port
 
 UI_STARTUP_TIMEOUT_S = 300.0
 """How long ``MLflowUI`` waits for the UI to answer (a loaded two-core machine has needed ~25 s)."""
@@ -33,8 +34,6 @@ class MLflowUI:
 
     def __init__(self, store: str, host: str = "127.0.0.1", port: int = 0, log_file: str | Path | None = None,
                  startup_timeout_s: float = UI_STARTUP_TIMEOUT_S):
-        from grpo_core.vllm_server.process import free_port
-
         self.store = store
         self.host = host
         self.port = port or free_port(host)

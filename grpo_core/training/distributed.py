@@ -24,7 +24,7 @@ the logged loss is the step's, not rank 0's share.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,11 +33,8 @@ from grpo_core.packing.planner import Planner, StepPlan
 from grpo_core.packing.trie import TreeRow
 from grpo_core.ranks import active_world_size, broadcast_object
 from grpo_core.rollout.types import GroupReport, RolloutSample
+from grpo_core.training.collector import StepBatch, StepCollector, WeightVersions
 from grpo_core.training.loss import reduce_metric_parts
-
-
-if TYPE_CHECKING:  # the rollout side (httpx, reward code) stays out of processes that only train
-    from grpo_core.training.collector import StepBatch, StepCollector, WeightVersions
 
 
 # ------------------------------------------------------------------------------------------ step feed
@@ -71,8 +68,6 @@ def step_message(batch: StepBatch, stale_dropped_total: int) -> StepMessage:
 
 def rebuild_batch(msg: StepMessage, planner: Planner) -> StepBatch:
     """The ``StepBatch`` rank 0 collected, rebuilt from its message (tries inserted in the same order)."""
-    from grpo_core.training.collector import StepBatch
-
     microbatches = []
     for mb in msg.layout:
         rows = []

@@ -27,7 +27,9 @@ from torch import Tensor
 from grpo_core.models.head.fused import fused_by_default, fused_head_logprobs, fused_token_logprobs
 from grpo_core.models.head.lm_head import head_computes_logprobs, output_head
 from grpo_core.models.head.reference import head_token_logprobs, token_logprobs
-from grpo_core.packing.collator import PackedRow
+from grpo_core.packing.collator import PackedRow, pack_row
+from grpo_core.packing.trie import TreeRow
+from grpo_core.rollout.types import RolloutSample
 
 
 @dataclass
@@ -92,10 +94,6 @@ def probe_logprobs(model: torch.nn.Module, token_ids: list[int], device: torch.d
     ``autocast_dtype`` runs the forward under autocast to that dtype: the trainer's own rounding in 16 bits,
     which sets the check's tolerance for a 16-bit server (``fleet.servers.VersionProbe.rounding_gap``)."""
     import numpy as np
-
-    from grpo_core.packing.collator import pack_row
-    from grpo_core.packing.trie import TreeRow
-    from grpo_core.rollout.types import RolloutSample
 
     n = len(token_ids)
     mask = np.ones(n, dtype=bool)

@@ -26,11 +26,13 @@ import torch
 
 from grpo_core.data.inputs import check_crossing
 from grpo_core.evaluation.beside import EvaluationBeside
+from grpo_core.evaluation.heldout import EvalRollouts, evaluate_on_server
 from grpo_core.fleet.servers import ServerFleet, VersionProbe
 from grpo_core.fleet.weight_push import WeightPusher
 from grpo_core.ranks import DistInfo, broadcast_object
 from grpo_core.rollout.tool_calls import ToolRegistry
 from grpo_core.rollout.worker import RolloutWorker, WorkerSpec
+from grpo_core.sync.factory import SyncSetup, wire_dtype
 from grpo_core.tracking.run_view import constant_metrics, resolved_tags
 from grpo_core.tracking.tracker import Tracker, make_tracker
 from grpo_core.training.collector import (
@@ -193,8 +195,6 @@ class RunOrchestrator:
 
     def _make_fleet(self, policy: Any, peft_config: Any, device: Any, train_dtype: str) -> ServerFleet:
         """The run's servers, one pusher each, the probe computed once per version."""
-        from grpo_core.sync.factory import SyncSetup, wire_dtype
-
         setup = SyncSetup(config=self.args, model=policy.model, rank=self.dist.rank,
                           backend=self.args.resolved_weight_transfer_backend(device.type == "cuda"),
                           wire_dtype=wire_dtype(policy.bf16), model_path=policy.model_path, peft_config=peft_config)
@@ -297,8 +297,6 @@ class RunOrchestrator:
 
     def _evaluation(self, dataset: Any, version: int, tokenizer: Any) -> Any:
         """The evaluation of ``version`` on a server serving it now, as a call (run here or on another thread)."""
-        from grpo_core.evaluation.heldout import evaluate_on_server
-
         # While running: a server that serves; before or after (no fleet is held then): the first one configured.
         serving = [url for url in self.fleet.serving_urls() if url] if self.fleet is not None else []
         url = serving[0] if serving else self.args.server_urls()[0]
@@ -308,8 +306,6 @@ class RunOrchestrator:
 
     def eval_rollouts(self) -> Any:
         """How held-out prompts are rolled out: by the rollout worker's own loop class, tools and environment."""
-        from grpo_core.evaluation.heldout import EvalRollouts
-
         rollout = self.rollout
         return EvalRollouts(reward_funcs=list(rollout.reward_funcs), loop_cls=rollout.loop_cls,
                             tools=list(rollout.tools or []), environment_factory=rollout.environment_factory)

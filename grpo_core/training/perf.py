@@ -54,6 +54,8 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_core.models.fsdp import decoder_layers
+from grpo_core.models.moe.experts import active_expert_params
 from grpo_core.packing.trie import TreeRow
 
 # Most specific first: "H100 PCIe" must not read as the SXM part.
@@ -130,9 +132,6 @@ class ModelFlops:
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> ModelFlops:
-        from grpo_core.models.fsdp import decoder_layers
-        from grpo_core.models.moe.experts import active_expert_params
-
         layers = decoder_layers(model)
         linear = sum(m.weight.numel() for m in layers.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d)))
         experts, _ = active_expert_params(layers)

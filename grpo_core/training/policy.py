@@ -20,6 +20,7 @@ from grpo_core.models.attention.tree import enable_tree_attention
 from grpo_core.models.fsdp import FSDPSettings, needs_fsdp, shard_policy
 from grpo_core.models.head.lm_head import output_head, vocab_size
 from grpo_core.models.loading import load_policy, load_tokenizer
+from grpo_core.models.lora import apply_lora, warn_if_not_saved
 from grpo_core.models.moe.experts import use_grouped_experts
 from grpo_core.models.moe.policy import MoEPolicy
 from grpo_core.ranks import DistInfo, init_distributed
@@ -67,8 +68,6 @@ def build_policy(model: Any, processing_class: Any, peft_config: Any, args: Asyn
         raise model_load_error(model, exc) from exc
     tokenizer = load_tokenizer(processing_class, model_path)
     if peft_config is not None:
-        from grpo_core.models.lora import apply_lora, warn_if_not_saved
-
         module = apply_lora(module, peft_config)
         warn_if_not_saved(args)
     attention_backend = enable_tree_attention(

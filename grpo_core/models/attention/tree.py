@@ -67,6 +67,7 @@ from grpo_core.models.attention.gather import (
     set_kv_regather,
     set_kv_regather_compiled,
 )
+from grpo_core.models.attention.hybrid import install_gated_delta, is_gated_delta_net
 from grpo_core.models.attention.metadata import TreeAttentionMetadata
 from grpo_core.models.attention.split import EmulatedLSEKernel, LSEKernel, split_tree_attention
 
@@ -322,8 +323,6 @@ def check_supported_architecture(model: torch.nn.Module) -> None:
     token's depth, which is ordinary RoPE; images are refused before they become tokens
     (``grpo_core.models.vision.refuse_images``).
     """
-    from grpo_core.models.attention.hybrid import is_gated_delta_net
-
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     name = type(model).__name__
@@ -386,8 +385,6 @@ def enable_tree_attention(model: torch.nn.Module, backend: str = "auto", linear_
     whether the gather plan's backward gathers K/V again (``AsyncGRPOConfig.tree_kv_regather``), ``plan`` split or
     gather (``AsyncGRPOConfig.tree_attention_plan``). Returns the attention backend's name.
     """
-    from grpo_core.models.attention.hybrid import install_gated_delta
-
     check_supported_architecture(model)
     device = next(model.parameters()).device
     if compute_dtype is not None:
