@@ -19,6 +19,7 @@ from pydantic import ConfigDict, Field, TypeAdapter
 
 from grpo_core.config_checks import ConfigError, check_fields, check_known_keys, fail_field, parse_kernel_ref
 from grpo_core.config_sections import Section
+from grpo_core.staleness import samples_ahead
 
 
 LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
@@ -301,7 +302,8 @@ class AsyncGRPOConfig:
     ratio against the sampler's log-probs (``vllm_importance_sampling_*``) and counted in ``sample/late_kept``.
     The ``waste/*`` metrics show what each costs (docs/metrics.md)."""
     max_concurrent_rollouts: Annotated[int, Field(ge=1)] | None = None
-    """Ceiling on rollouts in flight (None: max(max_staleness, 1) x batch x accumulation x processes)."""
+    """Ceiling on rollouts in flight (None: the rollout queue's bound, ``grpo_core.staleness.samples_ahead``:
+    (max_staleness + 1) x weight_sync_steps x batch x accumulation x processes)."""
     queue_maxsize: Annotated[int, Field(ge=1)] = 1024
     """Samples buffered between the rollout process and the trainer."""
     weight_sync_steps: Annotated[int, Field(ge=1)] = 1
@@ -482,15 +484,12 @@ class AsyncGRPOConfig:
 
     # ---- values derived from the settings -------------------------------------------------------
     def resolved_max_concurrent_rollouts(self, num_processes: int) -> int:
-        """The ceiling on rollouts in flight: what the trainer can consume before samples go stale."""
+        """The ceiling on rollouts in flight: by default what the trainer can consume before samples go stale (the
+        rollout queue's bound; each rollout in flight holds a place in it until its samples are queued)."""
         if self.max_concurrent_rollouts is not None:
             return self.max_concurrent_rollouts
-        return (
-            max(self.max_staleness, 1)
-            * self.per_device_train_batch_size
-            * self.gradient_accumulation_steps
-            * num_processes
-        )
+        per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps * num_processes
+        return samples_ahead(self.max_staleness, self.weight_sync_steps, per_step)
 
     def server_urls(self) -> list[str]:
         """The servers' base URLs (one for the single-URL form), without trailing slashes."""

@@ -38,7 +38,7 @@ from grpo_core.rollout.fleet import ROUTE, FleetClient
 from grpo_core.rollout.router import GroupRoute, ServerSlot
 from grpo_core.rollout.stages import AsyncRolloutLoop, reconcile_metrics, rollout_rewards
 from grpo_core.rollout.types import GroupReport, RolloutGroup, merge_counters
-from grpo_core.staleness import versions_in_flight
+from grpo_core.staleness import samples_ahead
 
 END_OF_DATA = "end-of-data"
 """Queued after the last group when the run is bounded by epochs (``max_steps`` <= 0)."""
@@ -52,8 +52,9 @@ def samples_per_step(config: Any, num_processes: int) -> int:
 
 
 def sample_budget(config: Any, num_processes: int) -> int:
-    """Samples that may be ahead of the trainer (queued or being generated) without going stale."""
-    return versions_in_flight(config.max_staleness) * config.weight_sync_steps * samples_per_step(config, num_processes)
+    """Samples that may be ahead of the trainer (queued or being generated) without going stale
+    (``staleness.samples_ahead``)."""
+    return samples_ahead(config.max_staleness, config.weight_sync_steps, samples_per_step(config, num_processes))
 
 
 class RolloutScheduler:

@@ -82,8 +82,6 @@ class LossConfig:
             raise ValueError(f"epsilon_high must be >= 0, got {self.epsilon_high}")
         if self.score_centering_weights not in ("sampler", "importance"):
             raise ValueError(f"unknown score_centering_weights {self.score_centering_weights!r}")
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
         self.correction  # checks the mode, the mask bounds and the cap  # noqa: B018
 
     @property
