@@ -9,9 +9,9 @@ reads the table back from there.
     python scripts/staleness_runs.py --policy keep --setting long_tail --tracking-uri sqlite:///$PWD/outputs/staleness/mlflow.db
     python scripts/staleness_runs.py --policy drop --setting demo --max-steps 3 --no-eval   # a quick check
 
-Settings: ``demo`` (flows/cli.py ``DEMO_TRAINER``) and ``long_tail`` (``LONG_TAIL``: the demo's, with answers up to
-64 tokens and ``benchmarks.staleness.long_tail.long_answer_reward`` beside the demo's rewards, so that half the
-prompts pull toward long answers and completion lengths get a heavy tail).
+Settings: ``demo`` (flows/cli.py ``DEMO_TRAINER``) and ``long_tail``: the demo's, with answers up to 64 tokens, half
+the prompts answered at length (``benchmarks.staleness.long_tail``: sampled with ``min_tokens``, and paid for length
+by ``long_answer_reward`` beside the demo's rewards), so that completion lengths have a heavy tail.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ LONG_TAIL_TRAINER = {"max_completion_length": 64}
 LONG_TAIL_REWARDS = ["grpo_core.rewards:accuracy_reward", "grpo_core.rewards:format_reward",
                      "benchmarks.staleness.long_tail:long_answer_reward"]
 """The demo's rewards (accuracy first: the held-out accuracy is the first function's mean) and the long-answer one."""
+LONG_TAIL_LOOP = "benchmarks.staleness.long_tail:LongTailLoop"
+"""The rollout loop that samples the long-answer prompts at length (training and held-out evaluation alike)."""
 
 
 def job_data(policy: str, setting: str, seed: int, max_steps: int | None, output_dir: str, name: str, evaluate: bool,
@@ -45,6 +47,7 @@ def job_data(policy: str, setting: str, seed: int, max_steps: int | None, output
     if setting == "long_tail":
         trainer.update(LONG_TAIL_TRAINER)
         job["reward_funcs"] = LONG_TAIL_REWARDS
+        job["loop_cls"] = LONG_TAIL_LOOP
     if max_steps:
         trainer["max_steps"] = max_steps
     # The table's columns, as tags the run gets when it is created.

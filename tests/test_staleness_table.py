@@ -78,3 +78,4 @@ def test_each_rows_job_is_a_valid_job_with_its_policy_and_setting():
             assert (job.trainer.max_completion_length == 64) is long_tail
             assert job.reward_funcs[0] == "grpo_core.rewards:accuracy_reward"  # the held-out accuracy's function
             assert ("benchmarks.staleness.long_tail:long_answer_reward" in job.reward_funcs) is long_tail
+            assert job.loop_cls == ("benchmarks.staleness.long_tail:LongTailLoop" if long_tail else None)

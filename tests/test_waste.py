@@ -91,3 +91,18 @@ def test_the_long_tail_reward_asks_half_the_problems_for_long_answers():
 
     ids = [[1] * (LONG_TOKENS // 2), [1] * (2 * LONG_TOKENS), [1] * 5]
     assert long_answer_reward(completion_ids=ids, problem=["7 + 5", "3 + 1", "8 + 9"]) == [0.5, 1.0, 0.0]
+
+
+def test_the_long_tail_loop_samples_only_the_long_answer_prompts_at_length():
+    import asyncio
+
+    from benchmarks.staleness.long_tail import LONG_MIN_TOKENS, LongTailLoop, _ASKS_FOR_LENGTH, asks_for_length
+
+    loop = LongTailLoop(AsyncGRPOConfig(max_completion_length=64), None, None, [], "http://127.0.0.1:1", None)
+
+    async def params_for(problem: str) -> dict:
+        _ASKS_FOR_LENGTH.set(asks_for_length(problem))  # what generate_one sets in each rollout's own task
+        return loop.sampling_params()
+
+    assert asyncio.run(params_for("7 + 5"))["min_tokens"] == LONG_MIN_TOKENS
+    assert "min_tokens" not in asyncio.run(params_for("8 + 5")) and "min_tokens" not in loop.sampling_params()
