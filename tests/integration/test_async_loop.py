@@ -90,15 +90,24 @@ def test_sync_makes_server_logprobs_equal_trainer(vllm_server, tiny_model_path, 
     sync.close()
 
 
-def test_max_staleness_zero_trains_current_weights_without_running_ahead(vllm_server, tiny_model_path, tmp_path):
+@pytest.fixture(scope="module")
+def staleness_zero_run(vllm_server, tiny_model_path, tmp_path_factory) -> tuple[AsyncGRPOConfig, list[dict]]:
+    """One synchronous run (max_staleness=0) that two tests read: what its worker generated, and how close the
+    sampler's log-probs are to the trainer's. Each trainer start costs a model load, a worker spawn and a first push
+    (tens of seconds on two cores), more than the steps themselves."""
+    config = fast_config(vllm_server.base_url, tmp_path_factory.mktemp("staleness-zero"), max_staleness=0, max_steps=5,
+                         max_concurrent_rollouts=64)
+    trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward, format_reward],
+                               train_dataset=arithmetic_dataset()["train"], args=config)
+    return config, trainer.train()
+
+
+def test_max_staleness_zero_trains_current_weights_without_running_ahead(staleness_zero_run):
     # max_staleness=0: only samples from the weights being trained count, and the worker starts the next
     # step's groups only once those weights are served, so it does not generate samples only to have
     # them dropped (before that budget it ran ahead by the whole queue: 157 dropped in one step).
     # The collector's drop itself is tested by hand in tests/test_collector.py.
-    data = arithmetic_dataset()
-    config = fast_config(vllm_server.base_url, tmp_path, max_staleness=0, max_steps=5, max_concurrent_rollouts=64)
-    trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward, format_reward], train_dataset=data["train"], args=config)
-    history = trainer.train()
+    config, history = staleness_zero_run
     assert len(history) == 5
     assert max(h["sample/staleness_max"] for h in history) == 0.0
     assert history[-1]["sample/stale_dropped_total"] <= config.per_device_train_batch_size, history[-1]
@@ -196,11 +205,8 @@ def test_mlflow_run_holds_step_metrics_and_config(vllm_server, mlflow_server, ti
 LOGPROB_DIFF_BOUND = 1e-6
 
 
-def test_logprob_diff_mean_is_near_zero_at_staleness_zero(vllm_server, tiny_model_path, tmp_path):
-    data = arithmetic_dataset()
-    config = fast_config(vllm_server.base_url, tmp_path, max_staleness=0, max_steps=4)
-    trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward, format_reward], train_dataset=data["train"], args=config)
-    history = trainer.train()
+def test_logprob_diff_mean_is_near_zero_at_staleness_zero(staleness_zero_run):
+    _, history = staleness_zero_run
     diffs = [h["sampling/logprob_diff_mean"] for h in history]
     assert all(h["sample/staleness_max"] == 0.0 for h in history)
     print(f"sampling/logprob_diff_mean per step at staleness 0: {diffs}")
