@@ -95,6 +95,22 @@ def run_job(job: Path, out_dir: Path, kill_at_step: int | None, log_path: Path) 
     return {"exit_code": code, "wall_s": time.time() - started, "killed": killed, "last_step_seen": seen_step}
 
 
+def environment() -> dict[str, Any]:
+    """What the run ran on: the GPU, Python, the versions that matter, and how this machine's packages differ from
+    requirements-cuda.lock (benchmarks/device/cuda_carry.py's check, written by the set-up)."""
+    import platform
+
+    from benchmarks.device.cuda_carry import installed_version
+
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip()
+    check = Path("/tmp/site/.vcuda-check.json")
+    differs = json.loads(check.read_text())["differs_from_lock"] if check.is_file() else None
+    return {"gpu": gpu, "python": platform.python_version(), "commit": os.environ.get("GRPO_COMMIT"),
+            **{name: installed_version(name) for name in ("vllm", "torch", "transformers", "triton", "prefect", "mlflow")},
+            "differs_from_lock": differs}
+
+
 def median(values: list[float]) -> float | None:
     return round(statistics.median(values), 6) if values else None
 
@@ -150,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     with GpuSampler() as gpu:
         timing = run_job(job_file, run_dir / "out", args.kill_at_step or None, args.out.with_suffix(".log"))
         end = time.time()
-    record: dict[str, Any] = {"command": " ".join(sys.argv), "job": job, "run": timing,
+    record: dict[str, Any] = {"command": "python3 -m benchmarks.device.e2e_gpu " + " ".join(sys.argv[1:]),
+                              "environment": environment(), "job": job, "run": timing,
                               "gpu_busy_share": gpu.busy_share(end - timing["wall_s"], end)}
     try:
         record.update(read_run(run_dir / "out", int(job["trainer"]["max_steps"])))
