@@ -132,7 +132,8 @@ RUN_BY: dict[str, str] = {
 }
 
 # Shared code and tools that measure nothing: their own tests cover them.
-LIBRARY = {"benchmarks.bench_io", "benchmarks.index", "benchmarks.profiling"}
+LIBRARY = {"benchmarks.bench_io", "benchmarks.index", "benchmarks.profiling",
+           "benchmarks.staleness.long_tail"}  # the long-tailed task of scripts/staleness_runs.py (tests/test_waste.py)
 
 
 def benchmark_modules() -> list[str]:
