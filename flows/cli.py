@@ -132,6 +132,16 @@ def newest_run(client, store: str) -> str | None:  # noqa: ANN001
     return runs[0].info.run_id if runs else None
 
 
+KEEP_VIEW_NOTE = (
+    "The links open MLflow's \"Model training\" pages and the experiment's headline columns. MLflow's UI keeps both "
+    "in the browser only: to keep them after a reload and from its home page, click \"Override saved view\" in the "
+    "banner of the page the experiment's link opens, and \"Model training\" at the top left of the home page (the "
+    "first link above), once each.")
+"""What ``grpo ui`` says once, after the links: MLflow's UI (3.17) keeps the workflow type and an experiment's columns
+in the browser's local storage only, which no link or tag sets (tests/test_mlflow_browser.py shows both clicks keep
+them)."""
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -152,10 +162,12 @@ def cmd_ui(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         with MLflowUI(store, port=args.port, log_file=args.log_file) as ui:
-            print(f"MLflow's UI: {ui.address}/#/experiments?workflowType=machine_learning", flush=True)
+            # The home page without the workflow parameter: there, one click on "Model training" is kept by the browser.
+            print(f"MLflow's UI: {ui.address}/#/experiments", flush=True)
             if run_id:
                 print(f"run {run_id}:", flush=True)
                 print_links(ui.address, client, run_id)
+            print(KEEP_VIEW_NOTE, flush=True)
             print("Ctrl-C stops it.", flush=True)
             while ui.proc is not None and ui.proc.poll() is None:
                 time.sleep(1)

@@ -18,6 +18,12 @@ if [ "$GRPO_CORE_EXTRAS" = environments ] && ! .venv/bin/python -c "import impor
   # built with the setuptools of the lock: no build environment fetched from an index
   .venv/bin/uv pip install --quiet --python .venv/bin/python --no-deps --no-build-isolation -e tests/environments/vf_tiny_sums
 fi
+# tests/test_mlflow_browser.py drives Debian's Chromium through playwright (from the lock), which downloads no
+# browser: installed here from Debian's packages when missing and this runs as root (CI does); elsewhere the test
+# fails naming the install. The fast tier does not run it.
+if [ "${1:-}" != "--fast" ] && [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
+fi
 if [ "${1:-}" = "--fast" ]; then
   shift
   set -- -m "not startup and not pending and not soak and not long" "$@"

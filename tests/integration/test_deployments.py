@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import json
+import re
 import os
 import signal
 import subprocess
@@ -501,3 +502,30 @@ def test_storage_credentials_come_from_an_aws_credentials_block(prefect):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["AKIAEXAMPLE", "s3cr3t-value", "eu-west-1", "http://127.0.0.1:9000"]
     assert "s3cr3t-value" not in done.stderr
+
+
+DOC_NAME = re.compile(r"(?<![\w/.\[(])(params|metrics)\.(`[^`]+`|[A-Za-z_][\w/]*)")
+"""A param or metric as a search names it (``params.learning_rate``, ``metrics.`0_headline/reward` ``)."""
+OWN_PARAM = re.compile(r"`(grpo\.[a-z_][\w.]*)`")
+"""A param of this project's own, named in backticks (``grpo.attention_backend``)."""
+
+
+def doc_names() -> dict[str, set[str]]:
+    """Every param and metric the pages of docs/ and the README name: searches, and this project's own params."""
+    out: dict[str, set[str]] = {"params": set(), "metrics": set()}
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text()
+        for kind, name in DOC_NAME.findall(text):
+            out[kind].add(name.strip("`"))
+        out["params"] |= {n for n in OWN_PARAM.findall(text) if "<" not in n}
+    return out
+
+
+def test_every_param_and_metric_the_docs_name_is_in_a_demo_shaped_run(embedded_run, mlflow_server):
+    import mlflow
+
+    run = mlflow.MlflowClient(mlflow_server).get_run(embedded_run.summary["mlflow_run_id"])
+    names = doc_names()
+    assert {"learning_rate", "grpo.attention_backend"} <= names["params"] and "heldout_accuracy" in names["metrics"]
+    assert not names["params"] - set(run.data.params), sorted(names["params"] - set(run.data.params))
+    assert not names["metrics"] - set(run.data.metrics), sorted(names["metrics"] - set(run.data.metrics))
