@@ -3,7 +3,7 @@ logged step that does not grow with the run.
 
 MLflow's UI offers "View as table" for an artifact, and lists it under the runs page's "Artifact evaluation", only
 when the run's tag ``mlflow.loggedArtifacts`` names its path with the type ``table`` (what ``mlflow.log_table`` writes;
-read from the UI's bundled JavaScript, 3.17, and checked in Chromium).
+read from the UI's bundled JavaScript, 3.17, and checked in Chromium by ``tests/test_mlflow_browser.py``).
 A tag holds at most 8,000 characters, about 120 such paths. So a run's rows go into as many files as the tag can
 name, each covering a block of consecutive steps (``table_block``: one logged step per file when the run is short
 enough), and the tag names each file once, when its block starts.
