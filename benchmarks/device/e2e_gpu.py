@@ -76,23 +76,35 @@ def run_job(job: Path, out_dir: Path, kill_at_step: int | None, log_path: Path) 
     cmd = [sys.executable, "-m", "flows.cli", "train", str(job), "--output-dir", str(out_dir)]
     started = time.time()
     killed: dict[str, Any] = {}
-    seen_step = 0
     with open(log_path, "w") as log, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                       text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
+                                                       text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                                       start_new_session=True) as proc:
         assert proc.stdout is not None
-        for line in proc.stdout:
-            log.write(line)
-            log.flush()
-            match = STEP_LINE.search(line)
-            if match:
-                seen_step = max(seen_step, int(match[1]))
-            if kill_at_step and not killed and seen_step >= kill_at_step:
-                pid = int((out_dir / "trainer.pid").read_text().split()[0])
-                os.killpg(pid, signal.SIGKILL)
-                killed = {"at_step": seen_step, "pid": pid, "t": time.time() - started}
-                print(f"e2e_gpu: killed the trainer (pid {pid}) at step {seen_step}", flush=True)
-        code = proc.wait()
-    return {"exit_code": code, "wall_s": time.time() - started, "killed": killed, "last_step_seen": seen_step}
+        try:
+            code = _follow(proc, log, out_dir, kill_at_step, started, killed)
+        except TimeoutError:  # SIGTERM from a time limit: stop the whole job, keep what it recorded
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = None
+    return {"exit_code": code, "wall_s": time.time() - started, "killed": killed, "timed_out": code is None}
+
+
+def _follow(proc: subprocess.Popen, log: Any, out_dir: Path, kill_at_step: int | None, started: float,
+            killed: dict[str, Any]) -> int:
+    seen_step = 0
+    for line in proc.stdout:
+        log.write(line)
+        log.flush()
+        match = STEP_LINE.search(line)
+        if match:
+            seen_step = max(seen_step, int(match[1]))
+        if kill_at_step and not killed and seen_step >= kill_at_step:
+            pid = int((out_dir / "trainer.pid").read_text().split()[0])
+            os.killpg(pid, signal.SIGKILL)
+            killed.update({"at_step": seen_step, "pid": pid, "t": time.time() - started})
+            print(f"e2e_gpu: killed the trainer (pid {pid}) at step {seen_step}", flush=True)
+    killed["last_step_seen"] = seen_step
+    return proc.wait()
 
 
 def environment() -> dict[str, Any]:
@@ -102,8 +114,11 @@ def environment() -> dict[str, Any]:
 
     from benchmarks.device.cuda_carry import installed_version
 
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                         capture_output=True, text=True).stdout.strip()
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True).stdout.strip()
+    except OSError:
+        gpu = None
     check = Path("/tmp/site/.vcuda-check.json")
     differs = json.loads(check.read_text())["differs_from_lock"] if check.is_file() else None
     return {"gpu": gpu, "python": platform.python_version(), "commit": os.environ.get("GRPO_COMMIT"),
@@ -121,9 +136,14 @@ def read_run(out_dir: Path, max_steps: int) -> dict[str, Any]:
 
     from grpo_core.checkpoint.ledger import attempts_per_position, read_ledger, surviving_steps
 
-    summary = json.loads((out_dir / "summary.json").read_text())
-    client = mlflow.MlflowClient(summary["mlflow_tracking_uri"])
-    run = client.get_run(summary["mlflow_run_id"])
+    if (out_dir / "summary.json").is_file():
+        summary = json.loads((out_dir / "summary.json").read_text())
+        client = mlflow.MlflowClient(summary["mlflow_tracking_uri"])
+        run = client.get_run(summary["mlflow_run_id"])
+    else:  # a run stopped before its end: its store in the run folder, its one run
+        summary = {}
+        client = mlflow.MlflowClient(f"sqlite:///{out_dir / 'mlflow.db'}")
+        run = client.search_runs([e.experiment_id for e in client.search_experiments()])[0]
     keys = sorted(k for k in run.data.metrics if k.split("/")[0] in ("perf", "sync", "rollout", "sample", "waste"))
     medians, steps_logged = {}, set()
     for key in keys:
@@ -154,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=["ipc", "gloo"], help="override the job's weight_transfer_backend")
     parser.add_argument("--max-steps", type=int, help="override the job's max_steps")
     args = parser.parse_args(argv)
+
+    def stop(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
     job = yaml.safe_load(args.job.read_text())
     if args.backend:
         job.setdefault("trainer", {})["weight_transfer_backend"] = args.backend
