@@ -295,12 +295,13 @@ class AsyncGRPOConfig:
     max_staleness: Annotated[int, Field(ge=0)] = 4
     """Weight updates (pushes to the server) a sample may lag behind the trainer before it counts as stale
     (``stale_samples`` says what happens to it then)."""
-    stale_samples: Literal["drop", "keep"] = "drop"
-    """What the trainer does with a sample more than ``max_staleness`` updates behind it: ``drop`` it (its
-    generation is wasted, and since long completions arrive last, dropping them biases training toward short
-    answers), or ``keep`` it: trained in the step it arrives for, corrected like every sample by the importance
-    ratio against the sampler's log-probs (``vllm_importance_sampling_*``) and counted in ``sample/late_kept``.
-    The ``waste/*`` metrics show what each costs (docs/metrics.md)."""
+    stale_samples: Literal["drop", "keep"] = "keep"
+    """What the trainer does with a sample more than ``max_staleness`` updates behind it: ``keep`` it (trained in
+    the step it arrives for, corrected like every sample by the importance ratio against the sampler's log-probs,
+    ``vllm_importance_sampling_*``, and counted in ``sample/late_kept``), or ``drop`` it (TRL's behaviour: its
+    generation is wasted, and since long completions arrive last, dropping them trains on shorter answers than the
+    run generates). ``keep`` by default, from the measured table in docs/staleness.md; the ``waste/*`` metrics show
+    what each costs in any run (docs/metrics.md)."""
     max_concurrent_rollouts: Annotated[int, Field(ge=1)] | None = None
     """Ceiling on rollouts in flight (None: the rollout queue's bound, ``grpo_core.staleness.samples_ahead``:
     (max_staleness + 1) x weight_sync_steps x batch x accumulation x processes)."""

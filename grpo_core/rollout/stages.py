@@ -278,7 +278,7 @@ class AsyncRolloutLoop:
         """One generation under ``pinned``; returns the choice and the adapter it actually used.
 
         A rollout that outlives its adapter's window finds the name unloaded (HTTP 404). Its sample
-        is stale by then and will be dropped, so it continues under the newest adapter rather than
+        is stale by then (kept or dropped: ``stale_samples``), so it continues under the newest adapter rather than
         failing the worker; the first turn's older version keeps it marked stale. (Dropped
         connections are retried by the client.)
         """

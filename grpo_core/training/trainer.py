@@ -3,7 +3,7 @@
     setup    check the inputs, build the policy (``training.policy``), restore a checkpoint; the orchestrator
              (``training.orchestrator.RunOrchestrator``) waits for and checks the servers, pushes the current
              weights and starts the rollout worker
-    loop     collect one step of samples (stale ones dropped, rows packed)
+    loop     collect one step of samples (stale ones kept or dropped: ``stale_samples``; rows packed)
              → forward/backward every micro-batch → optimizer step → record the prompts consumed
              → push weights every ``weight_sync_steps`` → evaluate every ``eval_steps`` → log
              → checkpoint every ``save_steps``

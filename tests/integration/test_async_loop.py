@@ -1,7 +1,7 @@
 """The asynchronous loop against the real CPU vLLM server and a real MLflow server.
 
-(a) weight sync makes the server's log-probs equal the trainer's; (b) stale samples are dropped and
-counted; (c) an object that cannot cross to the rollout process fails at train() naming it; (d) a killed or frozen worker ends the run
+(a) weight sync makes the server's log-probs equal the trainer's; (b) with stale_samples="drop", stale samples are dropped
+and counted; (c) an object that cannot cross to the rollout process fails at train() naming it; (d) a killed or frozen worker ends the run
 with an error within the heartbeat timeout; (e) the MLflow run holds the step metrics and the config.
 """
 
@@ -96,7 +96,7 @@ def staleness_zero_run(vllm_server, tiny_model_path, tmp_path_factory) -> tuple[
     sampler's log-probs are to the trainer's. Each trainer start costs a model load, a worker spawn and a first push
     (tens of seconds on two cores), more than the steps themselves."""
     config = fast_config(vllm_server.base_url, tmp_path_factory.mktemp("staleness-zero"), max_staleness=0, max_steps=5,
-                         max_concurrent_rollouts=64)
+                         max_concurrent_rollouts=64, stale_samples="drop")  # only current weights' samples trained
     trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward, format_reward],
                                train_dataset=arithmetic_dataset()["train"], args=config)
     return config, trainer.train()

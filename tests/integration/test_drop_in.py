@@ -431,7 +431,7 @@ class VersionRecordingTrainer(AsyncGRPOTrainer):
 def test_weight_sync_steps_2_counts_staleness_in_weight_updates(vllm_server, tiny_model_path, tmp_path):
     data = arithmetic_dataset(num_train=64, num_eval=2)["train"]
     config = quick(vllm_server.base_url, tmp_path, max_steps=6, weight_sync_steps=2, max_staleness=1,
-                   max_concurrent_rollouts=32)
+                   max_concurrent_rollouts=32, stale_samples="drop")  # a late sample would be trained under "keep"
     trainer = VersionRecordingTrainer(tiny_model_path, accuracy_reward, config, data)
     history = trainer.train()
     assert [v for v in trainer.versions.pushed] == [0, 2, 4, 6]
