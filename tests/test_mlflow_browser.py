@@ -2,9 +2,10 @@
 the system's browser and downloads none), against ``grpo ui`` of a short run, run as the demo prints it.
 
 It opens each printed link at 1366x768 in a browser new to the UI, reloads the experiment's page, and checks the
-headline columns, the completions as a table ("View as table"), the run's description and the registered version;
-then it follows what ``grpo ui`` says once (``flows.cli.KEEP_VIEW_NOTE``) and checks that the columns stay after a
-reload and that the experiment, clicked from the UI's home page, opens on its runs rather than GenAI's overview.
+headline columns; the completions as a table (a step's rows under their columns with "View as table" on, as it
+opens, and the file's JSON text with it off); the run's description and the registered version. Then it follows
+what ``grpo ui`` says once (``flows.cli.KEEP_VIEW_NOTE``) and checks that the columns stay after a reload and that
+the experiment, clicked from the UI's home page, opens on its runs rather than GenAI's overview.
 
 With ``GRPO_SCREENSHOTS=DIR`` it also leaves its pictures there. Needs ``/usr/bin/chromium`` (``apt-get install
 chromium``; ``scripts/test.sh`` installs it as root); without it the test fails, naming the install.
@@ -107,6 +108,17 @@ def columns(page) -> list[str]:  # noqa: ANN001
     return [h.inner_text().strip() for h in page.get_by_role("columnheader").all()]
 
 
+def completions_table(page) -> tuple[list[str], list[str]]:  # noqa: ANN001
+    """The column names of the logged table the Artifacts tab shows, and its ``completion`` column's cells."""
+    table = page.get_by_role("table")
+    table.get_by_role("cell").first.wait_for()
+    names = [h.get_by_role("button").first.inner_text().strip() for h in table.get_by_role("columnheader").all()]
+    assert "completion" in names, names
+    column = names.index("completion")
+    rows = table.get_by_role("row").all()[1:]  # under the header row
+    return names, [row.get_by_role("cell").nth(column).inner_text().strip() for row in rows]
+
+
 def shot(page, name: str) -> None:  # noqa: ANN001
     folder = os.environ.get("GRPO_SCREENSHOTS")
     if folder:
@@ -165,15 +177,21 @@ def test_the_printed_links_in_chromium(served, browser):
     page.wait_for_timeout(3000)
     shot(page, "mlflow_run_metrics_1366")
 
-    # The completions: a step's file opens with "View as table".
+    # The completions: a step's file opens as a table. The UI offers "View as table" only for a file the run's
+    # mlflow.loggedArtifacts tag names as a table, switched on; switched off, the file shows as its JSON text.
     page.goto(links["its completions"])
     page.get_by_text("completions", exact=True).first.click()
     page.get_by_text("step-00000003.json", exact=True).first.click()
-    # The UI offers the switch only for a file the run's mlflow.loggedArtifacts tag names as a table.
-    toggle = page.get_by_text("View as table", exact=True).first
-    toggle.wait_for()
-    toggle.click()
-    page.wait_for_timeout(3000)
+    switch = page.get_by_role("checkbox", name="View as table")
+    switch.wait_for()
+    assert switch.is_checked()
+    assert completions_table(page) == (["step", "prompt", "completion", "reward", "accuracy_reward"],
+                                       ["2", "3", "4", "5"])
+    switch.uncheck()
+    page.get_by_text('"columns"', exact=False).first.wait_for()  # the file's text
+    assert not switch.is_checked() and page.get_by_role("table").count() == 0
+    switch.check()
+    assert completions_table(page)[1] == ["2", "3", "4", "5"]
     shot(page, "mlflow_completions_table")
 
     # The registered version: its description is the run's answer.

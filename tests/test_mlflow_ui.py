@@ -73,8 +73,10 @@ def log_a_finished_run(store: str, model_dir: str | None, server_urls: list[str]
     tracker.set_tags({**identity, **machine_tags(output_dir)})
     for step in (1, 2, 3):
         tracker.log_metrics({"reward": 0.5 * step, "loss": 1.0 / step}, step=step)
-        tracker.log_table("completions", {"step": [step], "prompt": ["1+1?"], "completion": ["2"], "reward": [1.0],
-                                          "accuracy_reward": [1.0]}, step=step)
+        answers = [str(2 + i) for i in range(4)]  # a group of four rollouts, one right
+        tracker.log_table("completions", {"step": [step] * 4, "prompt": ["1+1?"] * 4, "completion": answers,
+                                          "reward": [float(a == "2") for a in answers],
+                                          "accuracy_reward": [float(a == "2") for a in answers]}, step=step)
     tracker.close()
     run_id = tracker.run_id
     client = mlflow.MlflowClient(store)
