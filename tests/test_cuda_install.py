@@ -100,17 +100,17 @@ def test_the_plugin_gives_a_025_server_its_version_routes():
 def test_without_vllms_trainer_side_the_senders_use_their_own_types(monkeypatch):
     import torch
 
-    import grpo_core.vllm_lines as lines
+    import grpo_core.vllm_types as lines
 
     legacy = types.ModuleType("vllm.distributed.weight_transfer.base")  # what 0.25 has: receiving engines only
     legacy.WeightTransferEngine = object
     monkeypatch.setitem(sys.modules, "vllm.distributed.weight_transfer.base", legacy)
     # A fresh copy of the module under another name: the loaded one (and what holds its types) is left alone.
-    spec = importlib.util.spec_from_file_location("vllm_lines_on_025", lines.__file__)
+    spec = importlib.util.spec_from_file_location("vllm_types_on_025", lines.__file__)
     copy = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "vllm_lines_on_025", copy)
+    monkeypatch.setitem(sys.modules, "vllm_types_on_025", copy)
     spec.loader.exec_module(copy)
-    assert copy.ParamMeta.__module__ == "vllm_lines_on_025"
+    assert copy.ParamMeta.__module__ == "vllm_types_on_025"
     assert copy.ParamMeta("w", torch.float32, (2,)).shape == (2,)
     assert copy.materialize_full_tensor(torch.ones(2)).sum() == 2
     assert copy.TrainerInitInfo(rank=1).is_sender is False

@@ -34,8 +34,8 @@ ALLOWED: dict[tuple[str, str], str] = {
         "reasoning-gym is an optional ecosystem (the environments extra), imported only when a run names it",
     ("grpo_core.sync.factory", "grpo_core.sync.protocol"): _VLLM_OPTIONAL,
     ("grpo_core.sync.factory", "grpo_core.sync.source"): _VLLM_OPTIONAL,
-    ("grpo_core.models.lora", "grpo_core.vllm_lines"):
-        "vllm_lines brings vLLM's weight-transfer types where vLLM is installed (seconds); LoRA needs them only to "
+    ("grpo_core.models.lora", "grpo_core.vllm_types"):
+        "vllm_types imports vLLM's weight-transfer types where vLLM is installed (seconds); LoRA needs them only to "
         "gather a sharded weight for a push",
     ("grpo_core.sync.protocol", "grpo_core.sync.gloo_trainer"):
         "only the backend the run uses loads its engine (each brings vLLM's weight-transfer types, an optional extra)",
@@ -50,9 +50,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("grpo_core.rollout.worker", "grpo_core.rollout.scheduler"):
         "the spawned rollout process imports worker.py to start; its heartbeat thread beats while _run loads the "
         "scheduler and the reward code (seconds on a loaded machine), which at module level would run before it",
-    ("grpo_core.vllm_plugin.entry_point", "grpo_core.vllm_lines"):
-        "the plugin's entry point stays free of torch until vLLM calls register() (its docstring), and register() "
-        "makes transformers' image processors importable without torchvision before anything else loads",
     ("grpo_core.vllm_plugin.gloo_engine", "grpo_core.sync.wire.address"): _PLUGIN,
     ("grpo_core.vllm_plugin.gloo_engine", "grpo_core.sync.wire.gated_store"): _PLUGIN,
     ("grpo_core.vllm_plugin.receiver", "grpo_core.storage.store"): _PLUGIN,

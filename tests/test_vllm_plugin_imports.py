@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PLUGIN = "grpo_core.vllm_plugin"
 # What both sides share: the wire formats, storage (patches are read from it), the retry policy it uses, and what
 # differs between the supported vLLM lines (the plugin adds routes a 0.25 server lacks).
-SHARED = ("grpo_core.sync.wire", "grpo_core.storage", "grpo_core.retry", "grpo_core.vllm_lines")
+SHARED = ("grpo_core.sync.wire", "grpo_core.storage", "grpo_core.retry", "grpo_core.vllm_lines", "grpo_core.vllm_types")
 # Package faces Python runs on the way to a shared module; each is checked to define and import nothing.
 FACES = ("grpo_core", "grpo_core.sync")
 

@@ -83,7 +83,7 @@ def base_name(peft_name: str) -> str:
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     # FSDP2 shards are DTensors; gather one weight at a time (a collective on every rank).
-    from grpo_core.vllm_lines import materialize_full_tensor
+    from grpo_core.vllm_types import materialize_full_tensor
 
     return materialize_full_tensor(tensor.detach())
 

@@ -30,7 +30,7 @@ from grpo_core.sync.wire.buckets import DEFAULT_BUCKET_BYTES, Bucket, plan_bucke
 from grpo_core.sync.wire.delta import encode_bucket
 from grpo_core.sync.wire.gated_store import StoreGate, gloo_group, new_secret, trainer_store
 from grpo_core.sync.wire.gloo_messages import RENDEZVOUS_TIMEOUT, GlooWeightTransferInitInfo
-from grpo_core.vllm_lines import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
+from grpo_core.vllm_types import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
 ENCODINGS = ("dense", "delta")
 _POLL_S = 0.25

@@ -29,7 +29,7 @@ import torch
 
 from grpo_core.sync.bucket_stream import TransferStats, local_tensors, send_buckets, source_device
 from grpo_core.sync.wire.buckets import Bucket, plan_buckets
-from grpo_core.vllm_lines import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
+from grpo_core.vllm_types import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
 IPC_BACKEND = "ipc"
 """The name of vLLM's CUDA IPC engine in the server's weight-transfer configuration."""

@@ -30,7 +30,7 @@ from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
 from grpo_core.sync.bucket_stream import TransferStats
 from grpo_core.sync.packed_send import send_packed
-from grpo_core.vllm_lines import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
+from grpo_core.vllm_types import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
 
 class BucketedNCCLTrainerEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):

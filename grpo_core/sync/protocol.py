@@ -34,7 +34,8 @@ from grpo_core.sync.wire.address import PortRange, choose_port, rendezvous_addre
 from grpo_core.sync.wire.buckets import DEFAULT_BUCKET_BYTES
 from grpo_core.sync.wire.gated_store import PortTaken
 from grpo_core.sync.wire.gloo_messages import GLOO_BACKEND
-from grpo_core.vllm_lines import WeightSource, installed_line
+from grpo_core.vllm_lines import installed_line
+from grpo_core.vllm_types import WeightSource
 
 if TYPE_CHECKING:
     from grpo_core.vllm_server.control import VLLMControlClient

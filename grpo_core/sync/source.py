@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
-from grpo_core.vllm_lines import ParamMeta, WeightSource, materialize_full_tensor
+from grpo_core.vllm_types import ParamMeta, WeightSource, materialize_full_tensor
 
 from grpo_core.models.param_names import checkpoint_name
 from grpo_core.models.vision import frozen_tower_prefixes

@@ -20,6 +20,8 @@ import sys
 from types import ModuleType
 from typing import Any
 
+from grpo_core.vllm_lines import installed_line
+
 GLOO_BACKEND = "gloo"
 
 
@@ -27,8 +29,6 @@ def register() -> None:
     """Register the worker-side and trainer-side gloo engines with vLLM's factories (idempotent)."""
     _text_only_vision_imports()
     from vllm.distributed.weight_transfer import factory
-
-    from grpo_core.vllm_lines import installed_line
 
     # Registering a name twice raises, and vLLM may call plugins more than once per process.
     if GLOO_BACKEND not in factory.WeightTransferEngineFactory._registry:

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from grpo_core.vllm_lines import ParamMeta
+from grpo_core.vllm_types import ParamMeta
 
 from grpo_core.sync.wire.buckets import Bucket, plan_from_sizes
 
