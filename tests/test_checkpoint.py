@@ -119,7 +119,7 @@ def test_layout_manifest_and_servable_folder(model_path, train_rows, tmp_path):
     assert manifest["files"] == build_manifest(folder, 2, manifest["lineage"])["files"]
 
     rollout = json.loads((folder / "rollout_state.json").read_text())
-    assert rollout == {"position": len(train_rows) + 5, "epoch": 1, "index_in_epoch": 5,
+    assert rollout == {"position": len(train_rows) + 5, "done_ahead": [], "epoch": 1, "index_in_epoch": 5,
                        "num_prompts": len(train_rows), "seed": 0}
     state = json.loads((folder / "trainer_state.json").read_text())
     assert state["global_step"] == 2

@@ -177,7 +177,9 @@ class Checkpointer:
                 "train_dataset has %d prompts, the checkpoint was written with %s: prompt positions now "
                 "name other prompts", num_prompts, rollout["num_prompts"],
             )
-        parts.frontier.load_state_dict({"position": position})
+        # Positions past the frontier that the checkpoint's model trained on (a checkpoint written before this was
+        # recorded has none: its resume admits them again, as it always did).
+        parts.frontier.load_state_dict({"position": position, "done_ahead": rollout.get("done_ahead", [])})
         self.lineage = manifest.get("lineage") if manifest else None
         self.resumed = ResumeInfo(checkpoint, step, position)
         log.info("resumed from %s: step %d, prompt position %d", checkpoint, step, position)
@@ -325,6 +327,7 @@ class Checkpointer:
         }, indent=1))
         (folder / ROLLOUT_STATE).write_text(json.dumps({
             "position": position,
+            "done_ahead": list(parts.frontier.state_dict().get("done_ahead", [])),
             "epoch": position // num_prompts if num_prompts else 0,
             "index_in_epoch": position % num_prompts if num_prompts else position,
             "num_prompts": num_prompts,

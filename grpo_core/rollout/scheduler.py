@@ -112,9 +112,12 @@ class RolloutScheduler:
         loop, config = self.loop, self.loop.config
         epochs = None if config.max_steps > 0 else config.num_train_epochs
         rejected_in_epoch, current_epoch = 0, None
+        skip = getattr(loop, "skip_positions", frozenset())  # a user's loop that keeps its own __init__ has none
         for prompt in prompts_from(loop.dataset, loop.start_position, config.seed, epochs):
             if self.stop_event.is_set():
                 break
+            if prompt.position in skip:
+                continue  # trained before the checkpoint this run resumed from
             if prompt.epoch != current_epoch:
                 rejected_in_epoch, current_epoch = 0, prompt.epoch
             if not loop.filter_prompt(prompt.row_index, prompt.row, prompt.epoch):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -101,6 +101,7 @@ class AsyncRolloutLoop:
         emit: Callable[[Any], Any],
         start_position: int = 0,
         num_processes: int = 1,
+        skip_positions: Collection[int] = (),
         tools: list[Callable[..., Any]] | None = None,
         environment_factory: Callable[[], Any] | None = None,
         adapter: Any = None,
@@ -117,6 +118,8 @@ class AsyncRolloutLoop:
         self.base_url = self.base_urls[0]
         self.emit = emit  # async callable putting a GroupReport / RolloutSample on the queue
         self.start_position = start_position
+        # Positions past ``start_position`` that the resumed model has trained on already: never admitted again.
+        self.skip_positions = frozenset(skip_positions)
         self.num_processes = num_processes
         self.ceiling = config.resolved_max_concurrent_rollouts(num_processes)
         # Sync tools, environment calls and sync reward functions share this pool: at most `ceiling`

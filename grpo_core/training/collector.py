@@ -135,21 +135,28 @@ class WeightVersions:
 
 
 class TrainingFrontier:
-    """Prompt positions done (trained, dropped or filtered); ``position`` is the first one not done."""
+    """Prompt positions done (trained, dropped or filtered); ``position`` is the first one not done, and
+    ``done_ahead`` the positions past it that are done already (groups finish out of order)."""
 
     def __init__(self, start: int = 0):
         self.position = start
         self._pending: dict[int, int] = {}
         self._done_ahead: set[int] = set()
 
+    @property
+    def done_ahead(self) -> list[int]:
+        """Positions past ``position`` whose prompts are done: a run resumed from here must not admit them again,
+        or the model it resumes would learn from them twice."""
+        return sorted(self._done_ahead)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"position": self.position}
+        return {"position": self.position, "done_ahead": self.done_ahead}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Start again at a checkpoint's position: nothing past it counts as done."""
+        """Start again at a checkpoint's position, with the positions past it that its model has trained on."""
         self.position = int(state["position"])
         self._pending.clear()
-        self._done_ahead.clear()
+        self._done_ahead = {int(p) for p in state.get("done_ahead", ()) if int(p) >= self.position}
 
     def on_report(self, report: GroupReport) -> None:
         if report.num_samples == 0:

@@ -215,6 +215,8 @@ class RunOrchestrator:
             num_processes=self.dist.world_size, tools=rollout.tools, environment_factory=rollout.environment_factory,
             tokens_endpoint=self.server.tokens_endpoint,
         )
+        if self.frontier.done_ahead:  # a resume: what the checkpoint's model trained past its frontier
+            loop_kwargs["skip_positions"] = self.frontier.done_ahead
         pointer = getattr(self.pusher.open(), "adapter_pointer", lambda: None)()
         # Adapter sync: requests name the newest registered adapter version, read from shared memory.
         shared = {"adapter": pointer} if pointer is not None else {}
