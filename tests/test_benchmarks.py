@@ -117,6 +117,15 @@ SMOKES: dict[str, Smoke] = {
                                        failures=runs_with_steps),
     # TRL's runs need TRL (benchmarks/.venv-trl; not in the project's lock): ours is checked here.
     "benchmarks.peers.peer_trl_gpu": Smoke(failures=run_errors("ours")),
+    # The whole-run driver against the session's server: four steps, the trainer killed at step 3 and resumed.
+    "benchmarks.device.e2e_gpu": Smoke(("--smoke",), server=True, failures=lambda report: [
+        problem for problem, bad in (
+            (f"exit {report['run']['exit_code']}", report["run"]["exit_code"] != 0),
+            ("the trainer was not killed", not report["run"]["killed"].get("pid")),
+            (f"ledger {report.get('ledger')}", (report.get("ledger") or {}).get("attempts") != 2
+             or report["ledger"]["prompts_trained_twice_in_final_model"] != 0),
+            (f"steps missing from MLflow: {report.get('missing_steps')}", report.get("missing_steps") != []),
+            (f"read error {report.get('read_error')}", report.get("read_error") is not None)) if bad]),
 }
 
 # Helpers that a smoke above runs (as a subprocess) or imports: covered by that smoke.
@@ -133,6 +142,7 @@ RUN_BY: dict[str, str] = {
 
 # Shared code and tools that measure nothing: their own tests cover them.
 LIBRARY = {"benchmarks.bench_io", "benchmarks.index", "benchmarks.profiling",
+           "benchmarks.device.cuda_carry",  # the packed GPU set's lists and check (tests/test_cuda_install.py)
            "benchmarks.staleness.long_tail"}  # the long-tailed task of scripts/staleness_runs.py (tests/test_waste.py)
 
 

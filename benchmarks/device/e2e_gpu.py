@@ -15,8 +15,10 @@ ledger) and writes one JSON record:
     python3 -m benchmarks.device.e2e_gpu --job benchmarks/device/e2e_gpu.yaml --out OUT/e2e_gpu.json \\
         --kill-at-step 100
 
-On the GPU machine after the packed set-up (benchmarks/device/pack_vllm_cuda.sh); ``--backend gloo`` runs the
-same job with the other transport, for the push-time comparison.
+On the GPU machine after the packed set-up (benchmarks/device/pack_vllm_cuda.sh), with ``BENCH_COMMIT`` naming the
+commit; ``--backend gloo`` runs the same job with the other transport, for the push-time comparison. ``--smoke``
+(CI, on the CPU build): four steps of a small job against a running server (``--server-url``), the trainer killed
+at step 3 and resumed from its step-2 checkpoint.
 """
 
 from __future__ import annotations
@@ -36,7 +38,15 @@ from typing import Any
 
 import yaml
 
+from benchmarks.bench_io import write_report
+
 STEP_LINE = re.compile(r"\bstep\s+(\d+)\b")
+SMOKE_JOB: dict[str, Any] = {
+    "model": "tiny:arithmetic", "dataset": "tiny:arithmetic",
+    "trainer": {"bf16": False, "max_steps": 4, "per_device_train_batch_size": 16, "num_generations": 4,
+                "max_completion_length": 16, "save_steps": 2, "logging_steps": 1, "do_eval": False},
+}
+SMOKE_KILL_AT = 3
 
 
 class GpuSampler:
@@ -121,7 +131,7 @@ def environment() -> dict[str, Any]:
         gpu = None
     check = Path("/tmp/site/.vcuda-check.json")
     differs = json.loads(check.read_text())["differs_from_lock"] if check.is_file() else None
-    return {"gpu": gpu, "python": platform.python_version(), "commit": os.environ.get("GRPO_COMMIT"),
+    return {"gpu": gpu, "python": platform.python_version(),
             **{name: installed_version(name) for name in ("vllm", "torch", "transformers", "triton", "prefect", "mlflow")},
             "differs_from_lock": differs}
 
@@ -153,7 +163,9 @@ def read_run(out_dir: Path, max_steps: int) -> dict[str, Any]:
             steps_logged = {m.step for m in history}
     attempts, step_records = read_ledger(str(out_dir))
     kept = surviving_steps(attempts, step_records)
-    twice = sum(1 for a in attempts_per_position(kept).values() if len(a) > 1)
+    # Trained twice: a position whose samples the final model learned from in two attempts. (A group dropped as stale
+    # or foreign in one attempt and trained in the next is trained once: only ``trained`` positions count.)
+    twice = sum(1 for a in attempts_per_position([{**r, "dropped_groups": []} for r in kept]).values() if len(a) > 1)
     return {
         "summary": {k: summary.get(k) for k in summary if k.startswith("eval_") or k in ("final_step", "mlflow_run_id")},
         "heldout": summary.get("heldout") or {k: v for k, v in summary.items() if "accuracy" in k or "gain" in k},
@@ -167,19 +179,24 @@ def read_run(out_dir: Path, max_steps: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--job", type=Path, required=True)
+    parser.add_argument("--job", type=Path, default=Path(__file__).with_name("e2e_gpu.yaml"))
     parser.add_argument("--out", type=Path, required=True, help="the JSON record to write")
     parser.add_argument("--run-dir", type=Path, default=Path("/tmp/e2e_gpu"))
     parser.add_argument("--kill-at-step", type=int, default=0, help="SIGKILL the trainer once at this step (0: never)")
     parser.add_argument("--backend", choices=["ipc", "gloo"], help="override the job's weight_transfer_backend")
     parser.add_argument("--max-steps", type=int, help="override the job's max_steps")
+    parser.add_argument("--server-url", help="a running server (the job's server is then not managed)")
+    parser.add_argument("--smoke", action="store_true", help="a few CPU steps: the driver's own check (CI)")
     args = parser.parse_args(argv)
 
     def stop(signum: int, frame: Any) -> None:
         raise TimeoutError(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, stop)
-    job = yaml.safe_load(args.job.read_text())
+    job = SMOKE_JOB if args.smoke else yaml.safe_load(args.job.read_text())
+    kill_at = SMOKE_KILL_AT if args.smoke else args.kill_at_step
+    if args.server_url:
+        job["server"] = {"managed": False, "base_url": args.server_url}
     if args.backend:
         job.setdefault("trainer", {})["weight_transfer_backend"] = args.backend
     if args.max_steps:
@@ -189,16 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     job_file = run_dir / "job.yaml"
     job_file.write_text(yaml.safe_dump(job))
     with GpuSampler() as gpu:
-        timing = run_job(job_file, run_dir / "out", args.kill_at_step or None, args.out.with_suffix(".log"))
+        timing = run_job(job_file, run_dir / "out", kill_at or None, args.out.with_suffix(".log"))
         end = time.time()
-    record: dict[str, Any] = {"command": "python3 -m benchmarks.device.e2e_gpu " + " ".join(sys.argv[1:]),
-                              "environment": environment(), "job": job, "run": timing,
+    record: dict[str, Any] = {"run_environment": environment(), "job": job, "run": timing,
                               "gpu_busy_share": gpu.busy_share(end - timing["wall_s"], end)}
     try:
         record.update(read_run(run_dir / "out", int(job["trainer"]["max_steps"])))
     except Exception as err:  # the record keeps what did run, with why the rest could not be read
         record["read_error"] = f"{type(err).__name__}: {err}"
-    args.out.write_text(json.dumps(record, indent=1, default=str))
+    write_report(args.out, record, default=str)
     print(json.dumps({k: record.get(k) for k in ("run", "gpu_busy_share", "heldout", "ledger", "steps_logged",
                                                   "missing_steps", "read_error")}, indent=1, default=str))
     return 0 if timing["exit_code"] == 0 else 1
