@@ -31,6 +31,7 @@ from grpo_core.tiny import arithmetic_dataset
 from grpo_core.training.trainer import AsyncGRPOTrainer
 from grpo_core.vllm_server.checks import ServerConfigError
 from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec
+from tests.integration.worker_rewards import raises_on_row, returns_inf, returns_nan, returns_one, returns_text
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -309,26 +310,6 @@ def test_a_server_serving_another_model_is_refused_naming_both(vllm_server, tiny
         trainer.train()
     assert time.monotonic() - start < 10
     assert str(other) in str(info.value) and tiny_model_path in str(info.value) and "vocab_size" in str(info.value)
-
-
-def raises_on_row(completions, **kwargs):
-    raise KeyError("answer")
-
-
-def returns_one(completions, **kwargs):
-    return [1.0]
-
-
-def returns_text(completions, **kwargs):
-    return ["good"] * len(completions)
-
-
-def returns_nan(completions, **kwargs):
-    return [float("nan")] * len(completions)
-
-
-def returns_inf(completions, **kwargs):
-    return [1.0] * (len(completions) - 1) + [float("-inf")]
 
 
 RUNTIME = {
