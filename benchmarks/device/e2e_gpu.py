@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-at-step", type=int, default=0, help="SIGKILL the trainer once at this step (0: never)")
     parser.add_argument("--backend", choices=["ipc", "gloo"], help="override the job's weight_transfer_backend")
     parser.add_argument("--max-steps", type=int, help="override the job's max_steps")
+    parser.add_argument("--save-steps", type=int, help="override the job's save_steps")
     parser.add_argument("--server-url", help="a running server (the job's server is then not managed)")
     parser.add_argument("--smoke", action="store_true", help="a few CPU steps: the driver's own check (CI)")
     args = parser.parse_args(argv)
@@ -201,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         job.setdefault("trainer", {})["weight_transfer_backend"] = args.backend
     if args.max_steps:
         job.setdefault("trainer", {})["max_steps"] = args.max_steps
+    if args.save_steps:
+        job.setdefault("trainer", {})["save_steps"] = args.save_steps
     run_dir = args.run_dir / (args.backend or "default")
     run_dir.mkdir(parents=True, exist_ok=True)
     job_file = run_dir / "job.yaml"
