@@ -499,7 +499,7 @@ class AsyncGRPOConfig:
 
     def resolved_weight_transfer_backend(self, cuda: bool, shared_gpu: bool = False) -> Literal["gloo", "nccl", "ipc"]:
         """The backend the run uses: the configured one, else ``gloo`` without CUDA, ``ipc`` for a server on the
-        trainer's own GPU (``shared_gpu``; benchmarks/results/e2e_gpu.json times it against gloo) and ``nccl``
+        trainer's own GPU (``shared_gpu``: no copy through the host; benchmarks/device/e2e_gpu.py times it against gloo) and ``nccl``
         for a server on GPUs of its own."""
         if self.weight_transfer_backend is not None:
             if shared_gpu and self.weight_transfer_backend == "nccl":

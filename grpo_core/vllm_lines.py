@@ -8,7 +8,7 @@ Two lines are supported and tested:
   versions and candidate sets come back from ``/inference/v1/generate`` when the server runs with its scale-out
   flag.
 * **0.25** (``vllm==0.25.0``, the CUDA build ``requirements-cuda.lock`` installs: its wheel pins torch 2.11, the
-  version the recorded GPU runs used). Its weight-transfer package has the receiving engines only (NCCL, packed,
+  version of the GPU machine's image). Its weight-transfer package has the receiving engines only (NCCL, packed,
   CUDA IPC) and no trainer side; it has no weight-version routes and no scale-out flag
   (``/inference/v1/generate`` is always served, without per-token versions).
 

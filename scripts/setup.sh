@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # `--cuda` (or GRPO_CORE_CUDA=1) installs requirements-cuda.lock: vLLM's CUDA build 0.25.0 with torch 2.11.0 for
-# CUDA 13 on Python 3.12, the versions the recorded GPU run used (benchmarks/results/e2e_gpu.json).
+# CUDA 13 on Python 3.12, the versions of the GPU machine the project's GPU runs are made on (docs/gpus.md).
 cuda=${GRPO_CORE_CUDA:-0}
 for arg in "$@"; do
   case "$arg" in
