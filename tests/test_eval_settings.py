@@ -38,7 +38,6 @@ def flow_evaluation(monkeypatch):
     import transformers
 
     from flows import train_flow
-    from grpo_core.evaluation import heldout as evaluation
 
     calls: list[dict] = []
 
@@ -48,7 +47,7 @@ def flow_evaluation(monkeypatch):
                           prompt_scores=[0.0, 0.5, 0.5])
 
     eval_rows = [{"prompt": "e1", "problem": "1 + 2"}, {"prompt": "e2", "problem": "1 + 2"}, {"prompt": "e3", "problem": "4 + 5"}]
-    monkeypatch.setattr(evaluation, "evaluate_rewards", record)
+    monkeypatch.setattr(train_flow, "evaluate_rewards", record)  # the name the flow's task calls
     monkeypatch.setattr(train_flow, "resolve_dataset", lambda spec, seed: {"train": ["t"], "eval": eval_rows})
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(lambda path: "tokenizer"))
     return train_flow.evaluate.fn, calls
