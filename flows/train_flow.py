@@ -21,7 +21,8 @@ What a Prefect user sees: the training process's log lines in the flow run's log
 artifact (``training-progress``) per flow run that moves as steps land, across resumed attempts, and a
 markdown summary artifact (``training-summary``) with the run's numbers and links at the end. What an
 MLflow user sees: a run in a model-training experiment, its headline charts first, the summary
-(``summary.json``) and a completions table among its artifacts, and the final model logged as a
+(``summary.json``) and the completions as tables among its artifacts (a file per logged step, or per block of
+steps in a long run: ``tracking/tables.py``), and the final model logged as a
 transformers model (``model/``) and registered (``tracking.registered_model_name``, default
 ``<model>-<task>``) with the run's last headline metrics.
 """
