@@ -59,7 +59,15 @@ def test_lora_run_learns_the_tiny_task(vllm_server, tiny_model_path, tmp_path, m
 
     synced = [h for h in history if "sync/mode" in h]
     assert synced and all(h["sync/mode"] == SYNC_MODE_CODES[mode] for h in synced)
-    assert max(h["sample/staleness_max"] for h in history) <= LEARN["max_staleness"]
+    # The default stale_samples="keep" trains a sample that arrives past max_staleness rather than dropping it
+    # (late: its importance ratio corrects it). The bound still holds for all but a few, and each is counted.
+    assert sum(h["sample/stale_dropped"] for h in history) == 0
+    for h in history:
+        if h["sample/staleness_max"] > LEARN["max_staleness"]:
+            assert h["sample/late_kept"] > 0, h
+    late = sum(h["sample/late_kept"] for h in history)
+    trained = sum(h["waste/trained_completions"] for h in history)
+    assert late <= 0.05 * trained, f"{late:.0f} of {trained:.0f} trained samples past max_staleness"
     if mode == "adapter":
         registered = [h["sync/adapters_registered"] for h in synced]
         assert max(registered) == LEARN["max_staleness"] + 1  # the window fills and never grows past it
