@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, TypeAdapter
 
 from grpo_core.config_checks import ConfigError, check_fields, check_known_keys, fail_field, parse_kernel_ref
-from grpo_core.config_sections import Section
+from grpo_core.config_sections import Section, settings_type
 from grpo_core.staleness import samples_ahead
 
 
@@ -479,7 +479,7 @@ class AsyncGRPOConfig:
             if not 1 <= low <= high <= 65535:
                 fail_field(self, "weight_transfer_port_range", "use LOW-HIGH with 1 <= LOW <= HIGH <= 65535, e.g. 40000-40100")
 
-    # ---- typed sections: the fields each subsystem reads (grpo_core.config_sections) ------------
+    # ---- each part's typed settings, the fields it reads (grpo_core.config_sections) -------------
     rollout, training, sync, fleet = Section(), Section(), Section(), Section()
     checkpoint, tracking, evaluation = Section(), Section(), Section()
 
@@ -555,6 +555,19 @@ class AsyncGRPOConfig:
         return dataclasses.replace(self, **changes)
 
 
+RolloutSettings = settings_type(AsyncGRPOConfig, "rollout", "RolloutSettings", __name__)
+TrainingSettings = settings_type(AsyncGRPOConfig, "training", "TrainingSettings", __name__)
+SyncSettings = settings_type(AsyncGRPOConfig, "sync", "SyncSettings", __name__)
+FleetSettings = settings_type(AsyncGRPOConfig, "fleet", "FleetSettings", __name__)
+CheckpointSettings = settings_type(AsyncGRPOConfig, "checkpoint", "CheckpointSettings", __name__)
+TrackingSettings = settings_type(AsyncGRPOConfig, "tracking", "TrackingSettings", __name__)
+EvaluationSettings = settings_type(AsyncGRPOConfig, "evaluation", "EvaluationSettings", __name__)
+AsyncGRPOConfig.settings_types = {
+    "rollout": RolloutSettings, "training": TrainingSettings, "sync": SyncSettings, "fleet": FleetSettings,
+    "checkpoint": CheckpointSettings, "tracking": TrackingSettings, "evaluation": EvaluationSettings,
+}
+
+
 def field_names(cls: type = AsyncGRPOConfig) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
@@ -565,4 +578,5 @@ def describe(name: str, cls: type = AsyncGRPOConfig) -> str:
     return re.sub(r"\s+", " ", schema["properties"][name].get("description", "")).strip()
 
 
-__all__ = ["AsyncGRPOConfig", "AttentionBackendName", "ConfigError", "LoraRank", "TRL_COMPATIBILITY_ONLY", "describe", "field_names"]
+__all__ = ["AsyncGRPOConfig", "AttentionBackendName", "CheckpointSettings", "EvaluationSettings", "FleetSettings",
+           "RolloutSettings", "SyncSettings", "TrackingSettings", "TrainingSettings", "ConfigError", "LoraRank", "TRL_COMPATIBILITY_ONLY", "describe", "field_names"]

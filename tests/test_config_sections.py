@@ -1,45 +1,74 @@
-"""The config's sections (grpo_core/config_sections.py): complete, made of real names, read-through, closed."""
+"""Each part's typed settings (grpo_core/config_sections.py): complete, made of real names, frozen, closed."""
 
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
 
-from grpo_core.config import AsyncGRPOConfig
-from grpo_core.config_sections import SECTIONS, ConfigSection
+from grpo_core.config import AsyncGRPOConfig, FleetSettings, TrackingSettings
+from grpo_core.config_sections import SECTIONS, method_reads_outside
 
 
-def test_every_field_is_in_a_section():
+def test_every_field_is_in_a_part():
     fields = {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
     listed = set().union(*SECTIONS.values())
-    assert fields - listed == set(), "fields no section names"
+    assert fields - listed == set(), "fields no part names"
 
 
-def test_a_section_names_only_fields_and_methods_of_the_config():
+def test_a_part_names_only_fields_and_methods_of_the_config():
     fields = {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
     for name, names in SECTIONS.items():
         unknown = {n for n in names if n not in fields and not callable(getattr(AsyncGRPOConfig, n, None))}
-        assert not unknown, f"section {name!r} lists names the config does not have: {unknown}"
+        assert not unknown, f"part {name!r} lists names the config does not have: {unknown}"
 
 
-def test_a_section_reads_the_configs_values_and_methods():
+@pytest.mark.parametrize("part", sorted(SECTIONS))
+def test_no_method_a_part_carries_reads_outside_the_part(part):
+    """A derived value (``server_urls``, ``resolved_*``) runs on the part's settings: every name it reads on ``self``
+    must be the part's, or it fails there (and only when called)."""
+    assert method_reads_outside(AsyncGRPOConfig, part) == {}
+
+
+def test_the_check_of_methods_sees_a_read_outside_the_part(monkeypatch):
+    """The test above can fail: drop a field a method reads from its part and it is named."""
+    monkeypatch.setitem(SECTIONS, "sync", SECTIONS["sync"] - {"vllm_server_base_url"})
+    assert method_reads_outside(AsyncGRPOConfig, "sync") == {"server_urls": {"vllm_server_base_url"}}
+
+
+def test_settings_hold_the_configs_values_and_methods_with_its_types():
     config = AsyncGRPOConfig(save_steps=7, vllm_server_base_url=["http://a:1/", "http://b:2"], temperature=0.5)
     assert config.checkpoint.save_steps == 7
-    assert config.fleet.server_urls() == ["http://a:1", "http://b:2"]
+    assert isinstance(config.fleet, FleetSettings) and config.fleet.server_urls() == ["http://a:1", "http://b:2"]
     assert config.evaluation.temperature == 0.5 and config.evaluation.num_eval_generations() == config.num_generations
+    declared = {f.name: f.type for f in dataclasses.fields(AsyncGRPOConfig)}
+    assert all(f.type == declared[f.name] for f in dataclasses.fields(TrackingSettings))
 
 
-def test_a_field_outside_the_section_is_refused_naming_the_section():
-    with pytest.raises(AttributeError, match="'fleet' section has no 'temperature'"):
+def test_settings_are_frozen_copies():
+    config = AsyncGRPOConfig(max_steps=5)
+    tracking = config.tracking
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tracking.max_steps = 3  # type: ignore[misc]
+    config.max_steps = 9
+    assert tracking.max_steps == 5 and config.tracking.max_steps == 9
+
+
+def test_a_field_outside_the_part_is_refused_naming_the_part():
+    with pytest.raises(AttributeError, match="'fleet' settings have no 'temperature'"):
         AsyncGRPOConfig().fleet.temperature  # noqa: B018
-    with pytest.raises(AttributeError, match="read-only"):
-        AsyncGRPOConfig().checkpoint.save_steps = 3
 
 
-def test_sections_are_no_fields_of_the_config():
-    """The flat surface is unchanged: a section is neither a field, nor in the config's dict or its job file."""
+def test_settings_cross_to_another_process():
+    """The rollout worker and the trainer's helpers receive settings pickled."""
+    sync = AsyncGRPOConfig(output_dir="s3://bucket/run").sync
+    assert pickle.loads(pickle.dumps(sync)) == sync
+
+
+def test_parts_are_no_fields_of_the_config():
+    """The flat surface is unchanged: a part is neither a field, nor in the config's dict or its job file."""
     names = {f.name for f in dataclasses.fields(AsyncGRPOConfig)}
     assert not names & set(SECTIONS)
-    assert isinstance(AsyncGRPOConfig().tracking, ConfigSection)
+    assert isinstance(AsyncGRPOConfig().tracking, TrackingSettings)
     assert not set(dataclasses.asdict(AsyncGRPOConfig())) & set(SECTIONS)

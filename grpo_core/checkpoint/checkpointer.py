@@ -103,7 +103,7 @@ class Checkpointer:
     """
 
     def __init__(self, args: Any, dist: Any, parts: CheckpointParts, tracker: Any):
-        """``args``: the config's checkpoint section (``config.checkpoint``)."""
+        """``args``: the config's checkpoint settings (``config.checkpoint``, ``config.CheckpointSettings``)."""
         self.args = args
         self.dist = dist
         self.parts = parts

@@ -114,7 +114,7 @@ class ServerFleet:
 
     @classmethod
     def for_run(cls, args: Any, dist: DistInfo, setup: Any, probe: VersionProbe, vocab_size: int) -> ServerFleet:
-        """A run's servers (``args``: the config's fleet section, ``config.fleet``: ``vllm_server_base_url``, then
+        """A run's servers (``args``: the config's fleet settings, ``config.fleet``: ``vllm_server_base_url``, then
         those ``vllm_server_fleet_file`` lists), one pusher each over ``setup`` (``sync.factory.SyncSetup``), every
         push checked against ``probe``."""
         listing = (lambda: read_fleet_file(args.vllm_server_fleet_file)) if args.vllm_server_fleet_file else None
@@ -123,7 +123,7 @@ class ServerFleet:
         fleet = cls(
             urls, dist, unavailable_timeout_s=args.server_unavailable_timeout_s, listing=listing,
             drain_after_s=args.server_drain_after_s, push_deadline_floor_s=args.weight_sync_deadline_floor_s,
-            make_pusher=lambda url, control, watch: WeightPusher.for_run(setup, dist, control, watch, vocab_size,
+            make_pusher=lambda url, control, watch: WeightPusher.for_run(args, setup, dist, control, watch, vocab_size,
                                                                          probe=probe),
             make_control=lambda url: VLLMControlClient(url, timeout=args.request_timeout),
             make_watch=lambda control: ServerWatch(control, args.server_unavailable_timeout_s),

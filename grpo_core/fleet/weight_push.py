@@ -96,9 +96,10 @@ class WeightPusher:
         self.recoveries = 0
 
     @classmethod
-    def for_run(cls, setup: Any, dist: DistInfo, control: Any, watch: Any, vocab_size: int, probe: Probe) -> WeightPusher:
-        """The pusher of a run (``setup``: ``sync.factory.SyncSetup``; its config's ``weight_sync_*`` settings)."""
-        args = setup.config
+    def for_run(cls, args: Any, setup: Any, dist: DistInfo, control: Any, watch: Any, vocab_size: int,
+                probe: Probe) -> WeightPusher:
+        """The pusher of a run: ``args`` the fleet's settings (``config.fleet``: attempts and checks of a push),
+        ``setup`` what the transfer needs (``sync.factory.SyncSetup``)."""
         if args.weight_sync_transport == "storage":
             setup.publisher = make_patch_publisher(setup)  # one writer for the run, whatever the sessions
         return cls(lambda: make_weight_sync(setup, control), dist, control, watch, attempts=args.weight_sync_attempts,

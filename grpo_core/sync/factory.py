@@ -53,7 +53,7 @@ def wire_dtype(bf16: bool) -> Any:
 class SyncSetup:
     """What the weight sync needs to know about a run (built by the trainer; nothing else of it)."""
 
-    config: Any  # AsyncGRPOConfig
+    config: Any  # the run's sync settings (``AsyncGRPOConfig.sync``: ``config.SyncSettings``)
     model: Any  # the (sharded) policy
     rank: int
     backend: str  # resolved weight_transfer_backend

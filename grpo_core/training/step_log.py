@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from grpo_core.config_sections import ConfigSection
+from grpo_core.config import TrackingSettings
 from grpo_core.tracking.run_view import constant_tags
 from grpo_core.tracking.tables import table_block
 from grpo_core.tracking.tracker import Tracker
@@ -32,7 +32,7 @@ log = logging.getLogger("grpo_core.training.trainer")  # the console line users 
 class StepLog:
     """One run's metric log; the trainer calls ``record`` once per step (and again for what the step adds later)."""
 
-    args: ConfigSection  # the config's tracking section (``config.tracking``)
+    args: TrackingSettings  # the config's tracking settings (``config.tracking``)
     tracker: Tracker
     is_main: bool
     history: list[dict[str, float]]
