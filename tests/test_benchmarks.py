@@ -103,6 +103,7 @@ SMOKES: dict[str, Smoke] = {
     "benchmarks.trainer.trainer_loop": Smoke(("launch", "--smoke"), failures=run_errors()),
     "benchmarks.trainer.mismatch_cost": Smoke(),
     "benchmarks.trainer.cpu_share": Smoke(server=True, failures=run_errors()),
+    "benchmarks.staleness.eval_beside": Smoke(server=True),
     "benchmarks.rollout.fleet_throughput": Smoke(server=True),
     "benchmarks.rollout.rollout_throughput": Smoke(server=True),
     "benchmarks.rollout.sampler_logprobs": Smoke(server=True),
