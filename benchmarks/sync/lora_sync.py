@@ -72,7 +72,7 @@ def time_syncs(url: str, model_path: str, mode: str, rank: int, repeats: int, ou
     model, _ = load_policy(model_path, torch.device("cpu"))
     model = apply_lora(model, lora_config(rank)).eval()
     args = AsyncGRPOConfig(output_dir=out_dir, vllm_server_base_url=url, report_to="none", lora_sync_mode=mode, max_staleness=1)
-    setup = SyncSetup(config=args.sync, model=model, rank=DistInfo().rank, backend="gloo", wire_dtype=None,
+    setup = SyncSetup(config=args, model=model, rank=DistInfo().rank, backend="gloo", wire_dtype=None,
                       model_path=model_path, peft_config=lora_config(rank))
     control = VLLMControlClient(url)
     sync = make_weight_sync(setup, control)
@@ -151,7 +151,7 @@ def compare_generation(url: str, model_path: str, rank: int, rounds: int, concur
     randomize_adapter(model, 0)
     control = VLLMControlClient(url)
     args = AsyncGRPOConfig(output_dir=out_dir, vllm_server_base_url=url, report_to="none", lora_sync_mode="adapter", max_staleness=1)
-    setup = SyncSetup(config=args.sync, model=model, rank=DistInfo().rank, backend="gloo", wire_dtype=None,
+    setup = SyncSetup(config=args, model=model, rank=DistInfo().rank, backend="gloo", wire_dtype=None,
                       model_path=model_path, peft_config=lora_config(rank))
     adapter_sync = make_weight_sync(setup, control)
     try:

@@ -53,7 +53,9 @@ def wire_dtype(bf16: bool) -> Any:
 class SyncSetup:
     """What the weight sync needs to know about a run (built by the trainer; nothing else of it)."""
 
-    config: Any  # the run's sync settings (``AsyncGRPOConfig.sync``: ``config.SyncSettings``)
+    # The whole AsyncGRPOConfig, not its sync settings: a LoRA run's start-up check (``check_lora_limits``) writes the
+    # full server command a user should run, from the run's server-facing fields of every part.
+    config: Any
     model: Any  # the (sharded) policy
     rank: int
     backend: str  # resolved weight_transfer_backend

@@ -195,7 +195,7 @@ class RunOrchestrator:
 
     def _make_fleet(self, policy: Any, peft_config: Any, device: Any, train_dtype: str) -> ServerFleet:
         """The run's servers, one pusher each, the probe computed once per version."""
-        setup = SyncSetup(config=self.args.sync, model=policy.model, rank=self.dist.rank,
+        setup = SyncSetup(config=self.args, model=policy.model, rank=self.dist.rank,
                           backend=self.args.resolved_weight_transfer_backend(device.type == "cuda"),
                           wire_dtype=wire_dtype(policy.bf16), model_path=policy.model_path, peft_config=peft_config)
         self.probe = policy_probe(policy.model, device, train_dtype)

@@ -63,7 +63,7 @@ def randomize_adapter(model: torch.nn.Module, seed: int) -> None:
 def trainer_of(model: torch.nn.Module, model_path: str, args: AsyncGRPOConfig, r: int = 8) -> SyncSetup:
     """What ``make_weight_sync`` needs of a trainer (fp32 on CPU, rank 0)."""
     return SyncSetup(
-        config=args.sync, model=model, rank=DistInfo().rank, backend="gloo", wire_dtype=None, model_path=model_path,
+        config=args, model=model, rank=DistInfo().rank, backend="gloo", wire_dtype=None, model_path=model_path,
         peft_config=LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"),
     )
 
