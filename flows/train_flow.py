@@ -57,7 +57,7 @@ from grpo_core.data.inputs import first_rows
 from grpo_core.evaluation.heldout import EvalRollouts, evaluate_rewards, problem_keys
 from grpo_core.launch import attempt_failure
 from grpo_core.launch.job import JobConfig, import_string, resolve_dataset, resolve_job_inputs, resolve_model
-from grpo_core.rollout.fleet import server_name
+from grpo_core.rollout.routing_client import server_name
 from grpo_core.rollout.stages import AsyncRolloutLoop
 from grpo_core.storage.store import open_url
 from grpo_core.tracking import tracker

@@ -32,7 +32,7 @@ from grpo_core.checkpoint import ledger_summary, read_ledger
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rewards import accuracy_reward, format_reward
 from grpo_core.rollout.concurrency import parse_vllm_metrics
-from grpo_core.rollout.fleet import server_name
+from grpo_core.rollout.routing_client import server_name
 from grpo_core.tiny import arithmetic_dataset, build_tiny_model
 from grpo_core.training.trainer import AsyncGRPOTrainer
 from grpo_core.vllm_server.checks import recommended_command

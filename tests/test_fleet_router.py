@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from grpo_core.rollout.concurrency import ConcurrencyController
-from grpo_core.rollout.fleet import server_name
+from grpo_core.rollout.routing_client import server_name
 from grpo_core.rollout.router import Router, ServerSlot
 
 

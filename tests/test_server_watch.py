@@ -32,7 +32,7 @@ from grpo_core.training.collector import (
     WatchedSource,
     WeightVersions,
 )
-from grpo_core.fleet.servers import ServerFleet
+from grpo_core.fleet.servers import RunServers
 from grpo_core.ranks import DistInfo
 from grpo_core.vllm_server.watch import ServerUnavailableError, ServerWatch
 
@@ -217,7 +217,7 @@ def test_watched_source_interrupts_the_wait_when_the_server_restarted(fast_backo
     server.version = "2"
     watch = ServerWatch(server, unavailable_timeout_s=5.0)
     watch.after_push([2])
-    fleet = ServerFleet(["http://fake"], DistInfo(), make_pusher=lambda url, control, watch: None,
+    fleet = RunServers(["http://fake"], DistInfo(), make_pusher=lambda url, control, watch: None,
                         make_control=lambda url: server, make_watch=lambda control: watch)
     source = WatchedSource(SilentWorker(), fleet, check_every_s=0.05)
     with pytest.raises(TimeoutError):

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from grpo_core.fleet.servers import ServerFleet, VersionProbe
+from grpo_core.fleet.servers import RunServers, VersionProbe
 from grpo_core.fleet.weight_push import PushOutcome
 from grpo_core.ranks import DistInfo
 from grpo_core.sync.base import SyncStats
@@ -115,7 +115,7 @@ class Clock:
 
 
 def make_fleet(n: int = 2, make_pusher: Any = None, make_watch: Any = FakeWatch
-               ) -> tuple[ServerFleet, dict[str, FakeControl], list]:
+               ) -> tuple[RunServers, dict[str, FakeControl], list]:
     controls: dict[str, FakeControl] = {}
     views: list = []
 
@@ -123,7 +123,7 @@ def make_fleet(n: int = 2, make_pusher: Any = None, make_watch: Any = FakeWatch
         controls[url] = FakeControl(url)
         return controls[url]
 
-    fleet = ServerFleet([f"http://s{i}:8000" for i in range(n)], DistInfo(),
+    fleet = RunServers([f"http://s{i}:8000" for i in range(n)], DistInfo(),
                         make_pusher=make_pusher or (lambda url, c, w: FakePusher(c)), make_control=control,
                         make_watch=make_watch, clock=Clock())
     fleet.connect(lambda c: None)

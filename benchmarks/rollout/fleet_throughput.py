@@ -1,6 +1,6 @@
 """Generation throughput of a fleet: two CPU vLLM servers on a core each against one server on one core.
 
-No training: the rollout worker's generation path alone (``grpo_core.rollout.fleet.FleetClient``, groups routed by
+No training: the rollout worker's generation path alone (``grpo_core.rollout.routing_client.RoutingClient``, groups routed by
 ``router.Router``, a group's first turns coalesced into one request), on the tiny model (``grpo_core.tiny``),
 arithmetic prompts, ``--tokens`` completion tokens each (``ignore_eos``, so every completion costs the same),
 temperature 1, ``--group`` completions per group. Two servers of one spec are started side by side, server 0
@@ -8,8 +8,8 @@ pinned to core 0 and server 1 to core 1 (``VLLMServer`` placements: their proces
 thread); then, in rounds of ``--groups`` groups each with ``--in-flight`` groups per server in flight, each
 round running the two in turn (the first alternating between rounds):
 
-    one    the fleet client over server 0 only (one server on one core; server 1 idles)
-    two    the fleet client over both servers
+    one    the routing client over server 0 only (one server on one core; server 1 idles)
+    two    the routing client over both servers
 
 The client runs in this process on whatever core the OS gives it (with one server, the idle core; with two, it
 shares them): what the worker costs beside a fleet is part of the figure. Prints each round, then tok/s per
@@ -52,10 +52,10 @@ def prompt_ids(model_path: str, count: int) -> list[list[int]]:
 
 
 async def generate_round(urls: list[str], prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
-    """``len(prompts)`` groups through a fleet client over ``urls``; tok/s over the round's wall clock."""
-    from grpo_core.rollout.fleet import ROUTE, FleetClient
+    """``len(prompts)`` groups through a routing client over ``urls``; tok/s over the round's wall clock."""
+    from grpo_core.rollout.routing_client import ROUTE, RoutingClient
 
-    fleet = FleetClient.for_urls(urls, timeout=600.0, tokens_endpoint=True, unavailable_timeout_s=60.0,
+    fleet = RoutingClient.for_urls(urls, timeout=600.0, tokens_endpoint=True, unavailable_timeout_s=60.0,
                                  drain_after_s=60.0)
     await fleet.start(ceiling=args.in_flight * args.group * len(urls))
     params = {"max_tokens": args.tokens, "temperature": 1.0, "ignore_eos": True}
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=4, help="top sampler log-probs per token (num_sampler_logprobs)")
     parser.add_argument("--in-flight", type=int, default=4, help="groups in flight per server")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fleet_throughput.json"))
-    parser.add_argument("--smoke", action="store_true", help="start nothing: one short round of the fleet client over "
+    parser.add_argument("--smoke", action="store_true", help="start nothing: one short round of the routing client over "
                         "the server at --server-url alone (two servers take minutes to start on two cores)")
     parser.add_argument("--server-url", default=None, help="--smoke: a running server of the tiny model")
     args = parser.parse_args()

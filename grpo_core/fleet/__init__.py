@@ -1,7 +1,7 @@
 """The run's servers as the trainer side keeps them: every push to every serving server, confirmed there.
 
-``servers`` (``ServerFleet``: waiting for and checking the servers, one pusher each, draining a lost one,
+``servers`` (``RunServers``: waiting for and checking the servers, one pusher each, draining a lost one,
 checking and catching up one that comes back; ``VersionProbe``, the trainer's probe log-probs once per
 version) and ``weight_push`` (``WeightPusher``: one server's pushes, confirmed and recovered). The rollout
-side's view of the same servers is ``grpo_core.rollout.fleet``; a server's liveness is ``vllm_server.watch``.
+side's view of the same servers is ``grpo_core.rollout.routing_client``; a server's liveness is ``vllm_server.watch``.
 """

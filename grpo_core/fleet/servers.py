@@ -39,7 +39,7 @@ import torch
 
 from grpo_core.fleet.weight_push import PUSH_FAILURES, PushOutcome, WeightPusher
 from grpo_core.ranks import DistInfo, broadcast_object
-from grpo_core.rollout.fleet import FleetView, server_name
+from grpo_core.rollout.routing_client import FleetView, server_name
 from grpo_core.sync.verify import VerifyConfig
 from grpo_core.vllm_server.checks import (
     ServerCapabilities, ServerConfigError, check_fleet_alike, server_fingerprint)
@@ -68,7 +68,7 @@ class Member:
     state: str = "lost"
     """``serving``; ``joining`` (checked, waits for the current weights); ``lost`` (drained, or never answered)."""
     epoch: int = 0
-    """Admissions so far; the rollout worker re-admits a server whose epoch grew (``rollout.fleet``)."""
+    """Admissions so far; the rollout worker re-admits a server whose epoch grew (``rollout.routing_client``)."""
     left_at: float | None = None
     next_probe: float = 0.0
     check_failure: str | None = None
@@ -82,7 +82,7 @@ class Member:
     """Seconds of its pushes that lasted past ``ANNOUNCE_AFTER_S`` (``fleet/<name>/waited_s``)."""
 
 
-class ServerFleet:
+class RunServers:
     """The run's servers (module docstring). ``make_pusher(url, control, watch)`` makes one server's pusher."""
 
     def __init__(self, urls: list[str], dist: DistInfo, make_pusher: Callable[[str, Any, Any], WeightPusher],
@@ -113,7 +113,7 @@ class ServerFleet:
         self.drained_by_worker: Callable[[], list[tuple[str, int, str]]] = lambda: []
 
     @classmethod
-    def for_run(cls, args: Any, dist: DistInfo, setup: Any, probe: VersionProbe, vocab_size: int) -> ServerFleet:
+    def for_run(cls, args: Any, dist: DistInfo, setup: Any, probe: VersionProbe, vocab_size: int) -> RunServers:
         """A run's servers (``args``: the config's fleet settings, ``config.fleet``: ``vllm_server_base_url``, then
         those ``vllm_server_fleet_file`` lists), one pusher each over ``setup`` (``sync.factory.SyncSetup``), every
         push checked against ``probe``."""
@@ -132,7 +132,7 @@ class ServerFleet:
         return fleet
 
     @classmethod
-    def around(cls, transfer: Any, dist: DistInfo, vocab_size: int, args: Any = None) -> ServerFleet:
+    def around(cls, transfer: Any, dist: DistInfo, vocab_size: int, args: Any = None) -> RunServers:
         """A fleet of one whose pushes go through ``transfer`` (the trainer's ``weight_transfer=``), unconfirmed:
         the transport is the caller's, and so is knowing that the sampler got the weights. ``args``: the run's
         config, whose one server the rollouts come from (watched for restarts); None: the trainer talks to no

@@ -156,7 +156,7 @@ class VLLMGenerateClient:
 
     async def scrape(self, timeout_s: float = 5.0) -> tuple[bool, str | None]:
         """Whether the server answered ``/metrics`` within ``timeout_s`` at all, and the text when it answered 200
-        (a fleet drains a server that stops answering: ``rollout.fleet``). ``refusal`` keeps why an unanswered
+        (a fleet drains a server that stops answering: ``rollout.routing_client``). ``refusal`` keeps why an unanswered
         scrape's connection was refused (None: it timed out, or it answered)."""
         self.refusal = None
         try:

@@ -18,7 +18,7 @@ each server's cap; the live counts pick.
 A drained server's groups move, with their rollouts in flight and those not yet admitted, to the serving server
 with the most room (whose cap adopts them, over its limit if need be); with no server serving they stay where
 they are ("stranded") and move to the first server admitted again. Nothing here does I/O or reads a clock
-(``fleet.FleetClient`` does); ``tests/test_fleet_router.py`` drives it.
+(``routing_client.RoutingClient`` does); ``tests/test_fleet_router.py`` drives it.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Prompts are visited from ``start_position`` on (``prompts.prompts_from``: a seeded per-epoch order
 for a map-style dataset, the stream's own order for an ``IterableDataset``), so a resume continues
 exactly where training stopped. Each prompt becomes a group of ``num_generations`` rollouts,
-sent to one server of the fleet (``fleet.FleetClient``; ``router.Router`` picks the server with room under its own
+sent to one server of the fleet (``routing_client.RoutingClient``; ``router.Router`` picks the server with room under its own
 live concurrency cap), and its rollouts are admitted while that server's rollouts in flight stay under the cap. A finished
 group is scored, gets advantages, its rollouts are reconciled into training sequences, and it is
 reported (kept or dropped) before its samples are queued. The report carries the group's summed
@@ -34,7 +34,7 @@ import numpy as np
 from grpo_core.data.inputs import as_messages
 from grpo_core.data.prompts import prompts_from
 from grpo_core.rollout.advantages import should_drop_group
-from grpo_core.rollout.fleet import ROUTE, FleetClient
+from grpo_core.rollout.routing_client import ROUTE, RoutingClient
 from grpo_core.rollout.router import GroupRoute, ServerSlot
 from grpo_core.rollout.stages import AsyncRolloutLoop, reconcile_metrics, rollout_rewards
 from grpo_core.rollout.types import GroupReport, RolloutGroup, merge_counters
@@ -61,7 +61,7 @@ class RolloutScheduler:
     def __init__(self, loop: AsyncRolloutLoop, stop_event: Any):
         self.loop = loop
         self.stop_event = stop_event
-        self.fleet: FleetClient | None = None
+        self.fleet: RoutingClient | None = None
         self.backpressure_s = 0.0
         self.generated_tokens = 0
         self.last_report_time = time.perf_counter()
@@ -139,12 +139,12 @@ class RolloutScheduler:
         self._raise_failure()
 
     # ---- admission ----------------------------------------------------------------------------------
-    async def _fleet(self) -> FleetClient:
+    async def _fleet(self) -> RoutingClient:
         """The loop's servers: the fleet its ``connect`` opened, or a one-server fleet around a client it built."""
         loop = self.loop
         client = loop.client
-        if not isinstance(client, FleetClient):
-            client = FleetClient.around(client, loop.base_urls[0])
+        if not isinstance(client, RoutingClient):
+            client = RoutingClient.around(client, loop.base_urls[0])
         if not client.started:
             await client.start(loop.ceiling)
         client.on_change = self._wake

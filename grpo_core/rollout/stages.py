@@ -38,7 +38,7 @@ from grpo_core.rollout.agent import (
     record_tool_results,
     tool_messages,
 )
-from grpo_core.rollout.fleet import FleetClient, FleetView
+from grpo_core.rollout.routing_client import FleetView, RoutingClient
 from grpo_core.rollout.reconcile import ReconcileResult, gather_sampling_masks, gather_top_logprobs, reconcile_turns
 from grpo_core.rollout.routes import sequence_routes
 from grpo_core.rollout.token_prompts import continuation_ids, extended_prompt
@@ -113,7 +113,7 @@ class AsyncRolloutLoop:
         self.reward_funcs = reward_funcs
         self.reward_names = [reward_func_name(f) for f in reward_funcs]
         self.reward_weights = np.asarray(config.reward_weights or [1.0] * len(reward_funcs), dtype=np.float64)
-        # One server, or a fleet of them (``fleet.FleetClient`` routes each group to one).
+        # One server, or a fleet of them (``routing_client.RoutingClient`` routes each group to one).
         self.base_urls = [base_url] if isinstance(base_url, str) else list(base_url)
         self.base_url = self.base_urls[0]
         self.emit = emit  # async callable putting a GroupReport / RolloutSample on the queue
@@ -129,7 +129,7 @@ class AsyncRolloutLoop:
         self.environment_factory = environment_factory
         # Built once (and validated here, before any request) for rollouts without an environment.
         self.shared_tools = RolloutTools(self.tools)
-        self.client: FleetClient | None = None
+        self.client: RoutingClient | None = None
         self.tokens_endpoint = tokens_endpoint
         # The weight version the server serves now, as the trainer publishes it (the rollout process
         # replaces this); dates a turn when the server reports no per-token versions.
@@ -149,7 +149,7 @@ class AsyncRolloutLoop:
         """Open the generation client over the servers the trainer says serve, and read their context length (the
         scheduler calls this)."""
         c = self.config
-        self.client = FleetClient.for_urls(
+        self.client = RoutingClient.for_urls(
             self.base_urls, timeout=c.request_timeout, tokens_endpoint=self.tokens_endpoint,
             unavailable_timeout_s=c.server_unavailable_timeout_s, drain_after_s=c.server_drain_after_s,
             report_drained=lambda name, epoch, reason: self.report_drained(name, epoch, reason),

@@ -86,7 +86,7 @@ class GroupReport:
     server: str | None = None
     """The fleet server that generated the group (the one it ended on, if its first was lost)."""
     fleet: dict[str, float] = field(default_factory=dict)
-    """Each server's gauges and running counts when the group finished (``rollout.fleet.FleetClient.snapshot``)."""
+    """Each server's gauges and running counts when the group finished (``rollout.routing_client.RoutingClient.snapshot``)."""
 
 
 def merge_counters(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:

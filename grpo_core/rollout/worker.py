@@ -14,7 +14,7 @@ Trainer side: ``RolloutWorker.start()``, ``get(timeout)`` for the next item, ``c
 ``publish_version(v, consumed)`` tells the worker the weight version the server now serves and how many
 samples the trainer has taken off the queue by then (the scheduler's staleness budget); ``publish_fleet(view)``
 tells it which servers of the fleet serve, and ``drained_servers()`` returns those it took out of service itself
-(``rollout.fleet``).
+(``rollout.routing_client``).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class RolloutWorker:
         self.served_version.value = version
 
     def publish_fleet(self, view: dict[str, tuple[str, int]]) -> None:
-        """Which servers serve from now on (``rollout.fleet.FleetView``): a newer epoch admits a server again, 0
+        """Which servers serve from now on (``rollout.routing_client.FleetView``): a newer epoch admits a server again, 0
         takes it out of service."""
         self.fleet_views.put(dict(view))
 

@@ -317,7 +317,7 @@ class WatchedSource:
     """The collector's source on rank 0: the rollout worker, with the servers checked while it waits.
 
     ``get`` returns the worker's next item, or ``COLLECTION_INTERRUPTED`` when a server restarted or is ready to
-    serve again (``fleet.servers.ServerFleet.needs_tending``; the collector keeps what it gathered; the trainer
+    serve again (``fleet.servers.RunServers.needs_tending``; the collector keeps what it gathered; the trainer
     pushes and collects on).
     """
 

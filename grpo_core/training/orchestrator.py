@@ -4,7 +4,7 @@
              weight transport opens, the current weights are pushed, the rollout worker starts; every rank gets
              the feed of steps (``training.distributed.StepFeed``)
     tend     before each step's collection: servers the worker drained or that stopped answering leave service;
-             one that restarted or came back passes the checks and gets the current weights (``fleet.ServerFleet``)
+             one that restarted or came back passes the checks and gets the current weights (``fleet.RunServers``)
     push     a version to every serving server, confirmed there; the worker is told what was consumed
     evaluate held-out rewards from a serving server
     close    stop the worker, close the transport and the tracker
@@ -27,7 +27,7 @@ import torch
 from grpo_core.data.inputs import check_crossing
 from grpo_core.evaluation.beside import EvaluationBeside
 from grpo_core.evaluation.heldout import EvalRollouts, evaluate_on_server
-from grpo_core.fleet.servers import ServerFleet, VersionProbe
+from grpo_core.fleet.servers import RunServers, VersionProbe
 from grpo_core.fleet.weight_push import WeightPusher
 from grpo_core.ranks import DistInfo, broadcast_object
 from grpo_core.rollout.tool_calls import ToolRegistry
@@ -95,7 +95,7 @@ class RunOrchestrator:
                                                  weight_sync_transport=args.weight_sync_transport))
         self.model: Any = None
         self.worker: Any = None
-        self.fleet: ServerFleet | None = None  # the servers: one pusher each, their checks and restarts (rank 0 talks)
+        self.fleet: RunServers | None = None  # the servers: one pusher each, their checks and restarts (rank 0 talks)
         self.server: Any = None  # ServerCapabilities, once checked
         self.feed: StepFeed | None = None
         self.probe: VersionProbe | None = None  # the trainer's probe log-probs, once per pushed version
@@ -154,7 +154,7 @@ class RunOrchestrator:
         self.server = getattr(self.rollout_worker, "server_capabilities", None) or assumed_capabilities(
             self.args.token_budget)
         on_server(self.server)
-        self.fleet = ServerFleet.around(self.weight_transfer, self.dist, policy.vocab_size)
+        self.fleet = RunServers.around(self.weight_transfer, self.dist, policy.vocab_size)
         return self._start_sampling(version, None)
 
     def _start_sampling(self, version: int, watched: Any) -> StepFeed:
@@ -193,15 +193,15 @@ class RunOrchestrator:
         members = list(self.fleet.members.values())
         return next((m.pusher for m in members if m.state != "lost"), members[0].pusher)
 
-    def _make_fleet(self, policy: Any, peft_config: Any, device: Any, train_dtype: str) -> ServerFleet:
+    def _make_fleet(self, policy: Any, peft_config: Any, device: Any, train_dtype: str) -> RunServers:
         """The run's servers, one pusher each, the probe computed once per version."""
         setup = SyncSetup(config=self.args, model=policy.model, rank=self.dist.rank,
                           backend=self.args.resolved_weight_transfer_backend(device.type == "cuda"),
                           wire_dtype=wire_dtype(policy.bf16), model_path=policy.model_path, peft_config=peft_config)
         self.probe = policy_probe(policy.model, device, train_dtype)
         if self.weight_transfer is not None:  # the caller's transport to the one server the rollouts come from
-            return ServerFleet.around(self.weight_transfer, self.dist, policy.vocab_size, args=self.args.fleet)
-        return ServerFleet.for_run(self.args.fleet, self.dist, setup, self.probe, policy.vocab_size)
+            return RunServers.around(self.weight_transfer, self.dist, policy.vocab_size, args=self.args.fleet)
+        return RunServers.for_run(self.args.fleet, self.dist, setup, self.probe, policy.vocab_size)
 
     def _start_worker(self) -> Any:
         if is_source(self.rollout_worker):  # the caller's source (``rollout_worker=``): no rollout process
@@ -253,7 +253,7 @@ class RunOrchestrator:
     def tend(self, version: int) -> None:
         """Before each step's collection: servers the worker drained or that stopped answering leave service; a
         server that restarted, or answers again after it was lost, passes the start-up checks and gets ``version``'s
-        weights before the rollout worker sends it anything (``fleet.ServerFleet.tend``)."""
+        weights before the rollout worker sends it anything (``fleet.RunServers.tend``)."""
         ready = self.fleet.tend()
         if not ready:
             return

@@ -11,7 +11,7 @@
 
 The loop works against three seams the orchestrator holds: the feed it collects each step from, ``push`` (the
 weight publisher: every serving server, confirmed there, a failed one recovered from, drained or named,
-``fleet.ServerFleet``) and the step log (the metric sink). Rank 0 owns the rollout worker and talks to vLLM; every
+``fleet.RunServers``) and the step log (the metric sink). Rank 0 owns the rollout worker and talks to vLLM; every
 rank trains its own row of each micro-batch. The rollout worker and the weight transfer can be replaced through
 the constructor (``training.sources``). The public
 surface follows TRL's trainer: ``args``, ``model``, ``processing_class``, ``state`` (``global_step``,
@@ -141,7 +141,7 @@ class AsyncGRPOTrainer:
     def tokenizer(self) -> Any:
         return self.processing_class
 
-    fleet = property(lambda self: self.run.fleet, doc="The run's servers (``fleet.servers.ServerFleet``).")
+    fleet = property(lambda self: self.run.fleet, doc="The run's servers (``fleet.servers.RunServers``).")
     worker = property(lambda self: self.run.worker, doc="The rollout worker (rank 0, while training).")
     feed = property(lambda self: self.run.feed, doc="Where each step's batch comes from (while training).")
     pusher = property(lambda self: self.run.pusher, doc="The first answering server's pusher.")

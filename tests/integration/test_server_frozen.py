@@ -21,7 +21,7 @@ import pytest
 from grpo_core.checkpoint import ledger_summary, read_ledger
 from grpo_core.config import AsyncGRPOConfig
 from grpo_core.rewards import accuracy_reward, format_reward
-from grpo_core.rollout.fleet import server_name
+from grpo_core.rollout.routing_client import server_name
 from grpo_core.tiny import arithmetic_dataset
 from grpo_core.training.trainer import AsyncGRPOTrainer
 

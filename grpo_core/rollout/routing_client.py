@@ -1,6 +1,6 @@
 """The rollout worker's generation client over a fleet of vLLM servers: routing, each server's state, drain and resend.
 
-``FleetClient`` is what the loop calls ``client``: ``generate`` sends a call to the server of its group (``ROUTE``,
+``RoutingClient`` is what the loop calls ``client``: ``generate`` sends a call to the server of its group (``ROUTE``,
 which the scheduler sets around each group; ``router.Router`` chose the server), through that server's own
 ``generation.VLLMGenerateClient`` (so a group's identical first turns are still coalesced into one request).
 
@@ -85,7 +85,7 @@ class ServerStats:
     """Seconds of its ended spells (``rollout/server/<name>/unhealthy_s`` adds the current one)."""
 
 
-class FleetClient:
+class RoutingClient:
     """Generation over a fleet (module docstring). ``report_drained(name, epoch, reason)`` tells the trainer."""
 
     def __init__(self, members: list[tuple[str, Any]], *, unavailable_timeout_s: float = 0.0,
@@ -115,7 +115,7 @@ class FleetClient:
     @classmethod
     def for_urls(cls, urls: list[str], *, timeout: float, tokens_endpoint: bool, unavailable_timeout_s: float,
                  drain_after_s: float, report_drained: Callable[[str, int, str], None] | None = None,
-                 fleet: bool | None = None) -> FleetClient:
+                 fleet: bool | None = None) -> RoutingClient:
         def make(url: str, wait: float = 0.0) -> VLLMGenerateClient:
             return VLLMGenerateClient(url, timeout=timeout, tokens_endpoint=tokens_endpoint, unavailable_timeout_s=wait)
 
@@ -127,7 +127,7 @@ class FleetClient:
                    drain_after_s=drain_after_s, report_drained=report_drained, make_client=make, own_resends=single)
 
     @classmethod
-    def around(cls, client: Any, url: str) -> FleetClient:
+    def around(cls, client: Any, url: str) -> RoutingClient:
         """A one-server fleet over any client with ``generate`` (a loop that built its own client)."""
         return cls([(url, client)])
 

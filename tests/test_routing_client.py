@@ -1,4 +1,4 @@
-"""The rollout worker's fleet client: routing by group, drain and resend, the trainer's view, and the scheduler over it.
+"""The rollout worker's routing client: routing by group, drain and resend, the trainer's view, and the scheduler over it.
 
 Servers are scripted stand-ins (no HTTP); a drained server's request is cancelled and sent to another exactly once.
 """
@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from grpo_core.config import AsyncGRPOConfig
-from grpo_core.rollout.fleet import ROUTE, FleetClient, NoServerAvailable, server_name
+from grpo_core.rollout.routing_client import ROUTE, NoServerAvailable, RoutingClient, server_name
 from grpo_core.rollout.scheduler import RolloutScheduler
 from grpo_core.rollout.types import GroupReport, RolloutSample
 from grpo_core.training.step_metrics import group_metrics
@@ -63,15 +63,15 @@ class Clock:
         return self.now
 
 
-def two_servers(**kwargs: Any) -> tuple[FleetClient, FakeServer, FakeServer, list]:
+def two_servers(**kwargs: Any) -> tuple[RoutingClient, FakeServer, FakeServer, list]:
     a, b = FakeServer(), FakeServer()
     reports: list = []
-    fleet = FleetClient([("http://a:1", a), ("http://b:1", b)], unavailable_timeout_s=5.0,
+    fleet = RoutingClient([("http://a:1", a), ("http://b:1", b)], unavailable_timeout_s=5.0,
                         report_drained=lambda *r: reports.append(r), **kwargs)
     return fleet, a, b, reports
 
 
-async def in_group(fleet: FleetClient, server: str, calls: int = 1) -> tuple[Any, list]:
+async def in_group(fleet: RoutingClient, server: str, calls: int = 1) -> tuple[Any, list]:
     route = fleet.router.open_route(fleet.router.slots[server], calls)
     for _ in range(calls):
         fleet.router.admit(route)
@@ -155,7 +155,7 @@ class CountingServer(FakeServer):
         return self.paused
 
 
-async def one_request_on_a(fleet: FleetClient) -> tuple[Any, asyncio.Future]:
+async def one_request_on_a(fleet: RoutingClient) -> tuple[Any, asyncio.Future]:
     route = fleet.router.open_route(fleet.router.slots["a-1"], 1)
     fleet.router.admit(route)
     ROUTE.set(route)
@@ -168,7 +168,7 @@ def test_a_slow_server_whose_counters_move_keeps_its_request_past_the_window():
     async def go():
         clock = Clock()
         a, b = CountingServer(), FakeServer()
-        fleet = FleetClient([("http://a:1", a), ("http://b:1", b)], drain_after_s=10.0, clock=clock)
+        fleet = RoutingClient([("http://a:1", a), ("http://b:1", b)], drain_after_s=10.0, clock=clock)
         await fleet.start(ceiling=16)
         route, call = await one_request_on_a(fleet)
         for now in range(0, 60, 2):
@@ -187,7 +187,7 @@ def test_a_server_silent_for_less_than_the_window_keeps_its_request():
     async def go():
         clock = Clock()
         a, b = CountingServer(), FakeServer()
-        fleet = FleetClient([("http://a:1", a), ("http://b:1", b)], drain_after_s=10.0, clock=clock)
+        fleet = RoutingClient([("http://a:1", a), ("http://b:1", b)], drain_after_s=10.0, clock=clock)
         await fleet.start(ceiling=16)
         route, call = await one_request_on_a(fleet)
         a.hung = True  # frozen: its scrapes time out
@@ -211,7 +211,7 @@ def test_a_server_whose_requests_stall_is_drained_after_the_window_but_not_while
         clock = Clock()
         a, b = CountingServer(), FakeServer()
         reports: list = []
-        fleet = FleetClient([("http://a:1", a), ("http://b:1", b)], drain_after_s=10.0, clock=clock,
+        fleet = RoutingClient([("http://a:1", a), ("http://b:1", b)], drain_after_s=10.0, clock=clock,
                             report_drained=lambda *r: reports.append(r))
         await fleet.start(ceiling=16)
         route, call = await one_request_on_a(fleet)
@@ -296,7 +296,7 @@ class TwoServerLoop(ScriptedLoop):
         for server, kv in zip(servers, self.kv_usage or (None, None)):
             server.kv_usage = kv
         self.servers = servers
-        self.client = FleetClient([("http://a:1", servers[0]), ("http://b:1", servers[1])], unavailable_timeout_s=5.0)
+        self.client = RoutingClient([("http://a:1", servers[0]), ("http://b:1", servers[1])], unavailable_timeout_s=5.0)
         self.max_model_len = await self.client.start(self.ceiling)
 
 
