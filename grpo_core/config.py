@@ -391,7 +391,7 @@ class AsyncGRPOConfig:
     weight_sync_deadline_floor_s: Annotated[float, Field(gt=0)] = 60.0
     """Least time any phase of a push may take (pause, init, start, transfer, update, finish, resume); a phase
     that moves the weights gets ``max(this, weight_sync_deadline_slack x bytes / measured bandwidth)``. A phase
-    past its deadline ends the push with an error naming the phase and the server (``grpo_core.sync.deadline``)."""
+    past its deadline ends the push with an error naming the phase and the server (``grpo_core.sync.timing.deadline``)."""
     weight_sync_deadline_slack: Annotated[float, Field(gt=0)] = 4.0
     """Multiple of the time a push's bytes take at the slowest bandwidth measured on the last pushes."""
     weight_sync_assumed_mb_s: Annotated[float, Field(gt=0)] = 50.0
@@ -406,7 +406,7 @@ class AsyncGRPOConfig:
     """Largest |server - trainer| probe log-prob accepted. None: 1e-4 on the largest when the server computes in fp32
     (what the dense push meets on a CPU server); for a 16-bit server, a bound on the probe's mean gap: 5e-2, or eight
     times the trainer's own mean bf16 rounding of the probe where it computes in fp32 and that is more (measured at
-    each checked version; ``grpo_core/sync/verify.py``)."""
+    each checked version; ``grpo_core/fleet/verify.py``)."""
     lora_sync_mode: Literal["auto", "merged", "adapter"] = "auto"
     """With ``peft_config`` only. ``merged``: every sync merges the adapter into the base weights and pushes
     them all over ``weight_transfer_backend``. ``adapter``: only the adapter is written under

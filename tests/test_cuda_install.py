@@ -5,11 +5,8 @@ none. What can only run on a GPU (installing the lock there, serving, pushing) i
 from __future__ import annotations
 
 import hashlib
-import importlib
-import importlib.util
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -97,24 +94,34 @@ def test_the_plugin_gives_a_025_server_its_version_routes():
     assert client.get("/weight_info").json() == {"weight_version": "12"}
 
 
-def test_without_vllms_trainer_side_the_senders_use_their_own_types(monkeypatch):
+def test_the_senders_use_the_projects_own_types_on_every_line():
     import torch
 
-    import grpo_core.vllm_types as lines
+    import grpo_core.vllm_types as types_
 
-    legacy = types.ModuleType("vllm.distributed.weight_transfer.base")  # what 0.25 has: receiving engines only
-    legacy.WeightTransferEngine = object
-    monkeypatch.setitem(sys.modules, "vllm.distributed.weight_transfer.base", legacy)
-    # A fresh copy of the module under another name: the loaded one (and what holds its types) is left alone.
-    spec = importlib.util.spec_from_file_location("vllm_types_on_025", lines.__file__)
-    copy = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "vllm_types_on_025", copy)
-    spec.loader.exec_module(copy)
-    assert copy.ParamMeta.__module__ == "vllm_types_on_025"
-    assert copy.ParamMeta("w", torch.float32, (2,)).shape == (2,)
-    assert copy.materialize_full_tensor(torch.ones(2)).sum() == 2
-    assert copy.TrainerInitInfo(rank=1).is_sender is False
-    assert lines.ParamMeta.__module__.startswith("vllm.")  # the installed 0.32 line's own
+    assert types_.ParamMeta.__module__ == "grpo_core.vllm_types"
+    assert types_.ParamMeta("w", torch.float32, (2,)).shape == (2,)
+    assert types_.materialize_full_tensor(torch.ones(2)).sum() == 2
+    assert types_.TrainerInitInfo(rank=1).is_sender is False
+
+
+def test_the_training_process_starts_without_importing_vllm():
+    """Every module of the training side (the launch, the trainer, the rollout process, the weight senders, LoRA)
+    imports no vLLM module: vLLM's import is 8 s of a trainer's start on an idle machine with bytecode cached. Only
+    the NCCL sender needs vLLM's own code, and the sync imports it when a run chooses it."""
+    code = """
+import importlib, pkgutil, sys
+import grpo_core.launch.__main__
+for package in ("training", "rollout", "fleet", "sync", "checkpoint", "tracking", "models"):
+    root = importlib.import_module("grpo_core." + package)
+    for info in pkgutil.walk_packages(root.__path__, root.__name__ + "."):
+        if "nccl" not in info.name and "triton" not in info.name:  # vLLM's NCCL engine; Triton is optional
+            importlib.import_module(info.name)
+print(sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]", f"vLLM modules imported by the training side: {done.stdout[:2000]}"
 
 
 def test_vllm_lines_documents_both_supported_builds():

@@ -37,9 +37,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("grpo_core.models.lora", "grpo_core.vllm_types"):
         "vllm_types imports vLLM's weight-transfer types where vLLM is installed (seconds); LoRA needs them only to "
         "gather a sharded weight for a push",
-    ("grpo_core.sync.protocol", "grpo_core.sync.gloo_trainer"):
+    ("grpo_core.sync.protocol", "grpo_core.sync.send.gloo_trainer"):
         "only the backend the run uses loads its engine (each brings vLLM's weight-transfer types, an optional extra)",
-    ("grpo_core.sync.protocol", "grpo_core.sync.nccl_trainer"):
+    ("grpo_core.sync.protocol", "grpo_core.sync.send.nccl_trainer"):
         "only the backend the run uses loads its engine; the NCCL one needs vLLM's NCCL engine (a CUDA build)",
     # processes that start before they load what the import brings
     ("grpo_core.launch.__main__", "grpo_core.ranks"): _JOB_FIRST,

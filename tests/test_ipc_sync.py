@@ -16,7 +16,7 @@ import pickle
 import pytest
 import torch
 
-from grpo_core.sync.ipc_trainer import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine, bucket_update
+from grpo_core.sync.send.ipc_trainer import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine, bucket_update
 from grpo_core.sync.source import ModelWeightSource
 from grpo_core.sync.wire.buckets import plan_buckets
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from grpo_core.sync.bucket_stream import local_tensors, send_buckets
+from grpo_core.sync.send.bucket_stream import local_tensors, send_buckets
 from grpo_core.sync.wire.buckets import plan_buckets, tensor_nbytes, update_info
 from grpo_core.vllm_server.process import free_port
 from tests.child_processes import run_ranks
@@ -230,7 +230,7 @@ def test_the_rendezvous_is_offered_where_the_server_can_dial_it(two_rank_report)
 
 
 def test_the_double_buffer_arena_holds_any_two_consecutive_buckets():
-    from grpo_core.sync.bucket_stream import arena_bytes
+    from grpo_core.sync.send.bucket_stream import arena_bytes
 
     plan = plan_buckets(_meta([(300,), (10,), (100,), (120,)]), 150)  # buckets of 600, 220, 240 bytes
     assert [b.nbytes for b in plan] == [600, 220, 240]
@@ -245,7 +245,7 @@ def test_the_nccl_sender_puts_vllms_own_packed_chunks_on_the_wire():
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
     from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
 
-    from grpo_core.sync.nccl_trainer import BucketedNCCLTrainerEngine
+    from grpo_core.sync.send.nccl_trainer import BucketedNCCLTrainerEngine
     from grpo_core.sync.source import ModelWeightSource
 
     torch.manual_seed(0)

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo_core.sync.deadline import DeadlineConfig
 from grpo_core.sync.errors import WeightSyncError, WeightSyncTimeout
 from grpo_core.sync.protocol import ProtocolWeightSync
 from grpo_core.sync.source import ModelWeightSource
+from grpo_core.sync.timing.deadline import DeadlineConfig
 
 
 class FakeServer:

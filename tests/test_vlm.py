@@ -218,7 +218,7 @@ class _Receiver:
 
 
 def test_no_tower_tensor_goes_on_the_wire():
-    from grpo_core.sync.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
+    from grpo_core.sync.send.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
     from grpo_core.sync.source import ModelWeightSource
 
     model, _ = load_policy(tiny_vlm("qwen3_vl"), torch.device("cpu"))

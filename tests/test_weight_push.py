@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from grpo_core.fleet.verify import VerifyConfig
 from grpo_core.fleet.weight_push import WeightPusher
 from grpo_core.ranks import DistInfo
 from grpo_core.sync.base import SyncStats, WeightSync
 from grpo_core.sync.errors import ServedWeightsMismatch, WeightSyncTimeout
-from grpo_core.sync.verify import VerifyConfig
 from grpo_core.vllm_server.control import VLLMRequestError
 
 URL = "http://server:8000"
@@ -117,7 +117,7 @@ def test_a_server_that_keeps_old_weights_is_named_after_the_last_attempt():
 
 
 def test_a_cpu_server_with_lora_support_gets_no_probe_and_others_do() -> None:
-    from grpo_core.sync.verify import PushVerifier, VerifyConfig, probe_unsafe_reason
+    from grpo_core.fleet.verify import PushVerifier, VerifyConfig, probe_unsafe_reason
 
     cpu_lora = {"device_config": {"device": "cpu"}, "lora_config": {"max_loras": 2}, "model_config": {"dtype": "float32"}}
     assert "LoRA" in probe_unsafe_reason(cpu_lora)
@@ -141,7 +141,7 @@ def test_a_cpu_server_with_lora_support_gets_no_probe_and_others_do() -> None:
 
 
 def test_a_server_without_the_tokens_route_gets_no_probe_but_other_errors_are_raised() -> None:
-    from grpo_core.sync.verify import PushVerifier
+    from grpo_core.fleet.verify import PushVerifier
 
     class NoScaleOut(Server):
         def prompt_logprobs(self, *a, **k):  # noqa: ANN002, ANN003
@@ -180,7 +180,7 @@ def test_a_16_bit_servers_tolerance_follows_the_trainers_own_rounding() -> None:
     """An fp32 trainer's probe against a bf16 server: the fixed floor alone refused a server holding the right weights
     (0.42 apart on the tiny Qwen3.5-MoE as loaded, benchmarks/sync/probe_rounding.py); the measured rounding admits it, a
     single token's flip passes a check on the mean, and weights a push got wrong (nats apart) are still refused."""
-    from grpo_core.sync.verify import LOW_PRECISION_ATOL, ROUNDING_MARGIN, PushVerifier, VerifyConfig, default_atol
+    from grpo_core.fleet.verify import LOW_PRECISION_ATOL, ROUNDING_MARGIN, PushVerifier, VerifyConfig, default_atol
 
     assert default_atol("float32", 0.3) == 1e-4  # an fp32 server: the exact bound, whatever the rounding
     assert default_atol("bfloat16") == default_atol("bfloat16", 0.001) == LOW_PRECISION_ATOL  # the floor
@@ -260,7 +260,7 @@ def test_the_pusher_hands_the_probes_rounding_to_the_check_on_every_rank() -> No
 ])
 def test_the_start_of_run_log_states_the_rule_the_check_applies(caplog: pytest.LogCaptureFixture, dtype: str,
                                                                  rounding_gap: float | None, rule: str) -> None:
-    from grpo_core.sync.verify import PushVerifier, VerifyConfig
+    from grpo_core.fleet.verify import PushVerifier, VerifyConfig
 
     class TypedServer(Server):
         def server_config(self) -> dict:
@@ -268,7 +268,7 @@ def test_the_start_of_run_log_states_the_rule_the_check_applies(caplog: pytest.L
 
     server = TypedServer()
     server.logprob = -1.0
-    with caplog.at_level("INFO", logger="grpo_core.sync.verify"):
+    with caplog.at_level("INFO", logger="grpo_core.fleet.verify"):
         PushVerifier(VerifyConfig(), vocab_size=50).check_logprobs(server, 0, torch.full((31,), -1.0),
                                                                    rounding_gap=rounding_gap)
     assert f"computes in {dtype.removeprefix('torch.')}; probe log-probs must agree {rule} (weight_sync_verify_atol)" \
@@ -322,7 +322,7 @@ def bf16_pusher(server: Bf16Server, monkeypatch: pytest.MonkeyPatch, dist: DistI
 
 
 def first_tokens() -> list[int]:
-    from grpo_core.sync.verify import probe_token_ids
+    from grpo_core.fleet.verify import probe_token_ids
 
     return [probe_token_ids(50, 32, seed)[0] for seed in range(3)]
 
@@ -334,7 +334,7 @@ def test_one_probe_sequence_past_a_16_bit_bound_is_settled_by_two_more(monkeypat
     first, second, third = first_tokens()
     assert len({first, second, third}) == 3  # the stand-in tells the sequences apart by their first token
     server = Bf16Server({first: 0.6})  # 0.6 on average, against 8 x 0.02
-    with caplog.at_level("WARNING", logger="grpo_core.sync.verify"):
+    with caplog.at_level("WARNING", logger="grpo_core.fleet.verify"):
         outcome = bf16_pusher(server, monkeypatch).push(5)
     assert server.asked == [first, second, third] and outcome.attempts == 1
     assert outcome.report.reprobes == 2 and outcome.report.mean_diff == pytest.approx(0.6)

@@ -55,8 +55,8 @@ import torch
 import torch.distributed as dist
 
 
-from grpo_core.sync.bucket_stream import TransferStats  # noqa: E402
-from grpo_core.sync.packed_send import send_packed  # noqa: E402
+from grpo_core.sync.send.bucket_stream import TransferStats  # noqa: E402
+from grpo_core.sync.send.packed_send import send_packed  # noqa: E402
 from grpo_core.sync.wire.address import choose_port, parse_port_range, rendezvous_address  # noqa: E402
 from benchmarks.sync.nccl_sync_receiver import (  # noqa: E402
     TorchNcclComm,

@@ -1,10 +1,10 @@
 """How far a 16-bit CPU vLLM server's probe log-probs sit from an fp32 trainer's on the same weights, against the
 trainer's own bf16 rounding of the probe: the measurement behind the weight-push check's tolerance for 16-bit
-servers (``grpo_core/sync/verify.py``: ``ROUNDING_MARGIN`` times the trainer's rounding, at least 5e-2).
+servers (``grpo_core/fleet/verify.py``: ``ROUNDING_MARGIN`` times the trainer's rounding, at least 5e-2).
 
 For each tiny variant that its CPU server runs in bf16 (the Gated DeltaNet ones), the variant's build
 (``grpo_core.tiny``, cached by spec) is served as the flow serves it; before any push, so both sides hold the
-checkpoint's weights, each of ``--probes`` probe sequences (``sync.verify.probe_token_ids`` with seeds 0, 1, ...;
+checkpoint's weights, each of ``--probes`` probe sequences (``fleet.verify.probe_token_ids`` with seeds 0, 1, ...;
 the check uses seed 0) is scored three ways side by side:
 
     server     the server's prompt log-probs (``/inference/v1/generate``)
@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from grpo_core.config import AsyncGRPOConfig
+from grpo_core.fleet.verify import LOW_PRECISION_ATOL, ROUNDING_MARGIN, default_atol, probe_token_ids
 from grpo_core.models.loading import load_policy
-from grpo_core.sync.verify import LOW_PRECISION_ATOL, ROUNDING_MARGIN, default_atol, probe_token_ids
 from grpo_core.tiny import build_tiny_model
 from grpo_core.training.forward import probe_logprobs
 from grpo_core.vllm_server.control import VLLMControlClient

@@ -61,7 +61,7 @@ from benchmarks.sync.sparse_push_gpu_receiver import (  # noqa: E402
     host_buffer, max_payload_bytes, sync,
 )
 
-from grpo_core.sync.bucket_stream import send_buckets  # noqa: E402
+from grpo_core.sync.send.bucket_stream import send_buckets  # noqa: E402
 from grpo_core.sync.wire.buckets import DEFAULT_BUCKET_BYTES, Bucket, plan_buckets, update_info  # noqa: E402
 from grpo_core.sync.wire.delta import encode_bucket  # noqa: E402
 from grpo_core.sync.wire.digest import tensor_digest  # noqa: E402

@@ -77,9 +77,9 @@ def probe_against_bf16_server(model_path: str, folder: Path, versions: list[dict
     server's tolerance must cover and the one it must still see."""
     from transformers import AutoModelForCausalLM
 
+    from grpo_core.fleet.verify import PushVerifier, VerifyConfig
     from grpo_core.sync.protocol import ProtocolWeightSync
     from grpo_core.sync.source import ModelWeightSource
-    from grpo_core.sync.verify import PushVerifier, VerifyConfig
     from grpo_core.vllm_server.control import VLLMControlClient
     from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec
 
@@ -126,10 +126,10 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
+    from grpo_core.fleet.verify import PushVerifier, VerifyConfig
     from grpo_core.sync.protocol import ProtocolWeightSync
     from grpo_core.sync.source import ModelWeightSource
     from grpo_core.sync.storage_sync import PatchPublisher, StoragePatchSync
-    from grpo_core.sync.verify import PushVerifier, VerifyConfig
     from grpo_core.sync.wire.buckets import plan_buckets
     from grpo_core.sync.wire.delta import encode_bucket
     from grpo_core.sync.wire.digest import tensor_digest

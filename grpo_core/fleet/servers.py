@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
+from grpo_core.fleet.verify import VerifyConfig
 from grpo_core.fleet.weight_push import PUSH_FAILURES, PushOutcome, WeightPusher
 from grpo_core.ranks import DistInfo, broadcast_object
 from grpo_core.rollout.routing_client import FleetView, server_name
-from grpo_core.sync.verify import VerifyConfig
 from grpo_core.vllm_server.checks import (
     ServerCapabilities, ServerConfigError, check_fleet_alike, server_fingerprint)
 from grpo_core.vllm_server.control import VLLMControlClient
@@ -507,7 +507,7 @@ class VersionProbe:
 
     ``low_precision`` is the same probe computed in 16 bits (``grpo_core.training.orchestrator.policy_probe``);
     ``rounding_gap`` compares the two for the version being checked: how far the trainer's own rounding moves these
-    weights' probe on average, which a 16-bit server's check allows a multiple of (``sync.verify.PushVerifier``).
+    weights' probe on average, which a 16-bit server's check allows a multiple of (``fleet.verify.PushVerifier``).
     It is measured at every checked version, since training changes it."""
 
     def __init__(self, probe: Callable[[list[int]], torch.Tensor],

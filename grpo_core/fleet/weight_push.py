@@ -1,10 +1,10 @@
 """The trainer's pushes to its server: push, confirm what the server serves, recover from a failed push.
 
     push(v)     every rank: the sync's push (gathers are collectives; rank 0 talks to the server)
-                → rank 0 reads the served version back (``sync.verify.check_version``) and, every
+                → rank 0 reads the served version back (``fleet.verify.check_version``) and, every
                   ``weight_sync_verify_every`` pushes, compares the server's probe log-probs with the
                   trainer's (every rank computes those: the forward is collective; a 16-bit server's outlier
-                  is settled with further sequences, ``sync.verify.ProbeOutlier``) and, where the
+                  is settled with further sequences, ``fleet.verify.ProbeOutlier``) and, where the
                   transport can, the bytes the server holds (``check_applied``: storage receipts)
                 → the ranks take rank 0's verdict (one broadcast)
     on failure  a ``WeightSyncError`` (a phase past its deadline, a refusal, a mismatch) or the server
@@ -28,11 +28,11 @@ from typing import Any
 import httpx
 import torch
 
+from grpo_core.fleet.verify import ProbeOutlier, PushVerifier, VerifyConfig, VerifyReport, check_version
 from grpo_core.ranks import DistInfo, broadcast_object
 from grpo_core.sync.base import SyncStats, WeightSync
 from grpo_core.sync.errors import WeightSyncError
 from grpo_core.sync.factory import SYNC_MODE_CODES, make_patch_publisher, make_weight_sync
-from grpo_core.sync.verify import ProbeOutlier, PushVerifier, VerifyConfig, VerifyReport, check_version
 from grpo_core.vllm_server.control import VLLMRequestError
 from grpo_core.vllm_server.watch import close_open_weight_update
 

@@ -1,9 +1,15 @@
 """Weight sync behind one interface: the trainer's weights to the vLLM server after an optimizer step.
 
-The trainer's side. vLLM's weight-transfer protocol over gloo (CPU; ``gloo_trainer`` sends to the engine
-``grpo_core.vllm_plugin`` registers in every vLLM process) or NCCL (``nccl_trainer``), bucketed
-(``bucket_stream``, ``packed_send``); storage patches (``storage_sync``); LoRA adapters through storage
-(``lora``); ``factory`` picks one for a run, ``source`` names the weights as the server's checkpoint does.
-What both sides agree on (bucket plans, delta encoding, digests, patch files, the rendezvous, the gloo
-messages) is in ``wire``.
+The trainer's side, read top to bottom as a push runs:
+
+* ``factory`` picks the sync for a run; ``base.WeightSync`` is what every sync is: ``protocol`` (vLLM's
+  weight-transfer protocol: pause, start, update, finish, resume), ``storage_sync`` (patches on storage) or
+  ``lora`` (adapters through storage); ``source`` names the trainer's weights as the server's checkpoint does;
+* ``send/``: what moves the bytes: one sender per transport (gloo, NCCL, CUDA IPC) over the bucket pipeline;
+* ``timing/``: what bounds each phase of a push in time;
+* ``errors``: what a failed push raises, naming its server, version and phase.
+
+What both sides agree on (bucket plans, delta encoding, digests, patch files, the rendezvous, the gloo messages)
+is in ``wire``, the only part the vLLM plugin imports. The checks of what a server serves after a push are the
+fleet's (``grpo_core.fleet.verify``), where every caller of them is.
 """

@@ -1,9 +1,9 @@
 """The named errors of a weight sync: each says which server, which weight version and which phase.
 
 ``WeightSyncError`` (a ``RuntimeError``) is what a push raises when it fails; its subclasses say why:
-``WeightSyncTimeout`` (a phase passed its deadline, ``deadline``), ``ServedVersionMismatch`` (the
+``WeightSyncTimeout`` (a phase passed its deadline, ``timing.deadline``), ``ServedVersionMismatch`` (the
 server reports another weight version than the one just pushed) and ``ServedWeightsMismatch`` (the
-weights it serves are not the trainer's, ``verify`` and ``storage_sync``). The trainer recovers
+weights it serves are not the trainer's, ``grpo_core.fleet.verify`` and ``storage_sync``). The trainer recovers
 from any of them by pushing again over a new session, and fails the attempt when that fails too.
 """
 

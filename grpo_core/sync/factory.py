@@ -12,11 +12,14 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from grpo_core.models.lora import base_named_tensors, max_rank, merged_named_tensors
 from grpo_core.sync.base import WeightSync
-from grpo_core.sync.deadline import DeadlineConfig
 from grpo_core.sync.lora import LoraAdapterSync
 from grpo_core.sync.storage_sync import PatchPublisher, StoragePatchSync
+from grpo_core.sync.timing.deadline import DeadlineConfig
 from grpo_core.sync.wire.address import parse_port_range
 from grpo_core.vllm_server.checks import (
     LoraServing,
@@ -44,8 +47,6 @@ def resolve_lora_mode(requested: str, serving: LoraServing) -> str:
 def wire_dtype(bf16: bool) -> Any:
     """The dtype weights travel in: bf16 when training in bf16 (the policy the trainer computes with,
     half the bytes of the fp32 master weights), else the weights' own dtype (None)."""
-    import torch
-
     return torch.bfloat16 if bf16 else None
 
 
@@ -153,8 +154,6 @@ def _choose_lora_mode(setup: SyncSetup, control: Any, adapter_rank: int) -> str:
 
 def _agree_on_mode(mode: str | None) -> str:
     """Rank 0 probed the server; every other rank takes its answer (all ranks must sync alike)."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         box = [mode]
         dist.broadcast_object_list(box, src=0)

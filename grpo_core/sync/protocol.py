@@ -1,12 +1,12 @@
 """Full-weight sync through vLLM's weight-transfer protocol: pause → start → update → finish → resume.
 
 The transport is picked by name: ``gloo`` (this package's backend, CPU servers), ``nccl`` (vLLM's
-packed NCCL format, sent by ``nccl_trainer.BucketedNCCLTrainerEngine``) or ``ipc`` (vLLM's CUDA IPC engine, for a
-server on the trainer's own GPU, sent by ``ipc_trainer.IPCTrainerWeightTransferEngine``). Both send the model in
+packed NCCL format, sent by ``send.nccl_trainer.BucketedNCCLTrainerEngine``) or ``ipc`` (vLLM's CUDA IPC engine, for a
+server on the trainer's own GPU, sent by ``send.ipc_trainer.IPCTrainerWeightTransferEngine``). Both send the model in
 buckets of about ``bucket_bytes``, gathered with one collective per bucket across FSDP2 ranks; gloo
-can also send only what changed since the last push (``encoding="delta"``, ``gloo_trainer``).
+can also send only what changed since the last push (``encoding="delta"``, ``send.gloo_trainer``).
 
-Every call to the server has a deadline (``deadline.Deadlines``; for ``nccl`` the HTTP phases only:
+Every call to the server has a deadline (``timing.deadline.Deadlines``; for ``nccl`` the HTTP phases only:
 its broadcasts run on the GPU and are not cut off). A push that fails or passes one raises a
 ``WeightSyncError`` naming the phase, the server and the version, tears its session down (the sync
 cannot push again; the caller makes a new one) and leaves the server paused: it may hold half-loaded
@@ -25,11 +25,11 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from grpo_core.sync.base import SyncStats, WeightSync
-from grpo_core.sync.bucket_stream import TransferStats
-from grpo_core.sync.deadline import DeadlineConfig, Deadlines
 from grpo_core.sync.errors import WeightSyncError
-from grpo_core.sync.ipc_trainer import IPC_BACKEND, IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
-from grpo_core.sync.timed import TimedControl
+from grpo_core.sync.send.bucket_stream import TransferStats
+from grpo_core.sync.send.ipc_trainer import IPC_BACKEND, IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
+from grpo_core.sync.timing.deadline import DeadlineConfig, Deadlines
+from grpo_core.sync.timing.timed_control import TimedControl
 from grpo_core.sync.wire.address import PortRange, choose_port, rendezvous_address
 from grpo_core.sync.wire.buckets import DEFAULT_BUCKET_BYTES
 from grpo_core.sync.wire.gated_store import PortTaken
@@ -49,7 +49,7 @@ def _trainer_engine(backend: str, control: Any, source: WeightSource, rank: int,
                     world_size: int, bucket_bytes: int, encoding: str, rendezvous_s: float) -> Any:
     """Rendezvous with the server (rank 0) and return the trainer-side engine for ``backend``."""
     if backend == GLOO_BACKEND:
-        from grpo_core.sync.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
+        from grpo_core.sync.send.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
 
         info = GlooTrainerInitInfo(rank=rank, master_address=address, master_port=port, world_size=world_size,
                                    bucket_bytes=bucket_bytes, encoding=encoding, rendezvous_timeout_s=rendezvous_s)
@@ -69,7 +69,7 @@ def _trainer_engine(backend: str, control: Any, source: WeightSource, rank: int,
                 f"line ({installed_line().line}) lacks; a server on the trainer's own GPU takes 'ipc' (or 'gloo')")
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-        from grpo_core.sync.nccl_trainer import BucketedNCCLTrainerEngine
+        from grpo_core.sync.send.nccl_trainer import BucketedNCCLTrainerEngine
 
         info = NCCLTrainerInitInfo(rank=rank, master_address=address, master_port=port, world_size=world_size,
                                    packed=True, packed_buffer_size_bytes=bucket_bytes)

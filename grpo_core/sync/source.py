@@ -4,7 +4,7 @@ Wrappers change parameter names (activation checkpointing inserts ``_checkpoint_
 torch.compile ``_orig_mod``, peft ``base_model.model`` and ``base_layer``); the server's
 ``load_weights`` expects the names of the saved checkpoint, so they are normalised here
 (``grpo_core.models.param_names``). Iteration gathers FSDP2 shards (DTensors) with ``full_tensor()`` one
-parameter at a time; the bucketed senders (``bucket_stream``) read ``iter_local`` instead and gather a
+parameter at a time; the bucketed senders (``send.bucket_stream``) read ``iter_local`` instead and gather a
 whole bucket in one collective, so no full copy of the model is ever built either way.
 """
 

@@ -25,10 +25,10 @@ import torch
 
 from grpo_core.storage.store import Storage
 from grpo_core.sync.base import SyncStats, WeightSync
-from grpo_core.sync.bucket_stream import local_tensors, send_buckets, source_device
-from grpo_core.sync.deadline import DeadlineConfig, Deadlines
 from grpo_core.sync.errors import ServedWeightsMismatch
-from grpo_core.sync.timed import TimedControl
+from grpo_core.sync.send.bucket_stream import local_tensors, send_buckets, source_device
+from grpo_core.sync.timing.deadline import DeadlineConfig, Deadlines
+from grpo_core.sync.timing.timed_control import TimedControl
 from grpo_core.sync.wire.buckets import DEFAULT_BUCKET_BYTES, plan_buckets
 from grpo_core.sync.wire.delta import encode_bucket
 from grpo_core.sync.wire.digest import tensor_digest

@@ -343,7 +343,7 @@ class RunOrchestrator:
 def policy_probe(model: torch.nn.Module, device: torch.device, train_dtype: str) -> VersionProbe:
     """The probe of a trainer's policy (``training.forward.probe_logprobs``). An fp32 trainer whose servers must
     compute in 16 bits (a model's need, checked at start-up on every server) also measures its own 16-bit rounding
-    of the probe at each check: those servers' checks tolerate a multiple of it (``sync.verify.ROUNDING_MARGIN``).
+    of the probe at each check: those servers' checks tolerate a multiple of it (``fleet.verify.ROUNDING_MARGIN``).
     Every rank decides this alike, from the model's config and the dtype."""
     sixteen_bit_server = expected_server_dtype(train_dtype, model.config, device.type == "cuda") != "float32"
     return VersionProbe(lambda ids: probe_logprobs(model, ids, device),

@@ -38,7 +38,7 @@ def register() -> None:
     line = installed_line()
     if line.trainer_engine_api and GLOO_BACKEND not in factory.WeightTransferTrainerFactory._registry:
         factory.WeightTransferTrainerFactory.register_engine(
-            GLOO_BACKEND, "grpo_core.sync.gloo_trainer", "GlooTrainerWeightTransferEngine"
+            GLOO_BACKEND, "grpo_core.sync.send.gloo_trainer", "GlooTrainerWeightTransferEngine"
         )
     if not line.weight_version_routes:
         add_weight_version_routes()

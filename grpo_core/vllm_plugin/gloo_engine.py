@@ -5,7 +5,7 @@ four-phase protocol (init → start → update → finish) over a gloo process g
 server receives weights exactly as a GPU server does over NCCL:
 
 * ``GlooWeightTransferEngine`` runs inside each vLLM worker (registered by ``entry_point``);
-* ``grpo_core.sync.gloo_trainer.GlooTrainerWeightTransferEngine`` runs in the trainer; only trainer rank 0 talks to vLLM.
+* ``grpo_core.sync.send.gloo_trainer.GlooTrainerWeightTransferEngine`` runs in the trainer; only trainer rank 0 talks to vLLM.
 
 Wire format: one ``/update_weights`` call per sync carries every parameter's name, dtype and shape
 plus ``group_sizes``, the number of parameters in each broadcast. The sender cuts the model into

@@ -153,7 +153,7 @@ class VLLMControlClient:
         self._post("/reset_prefix_cache")
 
     # -- vLLM's weight-transfer protocol (VLLMWeightSyncClient) -------------------------------------
-    # ``timeout``: the call's deadline (``grpo_core.sync.timed`` passes each phase's); None: the client's.
+    # ``timeout``: the call's deadline (``grpo_core.sync.timing.timed_control`` passes each phase's); None: the client's.
     def init_weight_transfer_engine(self, init_info: dict[str, Any], timeout: float | None = None) -> None:
         self._post("/init_weight_transfer_engine", json={"init_info": init_info}, retry=False, timeout=timeout)
 

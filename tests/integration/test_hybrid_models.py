@@ -201,7 +201,7 @@ def within_rounding(server: torch.Tensor, trainer: torch.Tensor, rounding: torch
     """Server and trainer agree as bf16 allows: mean gap within 2x, 90th percentile within 3x the trainer's own bf16
     gap. The largest gap is reported, not held to a bound: one token whose experts a 16-bit router picks differently
     moves by up to 2 nats with the right weights on the server (benchmarks/sync/probe_rounding.py), which is why the
-    push check itself reads the mean (sync/verify.py).
+    push check itself reads the mean (fleet/verify.py).
 
     Measured on these tiny models (sampled completion tokens, seeds 0-5 of ``sampled_sequences``, as loaded and
     after each perturbation's push): server gap / trainer's bf16 gap on the mean 0.89-1.11 (hybrid, VLM) and 0.40-1.27

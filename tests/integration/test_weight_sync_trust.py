@@ -7,7 +7,7 @@
 (c) a server left on old weights under a new version number is caught by the check and named.
 
 The module starts its own server, without LoRA support: the probe that checks a push asks the server for
-prompt log-probs while rollouts decode, which vLLM's CPU LoRA kernels cannot batch (``sync/verify.py``), so
+prompt log-probs while rollouts decode, which vLLM's CPU LoRA kernels cannot batch (``fleet/verify.py``), so
 the session's LoRA-enabled server gets no probe. Each test leaves the server as it found it (serving,
 unpaused); the next test pushes its own weights at start-up anyway.
 
@@ -138,7 +138,7 @@ def engine_processes(server) -> list:
 
 def test_a_push_whose_receiver_stops_ends_in_a_named_error_within_its_deadline_and_the_run_finishes(
         plain_server, tiny_model_path, tmp_path, monkeypatch, caplog):
-    from grpo_core.sync import gloo_trainer
+    from grpo_core.sync.send import gloo_trainer
 
     floor_s, stopped_for_s, stop_at = 4.0, 12.0, 3
     args = config(plain_server.base_url, tmp_path, max_steps=6, weight_sync_deadline_floor_s=floor_s,
@@ -189,9 +189,9 @@ def test_a_push_whose_receiver_stops_ends_in_a_named_error_within_its_deadline_a
 def test_a_server_left_on_old_weights_is_caught_and_named(plain_server, tiny_model_path):
     from transformers import AutoModelForCausalLM
 
+    from grpo_core.fleet.verify import PushVerifier, VerifyConfig, check_version
     from grpo_core.sync.protocol import ProtocolWeightSync
     from grpo_core.sync.source import ModelWeightSource
-    from grpo_core.sync.verify import PushVerifier, VerifyConfig, check_version
     from grpo_core.vllm_server.control import VLLMControlClient
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)

@@ -1,6 +1,6 @@
 """What the two sides of a gloo push say to each other: the backend's name, the rendezvous, and the messages.
 
-The trainer builds these (``grpo_core.sync.gloo_trainer``, ``grpo_core.sync.storage_sync``); the engine inside
+The trainer builds these (``grpo_core.sync.send.gloo_trainer``, ``grpo_core.sync.storage_sync``); the engine inside
 each vLLM worker (``grpo_core.vllm_plugin.gloo_engine``) reads them. ``GlooWeightTransferUpdateInfo.plan``
 rebuilds on the receiving side the bucket plan the sender cut (``buckets.plan_from_sizes``).
 """

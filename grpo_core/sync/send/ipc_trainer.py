@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Self
 
 import torch
 
-from grpo_core.sync.bucket_stream import TransferStats, local_tensors, send_buckets, source_device
+from grpo_core.sync.send.bucket_stream import TransferStats, local_tensors, send_buckets, source_device
 from grpo_core.sync.wire.buckets import Bucket, plan_buckets
 from grpo_core.vllm_types import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from grpo_core.sync.flat_gather import BucketGather
+from grpo_core.sync.send.flat_gather import BucketGather
 from grpo_core.sync.wire.buckets import Bucket, largest_bucket_bytes
 
 Send = Callable[[torch.Tensor], None]

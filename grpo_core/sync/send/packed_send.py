@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from grpo_core.sync.bucket_stream import TransferStats, local_tensors, send_buckets, source_device
+from grpo_core.sync.send.bucket_stream import TransferStats, local_tensors, send_buckets, source_device
 from grpo_core.sync.wire.buckets import plan_buckets, update_info
 
 

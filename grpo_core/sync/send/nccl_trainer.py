@@ -28,8 +28,8 @@ from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitI
 from vllm.distributed.weight_transfer.nccl_common import trainer_init as open_trainer_endpoint
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-from grpo_core.sync.bucket_stream import TransferStats
-from grpo_core.sync.packed_send import send_packed
+from grpo_core.sync.send.bucket_stream import TransferStats
+from grpo_core.sync.send.packed_send import send_packed
 from grpo_core.vllm_types import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
 

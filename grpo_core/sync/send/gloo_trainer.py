@@ -3,7 +3,7 @@
 Every trainer rank walks the bucket plan (FSDP gathers are collectives); rank 0 broadcasts and talks
 to the server. Per push: start → ``/update_weights`` on a thread (it returns once the server loaded
 the last bucket) ∥ the broadcasts → finish. Each of those waits has its phase's deadline
-(``deadline.Deadlines``); a transfer that passes it stops sending but keeps walking the plan, so the
+(``timing.deadline.Deadlines``); a transfer that passes it stops sending but keeps walking the plan, so the
 other ranks' gathers still meet rank 0's, and the push then raises ``WeightSyncTimeout``.
 
 ``encoding="delta"`` keeps each bucket's bytes as pushed (host memory, one copy of the model in the
@@ -22,10 +22,10 @@ from typing import Any, ClassVar, Self
 
 import torch
 
-from grpo_core.sync.bucket_stream import TransferStats, local_tensors, send_buckets, source_device
-from grpo_core.sync.deadline import DeadlineConfig, Deadlines, PhaseClock
 from grpo_core.sync.errors import WeightSyncError
-from grpo_core.sync.timed import TimedControl
+from grpo_core.sync.send.bucket_stream import TransferStats, local_tensors, send_buckets, source_device
+from grpo_core.sync.timing.deadline import DeadlineConfig, Deadlines, PhaseClock
+from grpo_core.sync.timing.timed_control import TimedControl
 from grpo_core.sync.wire.buckets import DEFAULT_BUCKET_BYTES, Bucket, plan_buckets, update_info
 from grpo_core.sync.wire.delta import encode_bucket
 from grpo_core.sync.wire.gated_store import StoreGate, gloo_group, new_secret, trainer_store

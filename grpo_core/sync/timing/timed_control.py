@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from grpo_core.sync.deadline import Deadlines, PhaseClock
 from grpo_core.sync.errors import WeightSyncError, WeightSyncTimeout
+from grpo_core.sync.timing.deadline import Deadlines, PhaseClock
 
 
 def _is_timeout(err: BaseException) -> bool:
