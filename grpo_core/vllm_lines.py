@@ -15,10 +15,11 @@ Two lines are supported and tested:
 What this module does about each difference:
 
 * the trainer side's base types (``ParamMeta``, ``WeightSource``, ``materialize_full_tensor``,
-  ``TrainerInitInfo``, ``TrainerWeightTransferEngine``, ``VLLMWeightSyncClient``) are vLLM's where it has them,
-  else definitions of the same shape, in ``grpo_core.vllm_types``; every sender imports them from there. They sit
-  apart because finding vLLM's imports vLLM (seconds), which the control client, the launch and the rollout
-  process, readers of this module, never need;
+  ``TrainerInitInfo``, ``TrainerWeightTransferEngine``, ``VLLMWeightSyncClient``) are the project's own on both
+  lines, in ``grpo_core.vllm_types``; every sender imports them from there. Using vLLM's where it has them would
+  import vLLM into every trainer process (8 s of its start with bytecode cached), which the gloo, IPC and storage
+  senders never need; the control client, the launch and the rollout process, readers of this module, import no
+  vLLM either;
 * ``LineFeatures`` says what a line's server offers; the launch (``vllm_server.process``), the control client
   and the plugin (``vllm_plugin.entry_point``, which adds ``/weight_info`` and ``/update_weight_version`` to a
   0.25 server) read it instead of testing versions themselves.

@@ -3,6 +3,10 @@
 The trainer builds these (``grpo_core.sync.send.gloo_trainer``, ``grpo_core.sync.storage_sync``); the engine inside
 each vLLM worker (``grpo_core.vllm_plugin.gloo_engine``) reads them. ``GlooWeightTransferUpdateInfo.plan``
 rebuilds on the receiving side the bucket plan the sender cut (``buckets.plan_from_sizes``).
+
+The messages are plain dataclasses: the receiving engine builds them from the request's dict
+(``init_info_cls(**init_info)``), and vLLM's base classes for them carry no behaviour; not deriving from them keeps
+vLLM out of the trainer process, which builds these too.
 """
 
 from __future__ import annotations
@@ -11,7 +15,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
-from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from grpo_core.vllm_types import ParamMeta
 
@@ -25,7 +28,7 @@ STORAGE_TRANSPORT = "storage"
 
 
 @dataclass
-class GlooWeightTransferInitInfo(WeightTransferInitInfo):
+class GlooWeightTransferInitInfo:
     """Worker-side rendezvous: the trainer (rank 0) hosts the TCP store."""
 
     master_address: str
@@ -36,7 +39,7 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
 
 
 @dataclass
-class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+class GlooWeightTransferUpdateInfo:
     """One sync: every parameter's metadata, how many parameters each broadcast carries, and how.
 
     ``encoding``: ``dense`` (each bucket's flat bytes) or ``delta`` (per bucket a header broadcast, then
