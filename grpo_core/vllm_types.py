@@ -6,7 +6,7 @@ They are the project's own, not imported from vLLM, for two reasons: the 0.25 li
 importing vLLM costs a trainer process 12 s of its start on an idle machine (it brings in torch's compiler,
 transformers' image processors and more), which every trainer start and every resume would pay for types with no
 behaviour. So the training process imports vLLM only for the NCCL sender, whose rendezvous is vLLM's own
-(``grpo_core.sync.nccl_trainer``); tests/test_vllm_plugin_imports.py fails if the trainer imports it otherwise.
+(``grpo_core.sync.send.nccl_trainer``); tests/test_vllm_plugin_imports.py fails if the trainer imports it otherwise.
 """
 
 from __future__ import annotations

@@ -17,8 +17,6 @@ _GRPO_COMMAND = ("the grpo command loads what a subcommand runs when it runs it:
                  "importing Prefect (flows.train_flow takes seconds) or the job's pydantic models")
 _JOB_FIRST = ("python -m grpo_core.launch parses and checks the job file before importing torch and the trainer, so a "
               "bad job fails in a second (its docstring)")
-_VLLM_OPTIONAL = ("vLLM is an optional extra (pyproject: vllm); its weight-transfer types are needed only when a sync "
-                  "over its protocol, or a patch publisher, is made")
 _PLUGIN = ("vLLM loads the plugin in every one of its processes (API server, engine core, workers); the rendezvous "
            "and the storage patch reader load only in the worker that receives weights")
 _TINY_PATH = ("build_tiny_model answers a cached model's folder without importing torch and transformers; only a "
@@ -32,13 +30,9 @@ ALLOWED: dict[tuple[str, str], str] = {
         "verifiers is an optional ecosystem (the environments extra), imported only when a run names it",
     ("grpo_core.environments", "grpo_core.environments.reasoning_gym_tasks"):
         "reasoning-gym is an optional ecosystem (the environments extra), imported only when a run names it",
-    ("grpo_core.sync.factory", "grpo_core.sync.protocol"): _VLLM_OPTIONAL,
-    ("grpo_core.sync.factory", "grpo_core.sync.source"): _VLLM_OPTIONAL,
     ("grpo_core.models.lora", "grpo_core.vllm_types"):
         "vllm_types imports vLLM's weight-transfer types where vLLM is installed (seconds); LoRA needs them only to "
         "gather a sharded weight for a push",
-    ("grpo_core.sync.protocol", "grpo_core.sync.send.gloo_trainer"):
-        "only the backend the run uses loads its engine (each brings vLLM's weight-transfer types, an optional extra)",
     ("grpo_core.sync.protocol", "grpo_core.sync.send.nccl_trainer"):
         "only the backend the run uses loads its engine; the NCCL one needs vLLM's NCCL engine (a CUDA build)",
     # processes that start before they load what the import brings

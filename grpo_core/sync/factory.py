@@ -18,6 +18,8 @@ import torch.distributed as dist
 from grpo_core.models.lora import base_named_tensors, max_rank, merged_named_tensors
 from grpo_core.sync.base import WeightSync
 from grpo_core.sync.lora import LoraAdapterSync
+from grpo_core.sync.protocol import ProtocolWeightSync
+from grpo_core.sync.source import ModelWeightSource
 from grpo_core.sync.storage_sync import PatchPublisher, StoragePatchSync
 from grpo_core.sync.timing.deadline import DeadlineConfig
 from grpo_core.sync.wire.address import parse_port_range
@@ -74,7 +76,6 @@ def deadline_config(config: Any) -> Any:
 
 def make_patch_publisher(setup: SyncSetup) -> Any:
     """The writer of a storage-fed run's weight patches (one per trainer, kept across syncs)."""
-    from grpo_core.sync.source import ModelWeightSource
     config = setup.config
     url = config.weight_patch_url or f"{config.output_dir.rstrip('/')}/weight_patches"
     return PatchPublisher(ModelWeightSource(setup.model, wire_dtype=setup.wire_dtype, named_tensors=_named(setup)),
@@ -91,9 +92,6 @@ def _named(setup: SyncSetup) -> Any:
 
 def make_weight_sync(setup: SyncSetup, control: Any) -> WeightSync:
     """The ``WeightSync`` for ``setup`` and the server behind ``control`` (None off rank 0)."""
-    from grpo_core.sync.protocol import ProtocolWeightSync
-    from grpo_core.sync.source import ModelWeightSource
-
     config, model = setup.config, setup.model
     if config.weight_sync_transport == "storage":
         if setup.peft_config is not None and config.lora_sync_mode == "adapter":

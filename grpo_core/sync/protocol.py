@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from grpo_core.sync.base import SyncStats, WeightSync
 from grpo_core.sync.errors import WeightSyncError
 from grpo_core.sync.send.bucket_stream import TransferStats
+from grpo_core.sync.send.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
 from grpo_core.sync.send.ipc_trainer import IPC_BACKEND, IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 from grpo_core.sync.timing.deadline import DeadlineConfig, Deadlines
 from grpo_core.sync.timing.timed_control import TimedControl
@@ -49,8 +50,6 @@ def _trainer_engine(backend: str, control: Any, source: WeightSource, rank: int,
                     world_size: int, bucket_bytes: int, encoding: str, rendezvous_s: float) -> Any:
     """Rendezvous with the server (rank 0) and return the trainer-side engine for ``backend``."""
     if backend == GLOO_BACKEND:
-        from grpo_core.sync.send.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
-
         info = GlooTrainerInitInfo(rank=rank, master_address=address, master_port=port, world_size=world_size,
                                    bucket_bytes=bucket_bytes, encoding=encoding, rendezvous_timeout_s=rendezvous_s)
         return GlooTrainerWeightTransferEngine.trainer_init(info, client=control, source=source)
