@@ -20,6 +20,7 @@ from pydantic import ConfigDict, Field, TypeAdapter
 from grpo_core.config_checks import ConfigError, check_fields, check_known_keys, fail_field, parse_kernel_ref
 from grpo_core.config_sections import Section, settings_type
 from grpo_core.staleness import samples_ahead
+from grpo_core.vllm_lines import ipc_unavailable
 
 
 LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
@@ -499,16 +500,22 @@ class AsyncGRPOConfig:
 
     def resolved_weight_transfer_backend(self, cuda: bool, shared_gpu: bool = False) -> Literal["gloo", "nccl", "ipc"]:
         """The backend the run uses: the configured one, else ``gloo`` without CUDA, ``ipc`` for a server on the
-        trainer's own GPU (``shared_gpu``: no copy through the host; benchmarks/device/e2e_gpu.py times it against gloo) and ``nccl``
+        trainer's own GPU (``shared_gpu``: no copy through the host; benchmarks/device/e2e_gpu.py times it against gloo;
+        ``gloo`` where the installed vLLM cannot load its IPC engine, ``vllm_lines.ipc_unavailable``) and ``nccl``
         for a server on GPUs of its own."""
         if self.weight_transfer_backend is not None:
             if shared_gpu and self.weight_transfer_backend == "nccl":
                 fail_field(self, "weight_transfer_backend", "the server shares the trainer's GPU, where NCCL refuses "
                            "two processes on one device; use 'ipc' (or 'gloo'), or leave it unset")
+            if cuda and self.weight_transfer_backend == "ipc" and (reason := ipc_unavailable()) is not None:
+                fail_field(self, "weight_transfer_backend", f"{reason}; install Ray (pip install ray) or use 'gloo'")
             return self.weight_transfer_backend
         if not cuda:
             return "gloo"
-        return "ipc" if shared_gpu else "nccl"
+        if shared_gpu:
+            # Through the host where the installed server cannot load its IPC engine (the 0.25 line without Ray).
+            return "ipc" if ipc_unavailable() is None else "gloo"
+        return "nccl"
 
     def resolved_bf16(self, bf16_supported: bool) -> bool:
         """Whether the trainer computes in bf16 on a device that does (or does not) support it well."""

@@ -31,6 +31,7 @@ server without per-token versions).
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import re
 from dataclasses import dataclass
 
@@ -56,11 +57,16 @@ class LineFeatures:
     version after each push."""
     trainer_engine_api: bool
     """``vllm.distributed.weight_transfer`` has the trainer-side types (and a trainer factory to register in)."""
+    ipc_engine_needs_ray: bool
+    """The receiving CUDA IPC engine imports Ray at module level, so a server with ``ipc`` pushes fails to start
+    without it (seen on the 0.25 line on an H100: ``No module named 'ray'``)."""
 
 
 LINES = {
-    "0.32": LineFeatures("0.32", scale_out_flag=True, weight_version_routes=True, trainer_engine_api=True),
-    "0.25": LineFeatures("0.25", scale_out_flag=False, weight_version_routes=False, trainer_engine_api=False),
+    "0.32": LineFeatures("0.32", scale_out_flag=True, weight_version_routes=True, trainer_engine_api=True,
+                         ipc_engine_needs_ray=False),
+    "0.25": LineFeatures("0.25", scale_out_flag=False, weight_version_routes=False, trainer_engine_api=False,
+                         ipc_engine_needs_ray=True),
 }
 
 
@@ -92,3 +98,12 @@ def installed_line() -> LineFeatures:
     """The features of the installed vLLM's line (the 0.32 line where none is installed: the lock's)."""
     version = installed_version()
     return line_of(version) if version is not None else LINES["0.32"]
+
+
+def ipc_unavailable(line: LineFeatures | None = None) -> str | None:
+    """Why a server of ``line`` (the installed one by default) cannot take CUDA IPC pushes here, or None when it can."""
+    line = line or installed_line()
+    if line.ipc_engine_needs_ray and importlib.util.find_spec("ray") is None:
+        return (f"vLLM's {line.line} line loads its CUDA IPC engine only with Ray installed, and Ray is not installed "
+                "here")
+    return None

@@ -5,6 +5,7 @@ none. What can only run on a GPU (installing the lock there, serving, pushing) i
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -128,3 +129,50 @@ def test_vllm_lines_documents_both_supported_builds():
     from grpo_core.vllm_lines import LINES, SUPPORTED_LINES
 
     assert set(LINES) == set(SUPPORTED_LINES) == {"0.25", "0.32"}
+
+
+def test_the_gloo_engine_is_complete_under_the_025_lines_engine_base():
+    """vLLM 0.25's engine base declares the trainer's send abstract on the receiving engine (0.32's does not): a GPU
+    server of that line refused to make the gloo engine until it defined one."""
+    from abc import ABC, abstractmethod
+
+    from grpo_core.vllm_plugin.gloo_engine import GlooWeightTransferEngine
+
+    class Line025Base(ABC):
+        @staticmethod
+        @abstractmethod
+        def trainer_send_weights(*args, **kwargs) -> None: ...
+
+    on_025 = type("GlooOn025", (GlooWeightTransferEngine, Line025Base), {})
+    assert not on_025.__abstractmethods__
+    with pytest.raises(NotImplementedError, match="gloo_trainer"):
+        GlooWeightTransferEngine.trainer_send_weights()
+
+
+def test_a_025_server_without_ray_takes_gloo_on_the_trainers_gpu(monkeypatch):
+    """On an H100 the 0.25 line's server failed to start with ipc pushes: its IPC engine imports Ray. Left unset, the
+    backend falls back to gloo there; asked for by name, the config names the field and the fix."""
+    import grpo_core.config as config_module
+    from grpo_core.config import AsyncGRPOConfig, ConfigError
+    from grpo_core.vllm_lines import LINES, ipc_unavailable
+
+    assert ipc_unavailable(LINES["0.32"]) is None
+    reason = ipc_unavailable(LINES["0.25"]) if importlib.util.find_spec("ray") is None else "Ray missing"
+    monkeypatch.setattr(config_module, "ipc_unavailable", lambda line=None: reason)
+    assert AsyncGRPOConfig(report_to="none").resolved_weight_transfer_backend(True, shared_gpu=True) == "gloo"
+    with pytest.raises(ConfigError, match="weight_transfer_backend.*pip install ray"):
+        AsyncGRPOConfig(report_to="none", weight_transfer_backend="ipc").resolved_weight_transfer_backend(True, True)
+    monkeypatch.setattr(config_module, "ipc_unavailable", lambda line=None: None)
+    assert AsyncGRPOConfig(report_to="none").resolved_weight_transfer_backend(True, shared_gpu=True) == "ipc"
+
+
+def test_a_cuda_server_samples_without_flashinfer_where_it_is_not_installed(monkeypatch):
+    from grpo_core.vllm_server.process import FLASHINFER_SAMPLER_ENV, VLLMServerSpec
+
+    monkeypatch.delenv(FLASHINFER_SAMPLER_ENV, raising=False)
+    flashinfer_missing = importlib.util.find_spec("flashinfer") is None
+    assert VLLMServerSpec(model="m", cuda=True).server_environment().get(FLASHINFER_SAMPLER_ENV) == \
+        ("0" if flashinfer_missing else None)
+    assert FLASHINFER_SAMPLER_ENV not in VLLMServerSpec(model="m").server_environment()  # a CPU server
+    monkeypatch.setenv(FLASHINFER_SAMPLER_ENV, "1")  # the user's own choice is left alone
+    assert FLASHINFER_SAMPLER_ENV not in VLLMServerSpec(model="m", cuda=True).server_environment()

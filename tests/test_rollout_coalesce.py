@@ -120,3 +120,49 @@ def test_a_cancelled_follower_leaves_the_others_their_choices():
     first, second, third = asyncio.run(go())
     assert isinstance(third, asyncio.CancelledError)
     assert first[0].token_ids != second[0].token_ids and len(bodies) == 1
+
+
+def capped_client(bodies: list[dict], cap: int) -> VLLMGenerateClient:
+    """A client whose server returns at most ``cap`` choices a request, whatever ``n`` asks for (as the 0.25 line's
+    generate route did on a GPU: 4 of 16)."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append(body)
+        n = min(body["sampling_params"].get("n", 1), cap)
+        return httpx.Response(200, json={"choices": [choice(100 * len(bodies) + i) for i in range(n)]})
+
+    client = VLLMGenerateClient("http://unused")
+    client._http = httpx.AsyncClient(base_url="http://unused", transport=httpx.MockTransport(handler))
+    return client
+
+
+def test_a_short_reply_serves_every_call_and_turns_coalescing_off(caplog):
+    bodies: list[dict] = []
+    client = capped_client(bodies, cap=3)
+    results = run_group(client, [([1, 2], {"max_tokens": 4})] * 8)
+    tokens = [r[0].token_ids[0] for r in results]
+    assert len(set(tokens)) == 8, tokens  # every call got a draw of its own
+    # one request asked for 8 and got 3; the 5 calls left went out one by one
+    assert [b["sampling_params"].get("n", 1) for b in bodies] == [8, 1, 1, 1, 1, 1]
+    assert client.coalesce is False and "returned 3 of the 8 choices" in caplog.text
+    assert (client.requests_sent, client.completions_received) == (6, 8)
+
+
+def test_a_reply_with_more_choices_than_asked_is_an_error():
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"choices": [choice(i) for i in range(3)]})
+
+    client = VLLMGenerateClient("http://unused")
+    client._http = httpx.AsyncClient(base_url="http://unused", transport=httpx.MockTransport(handler))
+
+    async def go():
+        try:
+            return await asyncio.gather(*(client.generate([1], {"max_tokens": 2}) for _ in range(2)),
+                                        return_exceptions=True)
+        finally:
+            await client.aclose()
+
+    results = asyncio.run(go())
+    assert all(isinstance(r, VLLMRequestError) and "asked for 2 choices, the server returned 3" in str(r)
+               for r in results)

@@ -30,18 +30,20 @@ IMAGE = Path(__file__).with_name("cuda_image_packages.txt")
 NOT_CARRIED: dict[str, str] = {
     **dict.fromkeys(
         [
-            "flashinfer-python", "flashinfer-cubin", "tilelang", "z3-solver", "apache-tvm-ffi", "torch-c-dlpack-ext",
+            "flashinfer-python", "flashinfer-cubin", "tilelang", "z3-solver",
             "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-cu13", "quack-kernels",
             "humming-kernels", "tokenspeed-mla", "tokenspeed-triton", "cuda-tile", "nvidia-cudnn-frontend",
             "fastsafetensors", "cuda-python", "nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-cuda-tileiras",
             "nvidia-nvvm", "nvidia-cuda-cccl",
         ],
-        "optional vLLM kernels (FlashInfer, TileLang, CuTe DSL, DeepGEMM-style paths): vLLM falls back without them",
+        "optional vLLM kernels (FlashInfer, TileLang, CuTe DSL, DeepGEMM-style paths): vLLM falls back without them "
+        "(its GPU sampler once FLASHINFER_SAMPLER_ENV is 0, which the server's launch sets where FlashInfer is "
+        "missing). apache-tvm-ffi and torch-c-dlpack-ext are carried: the API server imports tvm_ffi",
     ),
     **dict.fromkeys(["pynvvideocodec", "torchcodec"], "video inputs of multimodal models"),
     **dict.fromkeys(
-        ["boto3", "botocore", "s3transfer", "aiobotocore", "s3fs", "prefect-aws", "aioitertools", "jmespath"],
-        "S3 storage: the GPU run writes to local storage",
+        ["boto3", "botocore", "s3transfer", "aiobotocore", "s3fs", "prefect-aws", "aioitertools"],
+        "S3 storage: the GPU run writes to local storage (jmespath is carried: the API server imports it)",
     ),
     **dict.fromkeys(
         [

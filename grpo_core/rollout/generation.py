@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from typing import Any
 
 import httpx
@@ -18,6 +19,8 @@ import httpx
 from grpo_core.retry import RetryPolicy
 from grpo_core.vllm_server.control import SERVER_UNREACHABLE, VLLMRequestError, raise_for
 from grpo_core.vllm_server.replies import GeneratedChoice, parse_completion_choice, parse_generate_choice
+
+log = logging.getLogger(__name__)
 
 # A request whose connection failed before a reply: the first two resends go out at once (a keep-alive
 # connection the server closed as the request went out), then with backoff for the client's
@@ -46,6 +49,7 @@ class VLLMGenerateClient:
         # with n = their count (see ``generate``).
         self.coalesce = coalesce
         self._open: dict[tuple[Any, ...], list[asyncio.Future[GeneratedChoice]]] = {}
+        self._fills: set[asyncio.Task[None]] = set()  # draws of a short reply, asked for one by one
         self.requests_sent = 0
         self.completions_received = 0
         self.refusal: str | None = None  # why the last /metrics scrape was refused (``scrape``)
@@ -97,7 +101,7 @@ class VLLMGenerateClient:
             live = [f for f in followers if not f.done()]
             params = {**sampling_params, "n": 1 + len(live)} if live else sampling_params
             choices = await self._generate(token_ids, params, num_top, model)
-            if len(choices) != 1 + len(live):
+            if not 1 <= len(choices) <= 1 + len(live):
                 raise VLLMRequestError(f"asked for {1 + len(live)} choices, the server returned {len(choices)}")
         except BaseException as exc:
             for f in followers:
@@ -110,7 +114,33 @@ class VLLMGenerateClient:
         for f, choice in zip(live, choices[1:]):
             if not f.done():  # a follower cancelled meanwhile drops its draw
                 f.set_result(choice)
+        short = live[len(choices) - 1:]
+        if short:
+            # A server that returns fewer choices than n (the 0.25 line's generate route caps them) gets each
+            # rollout as a request of its own from now on; the calls already waiting are sent that way here.
+            if self.coalesce:
+                log.warning("%s returned %d of the %d choices asked for in one request: sending each rollout as a "
+                            "request of its own from now on", self._http.base_url, len(choices), 1 + len(live))
+                self.coalesce = False
+            for f in short:
+                task = asyncio.ensure_future(self._fill(f, token_ids, sampling_params, num_top, model))
+                self._fills.add(task)
+                task.add_done_callback(self._fills.discard)
         return [choices[0]]
+
+    async def _fill(self, future: asyncio.Future[GeneratedChoice], token_ids: list[int],
+                    sampling_params: dict[str, Any], num_top: int, model: str | None) -> None:
+        """One waiting call's draw, asked for on its own."""
+        try:
+            (choice,) = await self._generate(token_ids, sampling_params, num_top, model)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller that waits on it
+            if not future.done():
+                future.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        if not future.done():
+            future.set_result(choice)
 
     async def _generate(
         self, token_ids: list[int], sampling_params: dict[str, Any], num_top: int, model: str | None

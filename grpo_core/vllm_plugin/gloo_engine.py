@@ -146,6 +146,13 @@ class GlooWeightTransferEngine(
             raise
         self.held.version = update_info.version if (delta or update_info.keep) else None
 
+    @staticmethod
+    def trainer_send_weights(*args: Any, **kwargs: Any) -> None:
+        """The 0.25 line's engine base declares the trainer's send on the receiving engine (abstract there, absent on
+        0.32); this engine only receives. The trainer sends through ``grpo_core.sync.send.gloo_trainer``."""
+        raise NotImplementedError("the gloo engine receives only; the trainer sends through "
+                                  "grpo_core.sync.send.gloo_trainer")
+
     def _close_group(self) -> None:
         if self.group is not None:
             self.group.shutdown()

@@ -12,6 +12,7 @@ and nothing else. Its output goes to a log file in the run's output folder; when
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import shlex
@@ -58,6 +59,7 @@ ENGINE_MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 OMP_THREADS_ENV = "OMP_NUM_THREADS"
 INSECURE_SERIALIZATION_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 CUDA_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
+FLASHINFER_SAMPLER_ENV = "VLLM_USE_FLASHINFER_SAMPLER"
 ENTRY_POINT = "vllm.entrypoints.openai.api_server"
 MODEL = "--model"
 HOST = "--host"
@@ -263,6 +265,10 @@ class VLLMServerSpec(ServerOptions):
             env[INSECURE_SERIALIZATION_ENV] = "1"  # the IPC engine unpickles the handles it is posted (ipc_trainer)
         if self.gpus is not None:
             env[CUDA_DEVICES_ENV] = self.gpus
+        if self.cuda and FLASHINFER_SAMPLER_ENV not in os.environ and importlib.util.find_spec("flashinfer") is None:
+            # vLLM's GPU sampler imports FlashInfer unless told not to, and its engine fails to start without it
+            # (the 0.25 line on an H100); FlashInfer is an optional kernel package, so sample with vLLM's own.
+            env[FLASHINFER_SAMPLER_ENV] = "0"
         return {**env, **self.env}
 
     def line(self) -> LineFeatures:

@@ -36,6 +36,19 @@ class GeneratedChoice:
     routed_experts: np.ndarray | None = None
 
 
+def top_token_id(item: dict[str, Any]) -> int:
+    """The token id of one ``top_logprobs`` entry of a generate reply: its ``token_id`` (the 0.32 line), else its
+    ``token`` written as ``token_id:N`` (the 0.25 line, which names tokens that way when the request sets
+    ``return_tokens_as_token_ids``, as every request here does)."""
+    if "token_id" in item:
+        return int(item["token_id"])
+    token = str(item.get("token", ""))
+    if token.startswith("token_id:"):
+        return int(token.removeprefix("token_id:"))
+    raise VLLMRequestError(f"a top_logprobs entry names no token id ({sorted(item)}); the request must set "
+                           "return_tokens_as_token_ids")
+
+
 def parse_generate_choice(choice: dict[str, Any], num_top: int) -> GeneratedChoice:
     """Turn one ``choices[i]`` of a generate reply into arrays (pure; tested on recorded replies).
 
@@ -58,7 +71,7 @@ def parse_generate_choice(choice: dict[str, Any], num_top: int) -> GeneratedChoi
             # Rank order; the sampled token appears once with its true rank, so de-duplicate by id.
             seen: dict[int, float] = {}
             for item in sorted(entry.get("top_logprobs") or [], key=lambda x: x.get("rank", 0)):
-                seen.setdefault(int(item["token_id"]), float(item["logprob"]))
+                seen.setdefault(top_token_id(item), float(item["logprob"]))
             ranked = sorted(seen.items(), key=lambda kv: -kv[1])[:num_top]
             for j, (tid, lp) in enumerate(ranked):
                 top_ids[t, j] = tid
