@@ -30,9 +30,6 @@ ALLOWED: dict[tuple[str, str], str] = {
         "verifiers is an optional ecosystem (the environments extra), imported only when a run names it",
     ("grpo_core.environments", "grpo_core.environments.reasoning_gym_tasks"):
         "reasoning-gym is an optional ecosystem (the environments extra), imported only when a run names it",
-    ("grpo_core.models.lora", "grpo_core.vllm_types"):
-        "vllm_types imports vLLM's weight-transfer types where vLLM is installed (seconds); LoRA needs them only to "
-        "gather a sharded weight for a push",
     ("grpo_core.sync.protocol", "grpo_core.sync.send.nccl_trainer"):
         "only the backend the run uses loads its engine; the NCCL one needs vLLM's NCCL engine (a CUDA build)",
     # processes that start before they load what the import brings

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from grpo_core.storage.store import open_url
+from grpo_core.vllm_types import materialize_full_tensor
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +84,6 @@ def base_name(peft_name: str) -> str:
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     # FSDP2 shards are DTensors; gather one weight at a time (a collective on every rank).
-    from grpo_core.vllm_types import materialize_full_tensor
-
     return materialize_full_tensor(tensor.detach())
 
 
