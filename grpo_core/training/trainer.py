@@ -103,15 +103,8 @@ class AsyncGRPOTrainer:
         check_replacements(rollout_worker, weight_transfer, self.args.server_urls())
         self.dist = DistInfo.from_env()
         self.device = self.dist.device()
-        self.policy = p = build_policy(model, processing_class, peft_config, self.args, self.dist, self.device)
-        # Its parts under the trainer's names (TRL's: model, processing_class, optimizer, lr_scheduler).
-        self.model, self.model_path, self.processing_class = p.model, p.model_path, p.processing_class
-        self.optimizer, self.lr_scheduler, self.grad_scaler = p.optimizer, p.lr_scheduler, p.grad_scaler
-        self.bf16, self.compute_dtype, self.compile_mode = p.bf16, p.compute_dtype, p.compile_mode
-        self.compile_graph_breaks = p.compile_graph_breaks
-        self.keep_weights_between_micro_batches = p.keep_weights_between_micro_batches
-        self.attention_backend, self.experts_implementation, self.moe = p.attention_backend, p.experts_implementation, p.moe
-        self.vocab_size, self.perf = p.vocab_size, p.perf
+        # The policy owns the model and its training parts; the trainer reads them through properties (below).
+        self.policy = build_policy(model, processing_class, peft_config, self.args, self.dist, self.device)
         self.loss_config = LossConfig.from_config(self.args.training)
         self.micro_batch = MicroBatch(self.model, self.args.training, self.loss_config, self.vocab_size, self.moe, self.grad_scaler)
         self.state = TrainerState()
@@ -126,6 +119,25 @@ class AsyncGRPOTrainer:
         self.tracker, self.step_log = self.run.tracker, self.run.step_log  # the metric sink
         self.checkpointer = Checkpointer(self.args.checkpoint, self.dist, self._checkpoint_parts(), self.tracker)
         self.server: Any = None  # ServerCapabilities, once checked
+
+    # The policy's parts under the trainer's names (TRL's: model, processing_class, optimizer, lr_scheduler), read from
+    # the policy each time: it is their one owner, and nothing here holds a copy that could fall behind it.
+    model = property(lambda self: self.policy.model, doc="The model being trained (FSDP2-sharded across ranks).")
+    model_path = property(lambda self: self.policy.model_path, doc="The folder the model was loaded from, if any.")
+    processing_class = property(lambda self: self.policy.processing_class, doc="The tokenizer.")
+    optimizer = property(lambda self: self.policy.optimizer)
+    lr_scheduler = property(lambda self: self.policy.lr_scheduler)
+    grad_scaler = property(lambda self: self.policy.grad_scaler, doc="fp16's gradient scaler, else None.")
+    bf16 = property(lambda self: self.policy.bf16)
+    compute_dtype = property(lambda self: self.policy.compute_dtype, doc="What forward and backward run in.")
+    compile_mode = property(lambda self: self.policy.compile_mode)
+    compile_graph_breaks = property(lambda self: self.policy.compile_graph_breaks)
+    keep_weights_between_micro_batches = property(lambda self: self.policy.keep_weights_between_micro_batches)
+    attention_backend = property(lambda self: self.policy.attention_backend)
+    experts_implementation = property(lambda self: self.policy.experts_implementation)
+    moe = property(lambda self: self.policy.moe)
+    vocab_size = property(lambda self: self.policy.vocab_size)
+    perf = property(lambda self: self.policy.perf)
 
     # TRL's names for what this trainer holds under its own, and the run's parts the orchestrator holds.
     @property
