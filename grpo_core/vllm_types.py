@@ -3,10 +3,11 @@ on the wire (``ParamMeta``), where the weights come from (``WeightSource``), the
 (``VLLMWeightSyncClient``) and what every sender is (``TrainerInitInfo``, ``TrainerWeightTransferEngine``).
 
 They are the project's own, not imported from vLLM, for two reasons: the 0.25 line has no trainer side at all, and
-importing vLLM costs a trainer process 12 s of its start on an idle machine (it brings in torch's compiler,
-transformers' image processors and more), which every trainer start and every resume would pay for types with no
-behaviour. So the training process imports vLLM only for the NCCL sender, whose rendezvous is vLLM's own
-(``grpo_core.sync.send.nccl_trainer``); tests/test_vllm_plugin_imports.py fails if the trainer imports it otherwise.
+importing vLLM costs a trainer process 8 s of its start on an idle machine with bytecode cached (it brings in
+torch's compiler, transformers' image processors and more), which every trainer start and every resume would pay
+for types with no behaviour. So the training process imports vLLM only for the NCCL sender, whose rendezvous is
+vLLM's own (``grpo_core.sync.send.nccl_trainer``); tests/test_cuda_install.py fails if the training side imports
+it otherwise.
 """
 
 from __future__ import annotations
