@@ -126,3 +126,15 @@ def test_docstrings_link_benchmark_figures_instead_of_quoting_them(path: Path) -
             if FIGURE.search(text) and MEASURED.search(text):
                 quoted.append(f"line {getattr(node, 'lineno', '?')}: {text[:160]}")
     assert not quoted, f"{path.relative_to(REPO)} quotes figures; link benchmarks/README.md instead:\n" + "\n".join(quoted)
+
+
+@pytest.mark.parametrize("page", ["DESIGN.md", "docs/layout.md"])
+def test_the_structure_pages_have_no_table_cell_over_300_characters(page: str) -> None:
+    """A newcomer reads these two pages in minutes: a table cell stays a sentence or two (a longer one is split into
+    rows of its own)."""
+    long = []
+    for number, line in enumerate((REPO / page).read_text().splitlines(), 1):
+        if line.startswith("|"):
+            long += [f"{page}:{number}: {len(cell)} characters" for cell in line.strip().strip("|").split("|")
+                     if len(cell.strip()) > 300]
+    assert not long, long
