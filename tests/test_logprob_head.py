@@ -283,7 +283,7 @@ def make_trainer(model_path, rows, tmp_path, **overrides):
     args = AsyncGRPOConfig(output_dir=str(tmp_path), report_to="none", **overrides)
     trainer = AsyncGRPOTrainer(model=model_path, reward_funcs=accuracy_reward, train_dataset=rows, args=args,
                                tracker=TagsTracker())
-    trainer.server = SimpleNamespace(candidate_sets=False)  # what _setup learns from the server (MicroBatch keeps False)
+    trainer.run.server = SimpleNamespace(candidate_sets=False)  # what _setup learns from the server (MicroBatch keeps False)
     trainer.model.double()  # fp64 for tight bounds; the optimizer never steps here
     return trainer
 

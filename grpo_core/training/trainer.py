@@ -118,7 +118,6 @@ class AsyncGRPOTrainer:
                                    settings=self._resolved_settings(), log_history=self.state.log_history)
         self.tracker, self.step_log = self.run.tracker, self.run.step_log  # the metric sink
         self.checkpointer = Checkpointer(self.args.checkpoint, self.dist, self._checkpoint_parts(), self.tracker)
-        self.server: Any = None  # ServerCapabilities, once checked
 
     # The policy's parts under the trainer's names (TRL's: model, processing_class, optimizer, lr_scheduler), read from
     # the policy each time: it is their one owner, and nothing here holds a copy that could fall behind it.
@@ -153,6 +152,7 @@ class AsyncGRPOTrainer:
     def tokenizer(self) -> Any:
         return self.processing_class
 
+    server = property(lambda self: self.run.server, doc="What the server offers (``ServerCapabilities``), once checked.")
     fleet = property(lambda self: self.run.fleet, doc="The run's servers (``fleet.servers.RunServers``).")
     worker = property(lambda self: self.run.worker, doc="The rollout worker (rank 0, while training).")
     feed = property(lambda self: self.run.feed, doc="Where each step's batch comes from (while training).")
@@ -254,7 +254,6 @@ class AsyncGRPOTrainer:
 
     def _use_server(self, capabilities: Any) -> None:
         """What the loss computes follows what the sampler sends: candidate sets, routed experts to replay."""
-        self.server = capabilities
         self.micro_batch.candidate_sets = capabilities.candidate_sets
         if self.moe is not None:
             self.moe.replay = self.args.routing_replay and capabilities.routed_experts
