@@ -18,7 +18,9 @@ whether the beside accuracy lies in the blocking one's interval.
 
 On a CPU machine the evaluation's requests go to the server that generates the training rollouts, on the same
 cores: beside training there, an evaluation takes compute from the rollouts, which a GPU server with room to batch
-both, or a fleet member, does not.
+both, or a fleet member, does not. On a machine with a GPU (the recipe of benchmarks/device/pack_vllm_cuda.sh), the
+started server shares the trainer's GPU as the flow places it (``gpu_placement``: its memory share, the push through
+the host or CUDA IPC), and the trainer computes in bf16 as the server does.
 
     python -m benchmarks.staleness.eval_beside --out benchmarks/results/eval_beside.json
     python -m benchmarks.staleness.eval_beside --smoke --server-url URL --out /tmp/eval_beside.json
@@ -39,13 +41,15 @@ ARMS = ("none", "beside", "blocking", "paired")
 ACCURACY = "eval/rewards/accuracy_reward"
 
 
-def trainer_args(arm: str, url: str, work: Path, steps: int, eval_steps: int, eval_generations: int) -> Any:
+def trainer_args(arm: str, url: str, work: Path, steps: int, eval_steps: int, eval_generations: int,
+                 on_gpu: dict[str, Any] | None = None) -> Any:
+    """The demo's trainer for ``arm``; ``on_gpu``: the fields that differ where the server shares a GPU with it."""
     from flows.cli import DEMO_TRAINER
     from grpo_core.config import AsyncGRPOConfig
 
     evaluates = arm != "none"
     return AsyncGRPOConfig(**{
-        **DEMO_TRAINER, "max_steps": steps, "output_dir": str(work / arm), "vllm_server_base_url": url,
+        **DEMO_TRAINER, **(on_gpu or {}), "max_steps": steps, "output_dir": str(work / arm), "vllm_server_base_url": url,
         "report_to": "none", "save_strategy": "no", "num_generations_eval": eval_generations,
         "eval_strategy": "steps" if evaluates else "no", "eval_steps": eval_steps,
         "eval_beside_training": arm in ("beside", "paired"),
@@ -53,14 +57,14 @@ def trainer_args(arm: str, url: str, work: Path, steps: int, eval_steps: int, ev
 
 
 def run_arm(arm: str, url: str, model_path: str, data: Any, work: Path, steps: int, eval_steps: int,
-            eval_generations: int) -> dict[str, Any]:
+            eval_generations: int, on_gpu: dict[str, Any] | None = None) -> dict[str, Any]:
     from flows.heldout import heldout_scores
     from grpo_core.evaluation.heldout import evaluate_rewards
     from grpo_core.evaluation.intervals import interval
     from grpo_core.rewards import accuracy_reward, format_reward
     from grpo_core.training.trainer import AsyncGRPOTrainer
 
-    args = trainer_args(arm, url, work, steps, eval_steps, eval_generations)
+    args = trainer_args(arm, url, work, steps, eval_steps, eval_generations, on_gpu)
     trainer = AsyncGRPOTrainer(model_path, [accuracy_reward, format_reward], args=args, train_dataset=data["train"],
                                eval_dataset=data["eval"] if arm != "none" else None)
     blocking: dict[int, dict[str, Any]] = {}
@@ -131,19 +135,25 @@ def main(argv: list[str] | None = None) -> int:
     model_path = str(build_tiny_model())
     data = arithmetic_dataset(num_eval=num_eval)
     work = Path(tempfile.mkdtemp(prefix="eval_beside-"))
-    server = None
+    server, on_gpu = None, None
     if args.server_url is None:
-        spec = VLLMServerSpec.for_run(model_path, AsyncGRPOConfig(output_dir=str(work / "server")), ServerOptions())
+        cuda = torch_cuda_available()
+        config = AsyncGRPOConfig(output_dir=str(work / "server"), bf16=cuda)
+        spec = VLLMServerSpec.for_run(model_path, config, ServerOptions(), cuda=cuda, shared_gpu=cuda)
+        if cuda:  # the trainer computes as the server does and pushes the way the flow would on a shared GPU
+            on_gpu = {"bf16": True, "weight_transfer_backend": spec.weight_transfer_backend}
         server = VLLMServer(spec, work / "server").start(timeout_s=900)
     url = args.server_url or server.base_url
     report: dict[str, Any] = {"steps": args.steps, "eval_steps": args.eval_steps,
-                              "eval_generations": args.eval_generations, "eval_prompts": num_eval, "arms": {}}
+                              "eval_generations": args.eval_generations, "eval_prompts": num_eval,
+                              "device": "cuda" if on_gpu else "cpu", "trainer_on_gpu": on_gpu, "arms": {}}
     try:
         for arm in [a for a in args.arms.split(",") if a]:
             if arm not in ARMS:
                 raise SystemExit(f"--arms: {arm!r} is none of {ARMS}")
             report["arms"][arm] = run_arm(arm, url, model_path, data, work, args.steps, args.eval_steps,
-                                          args.eval_generations)
+                                          args.eval_generations, on_gpu)
+            write_report(args.out, report)  # each arm kept as it ends: a time bound loses only the running one
     finally:
         if server is not None:
             server.stop()
@@ -161,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
               f"within: {pair['beside_within_interval']}")
     write_report(args.out, report)
     return 0
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":
