@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from grpo_core.config import AsyncGRPOConfig
-from grpo_core.sync.factory import wire_dtype
+from grpo_core.training.policy import wire_dtype
 from grpo_core.sync.source import ModelWeightSource
 
 

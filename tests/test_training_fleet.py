@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from grpo_core.fleet.servers import RunServers, VersionProbe
+from grpo_core.fleet.probe import VersionProbe
+from grpo_core.fleet.servers import RunServers
 from grpo_core.fleet.weight_push import PushOutcome
 from grpo_core.ranks import DistInfo
 from grpo_core.sync.base import SyncStats
@@ -107,6 +108,16 @@ class FakeWatch:
         self.noted = reason
 
 
+class FakeChecks:
+    """Start-up checks: every server answers at once, and ``check(control)`` gives its capabilities."""
+
+    def __init__(self, check: Any = lambda control: CAPS):
+        self.check = check
+
+    def wait(self, control: FakeControl) -> None:
+        pass
+
+
 class Clock:
     now = 0.0
 
@@ -125,9 +136,9 @@ def make_fleet(n: int = 2, make_pusher: Any = None, make_watch: Any = FakeWatch
 
     fleet = RunServers([f"http://s{i}:8000" for i in range(n)], DistInfo(),
                         make_pusher=make_pusher or (lambda url, c, w: FakePusher(c)), make_control=control,
-                        make_watch=make_watch, clock=Clock())
-    fleet.connect(lambda c: None)
-    fleet.check(lambda c: CAPS)
+                        make_watch=make_watch, clock=Clock(), checks=FakeChecks())
+    fleet.connect()
+    fleet.check()
     fleet.publish = views.append
     return fleet, controls, views
 
@@ -277,10 +288,11 @@ def test_the_start_up_check_names_the_server_that_differs():
     fleet, controls, _ = make_fleet(3)
     controls["http://s2:8000"].config["weight_transfer_config"]["backend"] = "nccl"
     with pytest.raises(ServerConfigError, match=r"http://s2:8000 against http://s0:8000 .*weight_transfer_backend"):
-        fleet.check(lambda c: CAPS)
+        fleet.check()
     other = ServerCapabilities(max_model_len=512, served_model="m", tokens_endpoint=False, candidate_sets=False)
     with pytest.raises(ServerConfigError, match=r"http://s1:8000 against http://s0:8000 \(tokens_endpoint"):
-        fleet.check(lambda c: other if c.base_url.endswith("s1:8000") else CAPS)
+        fleet.checks = FakeChecks(lambda c: other if c.base_url.endswith("s1:8000") else CAPS)
+        fleet.check()
 
 
 def test_a_check_failure_names_the_fleet_server():
@@ -292,7 +304,8 @@ def test_a_check_failure_names_the_fleet_server():
         return CAPS
 
     with pytest.raises(ServerConfigError, match=r"fleet server s1-8000 \(http://s1:8000\): the server runs"):
-        fleet.check(check)
+        fleet.checks = FakeChecks(check)
+        fleet.check()
 
 
 def test_a_fleet_of_one_is_never_drained_and_keeps_its_retries():

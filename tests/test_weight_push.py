@@ -221,7 +221,7 @@ def test_a_16_bit_servers_tolerance_follows_the_trainers_own_rounding() -> None:
 def test_the_pusher_hands_the_probes_rounding_to_the_check_on_every_rank() -> None:
     """The rounding is a forward, so every rank computes it at each checked push (not only rank 0, which asks the
     server), once per version however many servers check it."""
-    from grpo_core.fleet.servers import VersionProbe
+    from grpo_core.fleet.probe import VersionProbe
 
     forwards = []
     probe = VersionProbe(lambda ids: forwards.append("fp32") or torch.full((len(ids) - 1,), -1.0),
@@ -298,7 +298,7 @@ def trainer_logprobs(token_ids: list[int]) -> torch.Tensor:
 def bf16_pusher(server: Bf16Server, monkeypatch: pytest.MonkeyPatch, dist: DistInfo | None = None,
                 forwards: list | None = None, attempts: int = 1) -> WeightPusher:
     """A pusher whose trainer rounds every probe sequence by 0.02 on average (a 16-bit bound of 0.16)."""
-    from grpo_core.fleet.servers import VersionProbe
+    from grpo_core.fleet.probe import VersionProbe
 
     forwards = [] if forwards is None else forwards
 

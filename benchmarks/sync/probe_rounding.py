@@ -8,7 +8,7 @@ checkpoint's weights, each of ``--probes`` probe sequences (``fleet.verify.probe
 the check uses seed 0) is scored three ways side by side:
 
     server     the server's prompt log-probs (``/inference/v1/generate``)
-    fp32       the trainer's probe forward (``training.forward.probe_logprobs``) in fp32
+    fp32       the trainer's probe forward (``fleet.probe.probe_logprobs``) in fp32
     bf16       the same forward under bf16 autocast: the trainer's own rounding
 
 Prints, per probe, the largest and the mean |server - fp32| and |fp32 - bf16| and the ratios of each; per variant the
@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 
 from grpo_core.config import AsyncGRPOConfig
+from grpo_core.fleet.probe import probe_logprobs
 from grpo_core.fleet.verify import LOW_PRECISION_ATOL, ROUNDING_MARGIN, default_atol, probe_token_ids
 from grpo_core.models.loading import load_policy
 from grpo_core.tiny import build_tiny_model
-from grpo_core.training.forward import probe_logprobs
 from grpo_core.vllm_server.control import VLLMControlClient
 from grpo_core.vllm_server.model_needs import ServerOptions, model_server_options
 from grpo_core.vllm_server.process import VLLMServer, VLLMServerSpec

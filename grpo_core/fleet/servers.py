@@ -1,9 +1,11 @@
 """The trainer's servers: every push reaches every serving server; a lost one is drained, checked and caught up.
 
-    connect()    rank 0: the control client and restart watch of each server; wait for them to answer
+    start()      rank 0: the control client and restart watch of each server; wait for them to answer and finish
+                 weight updates a killed trainer left open (a server left paused gets the weights before any check)
     check()      rank 0: the start-up checks on every server (same model, same flags, same backend, the trainer's
-                 dtype: ``vllm_server.checks``), then the servers against each other; the error names the one
-                 that differs
+                 dtype: ``vllm_server.checks.ServerChecks``), then the servers against each other; the error names
+                 the one that differs
+    inform(w)    rank 0: the rollout worker is told which servers serve, at every change, and reports those it drained
     push(v)      every rank: v to each serving server over that server's own transfer session, confirmed there
                  (``weight_push.WeightPusher``: the version read back, the probe's log-probs); the push is done
                  when all serving servers have it. A server whose push fails is drained while another serves
@@ -35,14 +37,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from grpo_core.fleet.probe import VersionProbe
 from grpo_core.fleet.verify import VerifyConfig
 from grpo_core.fleet.weight_push import PUSH_FAILURES, PushOutcome, WeightPusher
 from grpo_core.ranks import DistInfo, broadcast_object
 from grpo_core.rollout.routing_client import FleetView, server_name
 from grpo_core.vllm_server.checks import (
-    ServerCapabilities, ServerConfigError, check_fleet_alike, server_fingerprint)
+    ServerCapabilities, ServerChecks, ServerConfigError, check_fleet_alike, server_fingerprint)
 from grpo_core.vllm_server.control import VLLMControlClient
 from grpo_core.vllm_server.health import ServerHealth, Verdict
 from grpo_core.vllm_server.watch import (
@@ -83,14 +84,16 @@ class Member:
 
 
 class RunServers:
-    """The run's servers (module docstring). ``make_pusher(url, control, watch)`` makes one server's pusher."""
+    """The run's servers (module docstring). ``make_pusher(url, control, watch)`` makes one server's pusher;
+    ``checks`` (``ServerChecks``) waits for one server and checks it."""
 
     def __init__(self, urls: list[str], dist: DistInfo, make_pusher: Callable[[str, Any, Any], WeightPusher],
                  make_control: Callable[[str], Any] | None = None, make_watch: Callable[[Any], Any] | None = None,
                  unavailable_timeout_s: float = 900.0, listing: Callable[[], list[str]] | None = None,
                  clock: Callable[[], float] = time.monotonic, drain_after_s: float = 10.0,
-                 push_deadline_floor_s: float = 60.0):
+                 push_deadline_floor_s: float = 60.0, checks: ServerChecks | None = None):
         self.dist = dist
+        self.checks = checks
         self.clock = clock
         self.drain_after_s = drain_after_s
         self.push_deadline_floor_s = push_deadline_floor_s  # each push phase's least deadline: the push's announcement
@@ -103,20 +106,20 @@ class RunServers:
         self.next_listing = 0.0
         self.added: list[tuple[str, str]] = []  # (name, url) added on rank 0 since the ranks last heard
 
-        self.capabilities: ServerCapabilities | None = None
-        self.check_one: Callable[[Any], ServerCapabilities] | None = None  # the start-up checks of one server
+        self.capabilities: ServerCapabilities | None = None  # the first checked server's
         self.unavailable_timeout_s = unavailable_timeout_s
-        self.probe: Any = None  # VersionProbe, told each push's version
+        self.probe: VersionProbe | None = None  # told each push's version
         self.reference: dict[str, tuple[ServerCapabilities, dict[str, Any]]] = {}  # the first checked server's
         self.rejoins = 0
         self.publish: Callable[[FleetView], None] = lambda view: None  # to the rollout worker, once it runs
         self.drained_by_worker: Callable[[], list[tuple[str, int, str]]] = lambda: []
 
     @classmethod
-    def for_run(cls, args: Any, dist: DistInfo, setup: Any, probe: VersionProbe, vocab_size: int) -> RunServers:
+    def for_run(cls, args: Any, dist: DistInfo, setup: Any, probe: VersionProbe, vocab_size: int,
+                checks: ServerChecks) -> RunServers:
         """A run's servers (``args``: the config's fleet settings, ``config.fleet``: ``vllm_server_base_url``, then
         those ``vllm_server_fleet_file`` lists), one pusher each over ``setup`` (``sync.factory.SyncSetup``), every
-        push checked against ``probe``."""
+        push checked against ``probe`` (the policy's; ``vocab_size`` its vocabulary's)."""
         listing = (lambda: read_fleet_file(args.vllm_server_fleet_file)) if args.vllm_server_fleet_file else None
         urls = args.server_urls()
         urls += [u for u in (listing() if listing else []) if u not in urls]
@@ -126,17 +129,18 @@ class RunServers:
             make_pusher=lambda url, control, watch: WeightPusher.for_run(args, setup, dist, control, watch, vocab_size,
                                                                          probe=probe),
             make_control=lambda url: VLLMControlClient(url, timeout=args.request_timeout),
-            make_watch=lambda control: ServerWatch(control, args.server_unavailable_timeout_s),
+            make_watch=lambda control: ServerWatch(control, args.server_unavailable_timeout_s), checks=checks,
         )
         fleet.probe = probe
         return fleet
 
     @classmethod
-    def around(cls, transfer: Any, dist: DistInfo, vocab_size: int, args: Any = None) -> RunServers:
+    def around(cls, transfer: Any, dist: DistInfo, vocab_size: int, args: Any = None,
+               checks: ServerChecks | None = None) -> RunServers:
         """A fleet of one whose pushes go through ``transfer`` (the trainer's ``weight_transfer=``), unconfirmed:
-        the transport is the caller's, and so is knowing that the sampler got the weights. ``args``: the run's
-        config, whose one server the rollouts come from (watched for restarts); None: the trainer talks to no
-        server."""
+        the transport is the caller's, and so is knowing that the sampler got the weights. ``args``: the config's
+        fleet settings, whose one server the rollouts come from (watched for restarts, checked by ``checks``);
+        None: the trainer talks to no server."""
         def make_pusher(_url: str, _control: Any, watch: Any) -> WeightPusher:
             return WeightPusher(lambda: transfer, dist, None, watch, attempts=1, verify=VerifyConfig(every=0),
                                 probe=None, vocab_size=vocab_size)
@@ -144,7 +148,8 @@ class RunServers:
         if args is not None:
             return cls(args.server_urls()[:1], dist, make_pusher,
                        make_control=lambda url: VLLMControlClient(url, timeout=args.request_timeout),
-                       make_watch=lambda control: ServerWatch(control, args.server_unavailable_timeout_s))
+                       make_watch=lambda control: ServerWatch(control, args.server_unavailable_timeout_s),
+                       checks=checks)
         fleet = cls([], dist, make_pusher)
         member = Member(name="weight_transfer", url="", pusher=make_pusher("", None, None), state="joining")
         fleet.members[member.name] = member  # nothing to wait for: it serves after its first push
@@ -205,13 +210,27 @@ class RunServers:
     def view(self) -> FleetView:
         return {m.name: (m.url, m.epoch if m.state == "serving" else 0) for m in self.members.values()}
 
+    def inform(self, worker: Any) -> None:
+        """Rank 0: the rollout worker (``rollout.worker.RolloutWorker``) sends only to the servers this fleet says
+        serve, told now and at every change, and tells the fleet which ones it drained."""
+        self.publish = worker.publish_fleet
+        self.drained_by_worker = worker.drained_servers
+        worker.publish_fleet(self.view())
+
     # ---- start-up (rank 0) ------------------------------------------------------------------------------
-    def connect(self, wait: Callable[[Any], None]) -> None:
-        """Wait for the servers, side by side (``wait(control)``: ``checks.wait_for_server``). A fleet starts with those
-        that answer (the others join once they do: ``tend``); a single server that does not answer fails the run."""
+    def start(self) -> bool:
+        """Rank 0, at the run's start: wait for the servers and finish weight updates a killed trainer left open.
+        True when a server was left paused: it holds half-loaded weights on which a request would crash it, so it
+        must be pushed the current weights before ``check`` sends it any."""
+        self.connect()
+        return self.left_paused()
+
+    def connect(self) -> None:
+        """Wait for the servers, side by side (``ServerChecks.wait``). A fleet starts with those that answer (the
+        others join once they do: ``tend``); a single server that does not answer fails the run."""
         members = list(self.members.values())
         with ThreadPoolExecutor(max_workers=len(members)) as pool:
-            errors = list(pool.map(lambda m: _error_of(wait, m.control), members))
+            errors = list(pool.map(lambda m: _error_of(self.checks.wait, m.control), members))
         for member, error in zip(members, errors):
             if error is None:
                 member.state = "joining"
@@ -233,20 +252,19 @@ class RunServers:
                 paused = True
         return paused
 
-    def check(self, check_one: Callable[[Any], ServerCapabilities]) -> ServerCapabilities:
-        """The start-up checks on every answering server (``check_one(control)``: ``checks.check_server``), then the
-        servers against each other; raises ``ServerConfigError`` naming the server."""
-        self.check_one = check_one
-        found = {m.url: (self._checked(m, check_one), server_fingerprint(m.control)) for m in self._answering()}
+    def check(self) -> ServerCapabilities:
+        """The start-up checks on every answering server (``ServerChecks.check``), then the servers against each
+        other; raises ``ServerConfigError`` naming the server."""
+        found = {m.url: (self._checked(m), server_fingerprint(m.control)) for m in self._answering()}
         check_fleet_alike(found)
         first = next(iter(found))
         self.reference = {first: found[first]}
         self.capabilities = found[first][0]
         return self.capabilities
 
-    def _checked(self, member: Member, check_one: Callable[[Any], ServerCapabilities]) -> ServerCapabilities:
+    def _checked(self, member: Member) -> ServerCapabilities:
         try:
-            return check_one(member.control)
+            return self.checks.check(member.control)
         except ServerConfigError as err:
             if self.single:
                 raise
@@ -443,7 +461,7 @@ class RunServers:
                 # wait for a resume. The push resumes it; its version and probe log-probs are checked after it.
                 close_open_weight_update(member.control)
             else:
-                found = {member.url: (self._checked(member, self.check_one), server_fingerprint(member.control))}
+                found = {member.url: (self._checked(member), server_fingerprint(member.control))}
                 check_fleet_alike({**self.reference, **found} if member.url not in self.reference else found)
         except (ServerConfigError, *ANSWER_FAILURES) as err:
             if str(err) != member.check_failure:
@@ -498,48 +516,6 @@ def fleet_push_metrics(outcomes: dict[str, PushOutcome], version: int, recoverie
             else:
                 metrics.setdefault(key, value)
     return metrics
-
-
-class VersionProbe:
-    """The trainer's probe log-probs, computed once per pushed version however many servers check them (every rank
-    pushes to the same servers in the same order, so the forward stays collective). The fleet sets ``version``
-    before each push; None computes every time.
-
-    ``low_precision`` is the same probe computed in 16 bits (``grpo_core.training.orchestrator.policy_probe``);
-    ``rounding_gap`` compares the two for the version being checked: how far the trainer's own rounding moves these
-    weights' probe on average, which a 16-bit server's check allows a multiple of (``fleet.verify.PushVerifier``).
-    It is measured at every checked version, since training changes it."""
-
-    def __init__(self, probe: Callable[[list[int]], torch.Tensor],
-                 low_precision: Callable[[list[int]], torch.Tensor] | None = None):
-        self.probe = probe
-        self.low_precision = low_precision
-        self.version: int | None = None
-        self._cached: dict[tuple[str, tuple[int, ...]], Any] = {}  # this version's, per quantity and token ids
-        self._cached_version: int | None = None
-
-    def _once_per_version(self, name: str, token_ids: list[int], compute: Callable[[], Any]) -> Any:
-        if self.version is None or self.version != self._cached_version:
-            self._cached, self._cached_version = {}, self.version
-        key = (name, tuple(token_ids))
-        if self.version is None or key not in self._cached:
-            value = compute()
-            if self.version is None:
-                return value
-            self._cached[key] = value
-        return self._cached[key]
-
-    def rounding_gap(self, token_ids: list[int]) -> float | None:
-        """Mean |full - 16-bit| probe log-prob of the trainer's current weights, once per version (every rank calls
-        it: the forward is collective); None without a 16-bit probe."""
-        low_precision = self.low_precision
-        if low_precision is None:
-            return None
-        return self._once_per_version(
-            "rounding", token_ids, lambda: float((self(token_ids) - low_precision(token_ids)).abs().mean()))
-
-    def __call__(self, token_ids: list[int]) -> torch.Tensor:
-        return self._once_per_version("probe", token_ids, lambda: self.probe(token_ids))
 
 
 @contextmanager

@@ -42,7 +42,7 @@ PUSH_FAILURES = (httpx.TransportError, VLLMRequestError, RuntimeError)
 """What a push to a server that went away or misbehaved raises (``WeightSyncError`` is a ``RuntimeError``)."""
 
 Probe = Callable[[list[int]], torch.Tensor]
-"""The trainer's own log-probs of a probe sequence (``training.forward.probe_logprobs``); every rank calls it."""
+"""The trainer's own log-probs of a probe sequence (``fleet.probe.VersionProbe``); every rank calls it."""
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,7 @@ class WeightPusher:
 
     def _trainer_side(self, token_ids: list[int]) -> tuple[torch.Tensor, float | None]:
         """The trainer's probe log-probs of ``token_ids`` and its own 16-bit rounding of them where it measures one
-        (``fleet.servers.VersionProbe``); every rank calls it, since the forwards are collective."""
+        (``fleet.probe.VersionProbe``); every rank calls it, since the forwards are collective."""
         rounding = getattr(self.probe, "rounding_gap", None)
         return self.probe(token_ids), (rounding(token_ids) if callable(rounding) else None)
 

@@ -284,6 +284,17 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Free the gathered parameters of a forward that no backward follows. FSDP2 keeps the root module's
+    parameters gathered after its forward (a backward usually needs them at once); outside training that
+    would leave the whole root unsharded, in full size, until the next step."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
     """A plain tensor: DTensors (sharded parameters, a global grad norm) are gathered first."""
     full = getattr(tensor, "full_tensor", None)

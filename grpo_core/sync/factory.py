@@ -12,7 +12,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from grpo_core.models.lora import base_named_tensors, max_rank, merged_named_tensors
@@ -44,12 +43,6 @@ def resolve_lora_mode(requested: str, serving: LoraServing) -> str:
     if requested == "adapter" or serving.can_serve_adapters:
         return "adapter"
     return "merged"
-
-
-def wire_dtype(bf16: bool) -> Any:
-    """The dtype weights travel in: bf16 when training in bf16 (the policy the trainer computes with,
-    half the bytes of the fp32 master weights), else the weights' own dtype (None)."""
-    return torch.bfloat16 if bf16 else None
 
 
 @dataclass

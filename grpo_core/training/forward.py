@@ -14,11 +14,13 @@ Both are ``grpo_core.models.head.fused``'s: the reference functions (``models.he
 ``token_logprobs``, ``head_token_logprobs``) with the backward written out and compiled, on CUDA; elsewhere,
 and with ``fused=False``, the reference functions run (``fused.fused_by_default``; the benchmarks time
 both). Which ``chunk_size`` a row gets is ``AsyncGRPOConfig.resolved_logprob_chunk_size``.
+
+A push's log-prob check runs the unchunked forward with the reference head on a probe sequence
+(``fleet.probe.probe_logprobs``): a change to that path here changes what the check compares with.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -27,9 +29,7 @@ from torch import Tensor
 from grpo_core.models.head.fused import fused_by_default, fused_head_logprobs, fused_token_logprobs
 from grpo_core.models.head.lm_head import head_computes_logprobs, output_head
 from grpo_core.models.head.reference import head_token_logprobs, token_logprobs
-from grpo_core.packing.collator import PackedRow, pack_row
-from grpo_core.packing.trie import TreeRow
-from grpo_core.rollout.types import RolloutSample
+from grpo_core.packing.collator import PackedRow
 
 
 @dataclass
@@ -83,45 +83,3 @@ def row_logprobs(
                          "returning it as logits, which the chunked head cannot follow: set logprob_chunk_size=None")
     out = outputs.logits[0]
     return RowLogprobs(out[:, 0], out[:, 1:] if top_ids is not None else None, None)
-
-
-@torch.no_grad()
-def probe_logprobs(model: torch.nn.Module, token_ids: list[int], device: torch.device,
-                   autocast_dtype: torch.dtype | None = None) -> Tensor:
-    """The policy's log-prob of each token of ``token_ids`` after the first, at temperature 1, through the
-    same packed forward as training (a weight push's check compares it with the server's; every rank
-    calls it, since a sharded forward is collective). float64 on the host, ``len(token_ids) - 1`` values.
-    ``autocast_dtype`` runs the forward under autocast to that dtype: the trainer's own rounding in 16 bits,
-    which sets the check's tolerance for a 16-bit server (``fleet.servers.VersionProbe.rounding_gap``)."""
-    import numpy as np
-
-    n = len(token_ids)
-    mask = np.ones(n, dtype=bool)
-    mask[0] = False
-    sample = RolloutSample(token_ids=np.asarray(token_ids, dtype=np.int32), completion_mask=mask,
-                           sampler_logprobs=np.zeros(n, dtype=np.float32), advantage=0.0, reward=0.0, group_id=0,
-                           row_index=0, epoch=0, rollout_id="weight-probe", policy_version=0)
-    row = TreeRow()
-    row.add(sample)
-    was_training = model.training
-    model.eval()
-    try:
-        autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
-                    else contextlib.nullcontext())
-        with torch.no_grad(), autocast:
-            out = row_logprobs(model, pack_row(row).to(device), temperature=1.0, fused=False)
-    finally:
-        model.train(was_training)
-        reshard(model)
-    return out.logprobs.detach().double().cpu()
-
-
-def reshard(model: torch.nn.Module) -> None:
-    """Free the gathered parameters of a forward that no backward follows. FSDP2 keeps the root module's
-    parameters gathered after its forward (a backward usually needs them at once); outside training that
-    would leave the whole root unsharded, in full size, until the next step."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()

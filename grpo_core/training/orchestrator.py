@@ -22,17 +22,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from grpo_core.data.inputs import check_crossing
 from grpo_core.evaluation.beside import EvaluationBeside
 from grpo_core.evaluation.heldout import EvalRollouts, evaluate_on_server
-from grpo_core.fleet.servers import RunServers, VersionProbe
+from grpo_core.fleet.probe import VersionProbe
+from grpo_core.fleet.servers import RunServers
 from grpo_core.fleet.weight_push import WeightPusher
 from grpo_core.ranks import DistInfo, broadcast_object
 from grpo_core.rollout.tool_calls import ToolRegistry
 from grpo_core.rollout.worker import RolloutWorker, WorkerSpec
-from grpo_core.sync.factory import SyncSetup, wire_dtype
+from grpo_core.sync.factory import SyncSetup
 from grpo_core.tracking.run_view import constant_metrics, resolved_tags
 from grpo_core.tracking.tracker import Tracker, make_tracker
 from grpo_core.training.collector import (
@@ -44,12 +43,11 @@ from grpo_core.training.collector import (
     no_signal_groups,
 )
 from grpo_core.training.distributed import StepFeed
-from grpo_core.training.forward import probe_logprobs
 from grpo_core.training.sources import assumed_capabilities, call_if_present, is_source
 from grpo_core.training.step_log import StepLog
 from grpo_core.training.step_metrics import sample_and_queue_metrics
 from grpo_core.training.waste import WasteLedger
-from grpo_core.vllm_server.checks import check_server, expected_server_dtype, wait_for_server
+from grpo_core.vllm_server.checks import ServerChecks
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +96,6 @@ class RunOrchestrator:
         self.fleet: RunServers | None = None  # the servers: one pusher each, their checks and restarts (rank 0 talks)
         self.server: Any = None  # ServerCapabilities, once checked
         self.feed: StepFeed | None = None
-        self.probe: VersionProbe | None = None  # the trainer's probe log-probs, once per pushed version
         self.server_restarts = 0  # servers that came back (restarted, or lost and answering again) and got the weights
         self.waste = WasteLedger()  # what this attempt generated and did not train (``waste/*``)
         self.beside: EvaluationBeside | None = None  # evaluations beside training (``eval_beside_training``)
@@ -128,34 +125,22 @@ class RunOrchestrator:
         self.model = policy.model
         if self.weight_transfer is not None:
             call_if_present(self.weight_transfer, "attach", policy.model)
-        if not self.talks_to_servers:
-            return self._start_without_servers(policy, version, on_server)
-        args, cuda = self.args, device.type == "cuda"
-        model_name = policy.model_path or "<model>"
         self.fleet = self._make_fleet(policy, peft_config, device, train_dtype)
-        if self.dist.is_main:
-            self.fleet.connect(lambda control: wait_for_server(control, args, model_name, cuda))
-        if broadcast_object(self.dist.is_main and self.fleet.left_paused()):
-            # A trainer killed during a weight sync (preemption) left a server paused with half-loaded
-            # weights, on which the next request would crash it: complete a push (it resumes) first.
-            self.push(version)
-        if self.dist.is_main:
-            self.server = self.fleet.check(lambda control: check_server(
-                control, args, model_name, policy.model.config, cuda, train_dtype=train_dtype))
-        self.server = broadcast_object(self.server)  # every rank must compute the same loss
+        if not self.talks_to_servers:  # both replaceable parts are the caller's: no server to wait for or check
+            self.server = getattr(self.rollout_worker, "server_capabilities", None) or assumed_capabilities(
+                self.args.token_budget)
+        else:
+            if broadcast_object(self.dist.is_main and self.fleet.start()):
+                # A trainer killed during a weight sync (preemption) left a server paused with half-loaded
+                # weights, on which the next request would crash it: complete a push (it resumes) first.
+                self.push(version)
+            # Every rank must compute the same loss.
+            self.server = broadcast_object(self.fleet.check() if self.dist.is_main else None)
         on_server(self.server)
-        if self.dist.is_main:
+        if self.dist.is_main and self.talks_to_servers:
             self.tracker.set_tags({"sync/mode": self.pusher.open().mode,
                                    **{f"fleet/{m.name}": m.url for m in self.fleet.members.values()}})
-        return self._start_sampling(version, WatchedSource)
-
-    def _start_without_servers(self, policy: Any, version: int, on_server: Any) -> StepFeed:
-        """Both replaceable parts are the caller's: push the starting weights through theirs, collect from theirs."""
-        self.server = getattr(self.rollout_worker, "server_capabilities", None) or assumed_capabilities(
-            self.args.token_budget)
-        on_server(self.server)
-        self.fleet = RunServers.around(self.weight_transfer, self.dist, policy.vocab_size)
-        return self._start_sampling(version, None)
+        return self._start_sampling(version, WatchedSource if self.talks_to_servers else None)
 
     def _start_sampling(self, version: int, watched: Any) -> StepFeed:
         """Push the current weights (the server may hold others: another revision, a resumed run; a replaced
@@ -194,14 +179,20 @@ class RunOrchestrator:
         return next((m.pusher for m in members if m.state != "lost"), members[0].pusher)
 
     def _make_fleet(self, policy: Any, peft_config: Any, device: Any, train_dtype: str) -> RunServers:
-        """The run's servers, one pusher each, the probe computed once per version."""
-        setup = SyncSetup(config=self.args, model=policy.model, rank=self.dist.rank,
-                          backend=self.args.resolved_weight_transfer_backend(device.type == "cuda"),
-                          wire_dtype=wire_dtype(policy.bf16), model_path=policy.model_path, peft_config=peft_config)
-        self.probe = policy_probe(policy.model, device, train_dtype)
+        """The run's servers, built from what they take of the policy: its model and name, its vocabulary's size, the
+        dtypes it computes and sends weights in, and its probe."""
+        if not self.talks_to_servers:  # pushes through the caller's transport alone
+            return RunServers.around(self.weight_transfer, self.dist, policy.vocab_size)
+        cuda = device.type == "cuda"
+        checks = ServerChecks(self.args, policy.model_path or "<model>", policy.model.config, cuda, train_dtype)
         if self.weight_transfer is not None:  # the caller's transport to the one server the rollouts come from
-            return RunServers.around(self.weight_transfer, self.dist, policy.vocab_size, args=self.args.fleet)
-        return RunServers.for_run(self.args.fleet, self.dist, setup, self.probe, policy.vocab_size)
+            return RunServers.around(self.weight_transfer, self.dist, policy.vocab_size, args=self.args.fleet,
+                                     checks=checks)
+        setup = SyncSetup(config=self.args, model=policy.model, rank=self.dist.rank,
+                          backend=self.args.resolved_weight_transfer_backend(cuda),
+                          wire_dtype=policy.wire_dtype, model_path=policy.model_path, peft_config=peft_config)
+        probe = VersionProbe.of_model(policy.model, device, train_dtype, checks.server_dtype)
+        return RunServers.for_run(self.args.fleet, self.dist, setup, probe, policy.vocab_size, checks)
 
     def _start_worker(self) -> Any:
         if is_source(self.rollout_worker):  # the caller's source (``rollout_worker=``): no rollout process
@@ -225,10 +216,7 @@ class RunOrchestrator:
             queue_maxsize=self.args.queue_maxsize, heartbeat_timeout_s=self.args.worker_heartbeat_timeout_s,
             initial_version=self.versions.current,
         )
-        # The worker sends only to the servers the fleet says serve, and tells it which ones it drained.
-        worker.publish_fleet(self.fleet.view())
-        self.fleet.publish = worker.publish_fleet
-        self.fleet.drained_by_worker = worker.drained_servers
+        self.fleet.inform(worker)
         worker.start()
         # A wrapper of the caller's (``rollout_worker=`` a function) around the started worker: collect from it.
         return self.rollout_worker(worker) if callable(self.rollout_worker) else worker
@@ -338,14 +326,3 @@ class RunOrchestrator:
     def close_tracking(self, finished: bool) -> None:
         if self.owns_tracker:
             self.tracker.close("FINISHED" if finished else "FAILED")
-
-
-def policy_probe(model: torch.nn.Module, device: torch.device, train_dtype: str) -> VersionProbe:
-    """The probe of a trainer's policy (``training.forward.probe_logprobs``). An fp32 trainer whose servers must
-    compute in 16 bits (a model's need, checked at start-up on every server) also measures its own 16-bit rounding
-    of the probe at each check: those servers' checks tolerate a multiple of it (``fleet.verify.ROUNDING_MARGIN``).
-    Every rank decides this alike, from the model's config and the dtype."""
-    sixteen_bit_server = expected_server_dtype(train_dtype, model.config, device.type == "cuda") != "float32"
-    return VersionProbe(lambda ids: probe_logprobs(model, ids, device),
-                        (lambda ids: probe_logprobs(model, ids, device, torch.bfloat16))
-                        if train_dtype == "float32" and sixteen_bit_server else None)

@@ -41,6 +41,7 @@ class Policy:
     grad_scaler: Any  # torch.amp.GradScaler for fp16, else None
     bf16: bool
     compute_dtype: torch.dtype  # what forward/backward run in; weights are served and saved in it too
+    wire_dtype: torch.dtype | None  # what weights travel to the servers in (``wire_dtype``)
     compile_mode: str
     compile_graph_breaks: str | None  # nested or outer where layers are compiled whole, else None
     keep_weights_between_micro_batches: bool  # one rank keeps gathered weights through a step (FSDPSettings)
@@ -87,6 +88,7 @@ def build_policy(model: Any, processing_class: Any, peft_config: Any, args: Asyn
         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, weight_decay=args.weight_decay)
     return Policy(model=module, model_path=model_path, processing_class=tokenizer, optimizer=optimizer,
                   lr_scheduler=lr_scheduler(args, optimizer), bf16=bf16, compute_dtype=compute_dtype,
+                  wire_dtype=wire_dtype(bf16),
                   grad_scaler=torch.amp.GradScaler("cuda") if args.fp16 else None,
                   compile_mode=fsdp_settings.compile,
                   compile_graph_breaks=(("nested" if fsdp_settings.nested_graph_breaks else "outer")
@@ -106,6 +108,12 @@ def resolve_precision(args: AsyncGRPOConfig, device: torch.device, is_main: bool
     if args.bf16 is None and not bf16 and is_main:
         log.info("bf16=None: training in fp32 on %s (bf16 is the default on CUDA devices that support it)", device)
     return bf16
+
+
+def wire_dtype(bf16: bool) -> torch.dtype | None:
+    """The dtype weights travel in: bf16 when training in bf16 (the policy the trainer computes with,
+    half the bytes of the fp32 master weights), else the weights' own dtype (None)."""
+    return torch.bfloat16 if bf16 else None
 
 
 def lr_scheduler(args: AsyncGRPOConfig, optimizer: torch.optim.Optimizer) -> Any:

@@ -144,6 +144,29 @@ def expected_server_dtype(train_dtype: str, model_config: Any, cuda: bool) -> st
     return str(needed[0]) if needed else train_dtype
 
 
+@dataclass(frozen=True)
+class ServerChecks:
+    """A run's start-up checks of one server, as values: the run's config, the trainer's model (its name, its config)
+    and the dtype the trainer computes in. Whatever keeps the run's servers runs them on each (``fleet.servers``)."""
+
+    config: AsyncGRPOConfig
+    model: str = "<model>"
+    model_config: Any = None
+    cuda: bool = False
+    train_dtype: str = "float32"
+
+    def wait(self, control: VLLMControlClient) -> None:
+        wait_for_server(control, self.config, self.model, self.cuda)
+
+    def check(self, control: VLLMControlClient) -> ServerCapabilities:
+        return check_server(control, self.config, self.model, self.model_config, self.cuda, train_dtype=self.train_dtype)
+
+    @property
+    def server_dtype(self) -> str:
+        """The dtype every server must compute in (``expected_server_dtype``)."""
+        return expected_server_dtype(self.train_dtype, self.model_config, self.cuda)
+
+
 def served_dtype(control: VLLMControlClient) -> str | None:
     """The dtype the server loaded the model in (``/server_info``'s ``model_config.dtype``, ``torch.bfloat16``
     written as ``bfloat16``), or None when the server does not say."""

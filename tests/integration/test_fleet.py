@@ -39,13 +39,13 @@ from flows.provision import LocalProvisioner
 from flows.train_flow import keep_fleet
 from grpo_core.checkpoint import ledger_summary, read_ledger
 from grpo_core.config import AsyncGRPOConfig
+from grpo_core.fleet.probe import probe_logprobs
 from grpo_core.fleet.verify import probe_token_ids
 from grpo_core.launch.job import JobConfig
 from grpo_core.rewards import accuracy_reward, format_reward
 from grpo_core.rollout.concurrency import parse_vllm_metrics
 from grpo_core.rollout.routing_client import server_name
 from grpo_core.tiny import arithmetic_dataset
-from grpo_core.training.forward import probe_logprobs
 from grpo_core.training.trainer import AsyncGRPOTrainer
 from grpo_core.vllm_server.control import VLLMControlClient
 from grpo_core.vllm_server.cpu_placement import ROLLOUT_CPUS_ENV, format_cpus, replica_placement
