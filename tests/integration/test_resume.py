@@ -1,15 +1,17 @@
 """Preemption: the flow resumes a SIGKILLed trainer from its newest good checkpoint, locally and on S3.
 
 Each run starts ``grpo train JOB.yaml`` (the real CLI, Prefect flow and trainer processes) and kills
-the trainer's process group with SIGKILL three times: at a random step, while a checkpoint is being
-written, and at another random step (in the local run the vLLM server is killed with it, so the flow
-must restart the server too). Afterwards the run's ledger, checkpoints, logs and its MLflow run
-must show: ``max_steps`` reached; every prompt position below the final frontier consumed by the
-steps that survived; re-trained prompts only past the checkpoint each attempt resumed from, and as
-many as the flow reports; the torn checkpoint skipped with a warning; one MLflow run with every step
-logged and re-run steps marked. The S3 run uses a moto S3 server on loopback and checks that the
-secret key reaches no log, job file or MLflow run. Finally a vLLM server starts on a checkpoint
-folder as it is and generates.
+the trainer's process group with SIGKILL. The local run kills it three times: at a random step, while
+a checkpoint is being written, and at another random step (with the vLLM server, so the flow must
+restart the server too). The S3 run kills it once, while a checkpoint after the first good one is
+being written to the bucket, so that it resumes from a checkpoint in the bucket past a torn one there
+(the local run covers the kills at random moments and a third attempt). Afterwards each run's ledger,
+checkpoints, logs and its MLflow run must show: ``max_steps`` reached; every prompt position below
+the final frontier consumed by the steps that survived; re-trained prompts only past the checkpoint
+each attempt resumed from, and as many as the flow reports; the torn checkpoint skipped with a
+warning; one MLflow run with every step logged and re-run steps marked. The S3 run uses a moto S3
+server on loopback and the session's Prefect server, and checks that the secret key reaches no log,
+job file or MLflow run. Finally a vLLM server starts on a checkpoint folder as it is and generates.
 
     .venv/bin/python -m pytest -q tests/integration/test_resume.py
 """
@@ -280,14 +282,32 @@ def run_with_kills(run: FlowRun, rng: random.Random, kill_server: bool) -> tuple
     return summary, time.monotonic() - start
 
 
-def check_run(run: FlowRun, summary: dict[str, Any], tracking_uri: str, experiment: str) -> None:
+def run_with_one_torn_write(run: FlowRun) -> tuple[dict[str, Any], float]:
+    """One kill: while the first attempt writes a checkpoint after its first good one (so that the resume
+    starts from a good checkpoint, past the torn one)."""
+    start = time.monotonic()
+    run.start()
+    pid = run.wait_new_trainer()
+    run.wait_step(1, pid, SAVE_STEPS + 1)  # checkpoint-SAVE_STEPS is written before step SAVE_STEPS + 1 is logged
+    good = [step for step, path in list_checkpoints(run.storage)
+            if MANIFEST in {e["name"].rsplit("/", 1)[-1] for e in run.storage.ls(path)}]
+    assert good, f"no good checkpoint after step {SAVE_STEPS + 1}: {list_checkpoints(run.storage)}"
+    run.kills.append(run.kill_during_checkpoint_write(1, pid, after_step=max(good)))
+    run.wait_new_trainer()
+    summary = run.wait_done(FLOW_TIMEOUT_S)
+    return summary, time.monotonic() - start
+
+
+def check_run(run: FlowRun, summary: dict[str, Any], tracking_uri: str, experiment: str, kills: int) -> None:
+    """The checks of a run that was killed ``kills`` times (one of them while a checkpoint was written)."""
+    assert len(run.kills) == kills, run.kills
     # ---- the flow's own account
-    assert summary["resumes"] == 3
+    assert summary["resumes"] == kills
     assert summary["steps"] == MAX_STEPS
 
     # ---- the ledger: which positions each step consumed, per attempt
     attempts, steps = read_ledger(run.job.trainer.output_dir)
-    assert [a["attempt"] for a in attempts] == [1, 2, 3, 4]
+    assert [a["attempt"] for a in attempts] == list(range(1, kills + 2))
     assert attempts[0]["checkpoint"] is None
     assert sum(r["stale_dropped"] for r in steps) == 0, "stale drops would hide skipped prompts"
     kept = surviving_steps(attempts, steps)
@@ -322,7 +342,8 @@ def check_run(run: FlowRun, summary: dict[str, Any], tracking_uri: str, experime
     torn = next(k for k in run.kills if k.moment == "checkpoint write")
     assert torn.torn_checkpoint is not None
     assert f"skipping torn checkpoint {run.storage.url(torn.torn_checkpoint)}" in run.train_log()
-    assert attempts[2]["step"] < torn.at_step
+    # the attempt after the kill resumed from an older checkpoint (attempts[i] is attempt i + 1)
+    assert attempts[torn.attempt]["step"] < torn.at_step
 
     # ---- checkpoints: the last one is good and holds the final step
     newest_step, newest = list_checkpoints(run.storage)[0]
@@ -352,7 +373,8 @@ def check_run(run: FlowRun, summary: dict[str, Any], tracking_uri: str, experime
     assert marked > 0, "no step was re-run, so the kills did not land after a checkpoint"
     assert marked == len(loss_rows) - len(first_logged)  # every re-logged step is marked, and only those
     tags = client.get_run(run_id).data.tags
-    assert tags["prompts_trained_twice"] == str(twice) and tags["resumes"] == "3" and tags["attempt"] == "4"
+    assert tags["prompts_trained_twice"] == str(twice) and tags["resumes"] == str(kills)
+    assert tags["attempt"] == str(kills + 1)
     assert not [k for k in client.get_run(run_id).data.metrics if k.startswith(("job/", "train/attempt"))]
 
 
@@ -388,6 +410,7 @@ def job_for(output_dir: str, tracking_uri: str, experiment: str, server_url: str
 
 
 def flow_env(tmp_path: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The flow's environment with an ephemeral Prefect API of its own (in the run's PREFECT_HOME)."""
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            # The ephemeral API starts in seconds on an idle machine, far slower on two busy cores.
            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300"}
@@ -415,7 +438,7 @@ def local_run(mlflow_server, tiny_model_path, tmp_path_factory):
 
 def test_flow_resumes_after_three_kills_local(local_run, mlflow_server):
     run, summary, experiment = local_run
-    check_run(run, summary, mlflow_server, experiment)
+    check_run(run, summary, mlflow_server, experiment, kills=3)
     # The flow restarted the server it lost with the third kill.
     starts = re.findall(r"Started server process \[(\d+)\]", (run.local / "vllm_server.log").read_text(errors="replace"))
     assert len(starts) == 2
@@ -486,21 +509,21 @@ def s3_server(tmp_path_factory):
         proc.wait(10)
 
 
-def test_flow_resumes_after_three_kills_s3(s3_server, vllm_server, mlflow_server, tmp_path, monkeypatch):
+def test_flow_resumes_past_a_torn_checkpoint_s3(s3_server, vllm_server, mlflow_server, prefect, tmp_path,
+                                                monkeypatch):
     for key, value in s3_server.items():
         monkeypatch.setenv(key, value)  # this process reads the bucket too
     experiment = f"resume-s3-{uuid.uuid4().hex[:8]}"
     output_dir = f"s3://grpo/{experiment}"
+    _, prefect_env, _ = prefect  # the session's Prefect server: no ephemeral API to start
     run = FlowRun(job_for(output_dir, mlflow_server, experiment, vllm_server.base_url), tmp_path,
-                  flow_env(tmp_path, s3_server))
-    seed = random.randrange(1 << 30)
-    print(f"kill moments seeded with {seed}")
+                  {**prefect_env, **s3_server})
     try:
-        summary, seconds = run_with_kills(run, random.Random(seed), kill_server=False)
+        summary, seconds = run_with_one_torn_write(run)
     finally:
         run.stop()
     print(f"s3 resume run: {seconds:.0f} s, kills {run.kills}, summary {summary}")
-    check_run(run, summary, mlflow_server, experiment)
+    check_run(run, summary, mlflow_server, experiment, kills=1)
     assert not list(run.local.glob("checkpoint-*")), "checkpoints belong in the bucket, not the local run folder"
 
     # The secret went to the processes' environment only.
