@@ -11,11 +11,12 @@ the error names the part and this module. The methods that derive values (``serv
 that every field is in a part, that every listed name is a field or method of the config, and that no method a
 part carries reads a name outside the part.
 
-Three consumers keep the whole config, by design: the rollout loop (``AsyncRolloutLoop.config``) and the held-out
+Two consumers keep the whole config, by design: the rollout loop (``AsyncRolloutLoop.config``) and the held-out
 evaluation, which runs the same loop. The loop is the extension point of a user's script: a subclass of it reads the
 fields of the user's own config subclass (``tests/integration/test_drop_in.py``), which no part of this package
-declares. The weight sync's set-up (``sync.factory.SyncSetup``) keeps it too: its LoRA start-up check writes the
-whole server command a user should run, from fields of every part.
+declares. What a part needs that is made from other parts' fields comes to it as a value: the weight sync's set-up
+(``sync.factory.SyncSetup``) takes ``config.sync`` and refuses the whole config, and the server command its LoRA
+start-up check shows, which spells fields of every part, is written by the orchestrator.
 """
 
 from __future__ import annotations

@@ -72,3 +72,21 @@ def test_parts_are_no_fields_of_the_config():
     assert not names & set(SECTIONS)
     assert isinstance(AsyncGRPOConfig().tracking, TrackingSettings)
     assert not set(dataclasses.asdict(AsyncGRPOConfig())) & set(SECTIONS)
+
+
+def _sync_setup(config, **values):
+    from grpo_core.sync.factory import SyncSetup
+
+    return SyncSetup(config=config, model=None, rank=0, backend="gloo", wire_dtype=None, model_path=None, **values)
+
+
+def test_the_weight_sync_is_set_up_from_its_own_settings_only():
+    """The weight sync's set-up takes ``config.sync``; handed the whole config, it refuses at once, naming the part.
+    What it needs of other parts (a LoRA run's server command) it receives as a value."""
+    config = AsyncGRPOConfig(max_staleness=3)
+    assert _sync_setup(config.sync).config == config.sync
+    with pytest.raises(TypeError, match=r"config\.sync"):
+        _sync_setup(config)
+    with pytest.raises(ValueError, match="lora_command"):
+        _sync_setup(config.sync, peft_config=object())
+    assert _sync_setup(config.sync, peft_config=object(), lora_command="vllm serve m").lora_command == "vllm serve m"

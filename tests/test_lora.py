@@ -10,6 +10,7 @@ import copy
 import logging
 import multiprocessing as mp
 
+import httpx
 import pytest
 import torch
 from peft import LoraConfig, PeftModel
@@ -28,10 +29,11 @@ from grpo_core.models.lora import (
     warn_if_not_saved,
     write_adapter,
 )
-from grpo_core.sync.factory import resolve_lora_mode
+from grpo_core.sync.factory import SyncSetup, make_weight_sync, resolve_lora_mode
 from grpo_core.sync.lora import AdapterPointer, AdapterWindow, serving_path
 from grpo_core.vllm_server.checks import (
     LoraServing,
+    ServerChecks,
     ServerConfigError,
     check_lora_limits,
     lora_command,
@@ -278,13 +280,21 @@ def test_lora_command_carries_the_flags_adapter_sync_needs() -> None:
         assert flag in command
 
 
+def test_the_runs_checks_write_the_lora_command_for_the_servers_device() -> None:
+    """The orchestrator writes a LoRA run's command with its server checks: the run's model, its device."""
+    config = AsyncGRPOConfig(max_staleness=4)
+    for cuda in (False, True):
+        checks = ServerChecks(config, "Qwen/Qwen3-4B", cuda=cuda)
+        assert checks.lora_command(20) == lora_command(config, 20, "Qwen/Qwen3-4B", cuda=cuda)
+
+
 def test_limits_pass_when_big_enough() -> None:
-    check_lora_limits(SERVES, AsyncGRPOConfig(max_staleness=4), adapter_rank=16)
+    check_lora_limits(SERVES, 4, 16, lora_command(AsyncGRPOConfig(max_staleness=4), 16))
 
 
 def test_limits_name_a_too_small_rank() -> None:
     with pytest.raises(ServerConfigError) as err:
-        check_lora_limits(SERVES, AsyncGRPOConfig(max_staleness=4), adapter_rank=17)
+        check_lora_limits(SERVES, 4, 17, lora_command(AsyncGRPOConfig(max_staleness=4), 17))
     assert "--max-lora-rank 16 is below the adapter's rank 17" in str(err.value)
     assert "--max-loras" not in str(err.value).split("Restart")[0]
     assert "--max-lora-rank 32" in str(err.value)
@@ -292,16 +302,35 @@ def test_limits_name_a_too_small_rank() -> None:
 
 def test_limits_name_too_few_loras() -> None:
     with pytest.raises(ServerConfigError) as err:
-        check_lora_limits(SERVES, AsyncGRPOConfig(max_staleness=5), adapter_rank=8)
+        check_lora_limits(SERVES, 5, 8, lora_command(AsyncGRPOConfig(max_staleness=5), 8))
     assert "--max-loras 6 is below max_staleness + 2 = 7" in str(err.value)
     assert "--max-loras 7" in str(err.value)
 
 
 def test_limits_name_what_the_server_lacks() -> None:
     with pytest.raises(ServerConfigError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"):
-        check_lora_limits(NO_ROUTES, AsyncGRPOConfig(), adapter_rank=8)
+        check_lora_limits(NO_ROUTES, 4, 8, lora_command(AsyncGRPOConfig(), 8))
     with pytest.raises(ServerConfigError, match="lacks --enable-lora"):
-        check_lora_limits(NO_LORA, AsyncGRPOConfig(), adapter_rank=8)
+        check_lora_limits(NO_LORA, 4, 8, lora_command(AsyncGRPOConfig(), 8))
+
+
+class _ServerWithoutLora:
+    """A control client of a server started without LoRA serving (what ``probe_lora_serving`` asks)."""
+
+    base_url = "http://server:8000"
+
+    def probe(self, method: str, path: str, **_: object) -> httpx.Response:
+        return httpx.Response(404) if path == "/v1/load_lora_adapter" else httpx.Response(200, json={"vllm_config": {}})
+
+
+def test_the_sync_shows_the_server_command_it_was_given() -> None:
+    """The weight sync reads only its own settings; the restart command, which spells fields of every part, is
+    written by the orchestrator and shown as given."""
+    config = AsyncGRPOConfig(lora_sync_mode="adapter")
+    setup = SyncSetup(config=config.sync, model=None, rank=0, backend="gloo", wire_dtype=None, model_path="m",
+                      peft_config=LoraConfig(r=8, target_modules="all-linear"), lora_command="COMMAND FROM THE RUN")
+    with pytest.raises(ServerConfigError, match="lacks --enable-lora.*\nCOMMAND FROM THE RUN$"):
+        make_weight_sync(setup, _ServerWithoutLora())
 
 
 def test_config_rejects_an_unknown_lora_sync_mode() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from grpo_core.config import SyncSettings
 from grpo_core.models.lora import base_named_tensors, max_rank, merged_named_tensors
 from grpo_core.sync.base import WeightSync
 from grpo_core.sync.lora import LoraAdapterSync
@@ -26,7 +27,6 @@ from grpo_core.vllm_server.checks import (
     LoraServing,
     ServerConfigError,
     check_lora_limits,
-    lora_command,
     probe_lora_serving,
 )
 
@@ -49,20 +49,29 @@ def resolve_lora_mode(requested: str, serving: LoraServing) -> str:
 class SyncSetup:
     """What the weight sync needs to know about a run (built by the trainer; nothing else of it)."""
 
-    # The whole AsyncGRPOConfig, not its sync settings: a LoRA run's start-up check (``check_lora_limits``) writes the
-    # full server command a user should run, from the run's server-facing fields of every part.
-    config: Any
+    config: SyncSettings  # the run's sync settings (``AsyncGRPOConfig.sync``), never the whole config
     model: Any  # the (sharded) policy
     rank: int
     backend: str  # resolved weight_transfer_backend
     wire_dtype: Any  # torch dtype the weights travel in (None: their own)
-    model_path: str | None  # the base model's folder or hub id (names adapters, fills commands)
+    model_path: str | None  # the base model's folder or hub id (names adapters)
     peft_config: Any = None  # LoRA: adapter sync or merged sync; None: full weights
     publisher: Any = None  # weight_sync_transport="storage": the run's PatchPublisher (outlives each sync)
+    # LoRA: the server command adapter sync needs, shown when the server cannot serve adapters. A value written by
+    # the orchestrator (``vllm_server.checks.lora_command``): the command spells fields of every part of the run.
+    lora_command: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, SyncSettings):
+            raise TypeError(f"SyncSetup.config takes the run's sync settings (config.sync), not a "
+                            f"{type(self.config).__name__}: the weight sync reads only its own part")
+        if self.peft_config is not None and self.lora_command is None:
+            raise ValueError("a LoRA run's SyncSetup needs lora_command, the server command adapter sync needs "
+                             "(vllm_server.checks.lora_command)")
 
 
-def deadline_config(config: Any) -> Any:
-    """The push deadlines a run's config asks for (``AsyncGRPOConfig.weight_sync_deadline_*``)."""
+def deadline_config(config: SyncSettings) -> DeadlineConfig:
+    """The push deadlines a run's sync settings ask for (``weight_sync_deadline_*``)."""
     return DeadlineConfig(floor_s=config.weight_sync_deadline_floor_s, slack=config.weight_sync_deadline_slack,
                           assumed_mb_s=config.weight_sync_assumed_mb_s)
 
@@ -129,16 +138,15 @@ def _choose_lora_mode(setup: SyncSetup, control: Any, adapter_rank: int) -> str:
     config = setup.config
     if len(config.server_urls()) > 1:
         return "merged"  # adapters are registered by name on one server; a fleet gets the merged weights
-    model_name = setup.model_path or "<model>"
     serving = probe_lora_serving(control)
     mode = resolve_lora_mode(config.lora_sync_mode, serving)
     if mode == "adapter":
-        check_lora_limits(serving, config, adapter_rank, model_name)
+        check_lora_limits(serving, config.max_staleness, adapter_rank, setup.lora_command)
     elif config.lora_sync_mode == "auto":
         log.info(
             "the server cannot load LoRA adapters at run time, so every sync pushes merged weights; "
             "for adapter-only sync restart it with:\n%s",
-            lora_command(config, adapter_rank, model_name),
+            setup.lora_command,
         )
     return mode
 

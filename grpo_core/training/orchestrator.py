@@ -28,6 +28,7 @@ from grpo_core.evaluation.heldout import EvalRollouts, evaluate_on_server
 from grpo_core.fleet.probe import VersionProbe
 from grpo_core.fleet.servers import RunServers
 from grpo_core.fleet.weight_push import WeightPusher
+from grpo_core.models.lora import max_rank
 from grpo_core.ranks import DistInfo, broadcast_object
 from grpo_core.rollout.tool_calls import ToolRegistry
 from grpo_core.rollout.worker import RolloutWorker, WorkerSpec
@@ -188,9 +189,11 @@ class RunOrchestrator:
         if self.weight_transfer is not None:  # the caller's transport to the one server the rollouts come from
             return RunServers.around(self.weight_transfer, self.dist, policy.vocab_size, args=self.args.fleet,
                                      checks=checks)
-        setup = SyncSetup(config=self.args, model=policy.model, rank=self.dist.rank,
-                          backend=self.args.resolved_weight_transfer_backend(cuda),
-                          wire_dtype=policy.wire_dtype, model_path=policy.model_path, peft_config=peft_config)
+        # The sync reads its own settings; the LoRA server command it may show spells every part's, so it is written here.
+        lora_command = checks.lora_command(max_rank(peft_config)) if peft_config is not None else None
+        setup = SyncSetup(config=self.args.sync, model=policy.model, rank=self.dist.rank,
+                          backend=self.args.resolved_weight_transfer_backend(cuda), wire_dtype=policy.wire_dtype,
+                          model_path=policy.model_path, peft_config=peft_config, lora_command=lora_command)
         probe = VersionProbe.of_model(policy.model, device, train_dtype, checks.server_dtype)
         return RunServers.for_run(self.args.fleet, self.dist, setup, probe, policy.vocab_size, checks)
 

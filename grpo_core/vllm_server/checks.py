@@ -166,6 +166,10 @@ class ServerChecks:
         """The dtype every server must compute in (``expected_server_dtype``)."""
         return expected_server_dtype(self.train_dtype, self.model_config, self.cuda)
 
+    def lora_command(self, adapter_rank: int) -> str:
+        """The server command adapter sync of an adapter of ``adapter_rank`` needs (``lora_command``)."""
+        return lora_command(self.config, adapter_rank, self.model, self.cuda)
+
 
 def served_dtype(control: VLLMControlClient) -> str | None:
     """The dtype the server loaded the model in (``/server_info``'s ``model_config.dtype``, ``torch.bfloat16``
@@ -442,9 +446,9 @@ def _server_info_failure(base_url: str, response: httpx.Response) -> str:
     return f"{base_url}/server_info answered HTTP {response.status_code} ({text}); it is needed to read the server's settings"
 
 
-def check_lora_limits(serving: LoraServing, config: AsyncGRPOConfig, adapter_rank: int, model: str = "<model>") -> None:
-    """Raise ``ServerConfigError`` when the server cannot hold the adapter window or the adapter's rank."""
-    command = lora_command(config, adapter_rank, model)
+def check_lora_limits(serving: LoraServing, max_staleness: int, adapter_rank: int, command: str) -> None:
+    """Raise ``ServerConfigError`` when the server cannot hold the adapter window or the adapter's rank; the message
+    ends with ``command``, the server to restart with (``lora_command``)."""
     if not serving.can_serve_adapters:
         missing = []
         if not serving.enabled:
@@ -461,7 +465,7 @@ def check_lora_limits(serving: LoraServing, config: AsyncGRPOConfig, adapter_ran
             f"{flags.MAX_LORA_RANK} {serving.max_lora_rank} is below the adapter's rank {adapter_rank} "
             f"(use {smallest_lora_rank(adapter_rank)}: one of 1, 8, 16, 32, 64, 128, 256, 320, 512)"
         )
-    needed = resident_adapters(config.max_staleness)
+    needed = resident_adapters(max_staleness)
     if serving.max_loras is not None and serving.max_loras < needed:
         problems.append(
             f"{flags.MAX_LORAS} {serving.max_loras} is below max_staleness + 2 = {needed} (max_staleness + 1 versions stay "

@@ -25,7 +25,7 @@ from grpo_core.models.loading import load_policy
 from grpo_core.models.lora import apply_lora
 from grpo_core.ranks import DistInfo
 from grpo_core.sync.factory import SyncSetup, make_weight_sync
-from grpo_core.vllm_server.checks import ServerConfigError
+from grpo_core.vllm_server.checks import ServerConfigError, lora_command
 from grpo_core.vllm_server.control import VLLMControlClient
 from tests.conftest import SHARED_MAX_LORA_RANK, SHARED_MAX_LORAS
 
@@ -61,10 +61,12 @@ def randomize_adapter(model: torch.nn.Module, seed: int) -> None:
 
 
 def trainer_of(model: torch.nn.Module, model_path: str, args: AsyncGRPOConfig, r: int = 8) -> SyncSetup:
-    """What ``make_weight_sync`` needs of a trainer (fp32 on CPU, rank 0)."""
+    """What ``make_weight_sync`` needs of a trainer (fp32 on CPU, rank 0): the sync settings, and the server command
+    written from the whole config as the orchestrator writes it."""
     return SyncSetup(
-        config=args, model=model, rank=DistInfo().rank, backend="gloo", wire_dtype=None, model_path=model_path,
+        config=args.sync, model=model, rank=DistInfo().rank, backend="gloo", wire_dtype=None, model_path=model_path,
         peft_config=LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear"),
+        lora_command=lora_command(args, r, model_path),
     )
 
 

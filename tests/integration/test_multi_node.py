@@ -96,7 +96,7 @@ def test_a_sync_reaches_a_server_on_another_address_at_the_routed_address(second
     control = VLLMControlClient(url)
     before = server_logprobs(url, TOKENS, 1)
     version_before = control.weight_version()
-    sync = make_weight_sync(SyncSetup(config=config, model=model, rank=0, backend=backend, wire_dtype=None,
+    sync = make_weight_sync(SyncSetup(config=config.sync, model=model, rank=0, backend=backend, wire_dtype=None,
                                       model_path=tiny_model_path), control)
     try:
         expected = routed_source_address(SECOND_HOST, second_host_server.port)
