@@ -42,14 +42,16 @@ ACCURACY = "eval/rewards/accuracy_reward"
 
 
 def trainer_args(arm: str, url: str, work: Path, steps: int, eval_steps: int, eval_generations: int,
-                 on_gpu: dict[str, Any] | None = None) -> Any:
-    """The demo's trainer for ``arm``; ``on_gpu``: the fields that differ where the server shares a GPU with it."""
+                 on_gpu: dict[str, Any] | None = None, samples_per_step: int | None = None) -> Any:
+    """The demo's trainer for ``arm``; ``on_gpu``: the fields that differ where the server shares a GPU with it;
+    ``samples_per_step``: in place of the demo's 64 (the smoke's fewer)."""
     from flows.cli import DEMO_TRAINER
     from grpo_core.config import AsyncGRPOConfig
 
     evaluates = arm != "none"
+    batch = {"per_device_train_batch_size": samples_per_step} if samples_per_step else {}
     return AsyncGRPOConfig(**{
-        **DEMO_TRAINER, **(on_gpu or {}), "max_steps": steps, "output_dir": str(work / arm), "vllm_server_base_url": url,
+        **DEMO_TRAINER, **(on_gpu or {}), **batch, "max_steps": steps, "output_dir": str(work / arm), "vllm_server_base_url": url,
         "report_to": "none", "save_strategy": "no", "num_generations_eval": eval_generations,
         "eval_strategy": "steps" if evaluates else "no", "eval_steps": eval_steps,
         "eval_beside_training": arm in ("beside", "paired"),
@@ -57,14 +59,15 @@ def trainer_args(arm: str, url: str, work: Path, steps: int, eval_steps: int, ev
 
 
 def run_arm(arm: str, url: str, model_path: str, data: Any, work: Path, steps: int, eval_steps: int,
-            eval_generations: int, on_gpu: dict[str, Any] | None = None) -> dict[str, Any]:
+            eval_generations: int, on_gpu: dict[str, Any] | None = None,
+            samples_per_step: int | None = None) -> dict[str, Any]:
     from flows.heldout import heldout_scores
     from grpo_core.evaluation.heldout import evaluate_rewards
     from grpo_core.evaluation.intervals import interval
     from grpo_core.rewards import accuracy_reward, format_reward
     from grpo_core.training.trainer import AsyncGRPOTrainer
 
-    args = trainer_args(arm, url, work, steps, eval_steps, eval_generations, on_gpu)
+    args = trainer_args(arm, url, work, steps, eval_steps, eval_generations, on_gpu, samples_per_step)
     trainer = AsyncGRPOTrainer(model_path, [accuracy_reward, format_reward], args=args, train_dataset=data["train"],
                                eval_dataset=data["eval"] if arm != "none" else None)
     blocking: dict[int, dict[str, Any]] = {}
@@ -120,13 +123,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="completions per held-out prompt (the demo's num_generations_eval)")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"which of {ARMS}, in this order")
     parser.add_argument("--server-url", default=None, help="a running CPU server of the tiny model (else one is started)")
-    parser.add_argument("--smoke", action="store_true", help="3 steps per arm, an evaluation every 2, 8 held-out "
-                        "prompts of 2 completions: checks the script")
+    parser.add_argument("--samples-per-step", type=int, default=None,
+                        help="samples a step (default: the demo's per_device_train_batch_size, 64)")
+    parser.add_argument("--smoke", action="store_true", help="3 steps per arm of 16 samples (2 groups), an evaluation "
+                        "every 2, 8 held-out prompts of 2 completions: checks the script")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     num_eval = 100
     if args.smoke:
         args.steps, args.eval_steps, args.eval_generations, num_eval = 3, 2, 2, 8
+        args.samples_per_step = args.samples_per_step or 16
 
     from grpo_core.config import AsyncGRPOConfig
     from grpo_core.tiny import arithmetic_dataset, build_tiny_model
@@ -144,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             on_gpu = {"bf16": True, "weight_transfer_backend": spec.weight_transfer_backend}
         server = VLLMServer(spec, work / "server").start(timeout_s=900)
     url = args.server_url or server.base_url
-    report: dict[str, Any] = {"steps": args.steps, "eval_steps": args.eval_steps,
+    report: dict[str, Any] = {"steps": args.steps, "eval_steps": args.eval_steps, "samples_per_step": args.samples_per_step,
                               "eval_generations": args.eval_generations, "eval_prompts": num_eval,
                               "device": "cuda" if on_gpu else "cpu", "trainer_on_gpu": on_gpu, "arms": {}}
     try:
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             if arm not in ARMS:
                 raise SystemExit(f"--arms: {arm!r} is none of {ARMS}")
             report["arms"][arm] = run_arm(arm, url, model_path, data, work, args.steps, args.eval_steps,
-                                          args.eval_generations, on_gpu)
+                                          args.eval_generations, on_gpu, args.samples_per_step)
             write_report(args.out, report)  # each arm kept as it ends: a time bound loses only the running one
     finally:
         if server is not None:
