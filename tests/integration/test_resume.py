@@ -342,8 +342,9 @@ def check_run(run: FlowRun, summary: dict[str, Any], tracking_uri: str, experime
     torn = next(k for k in run.kills if k.moment == "checkpoint write")
     assert torn.torn_checkpoint is not None
     assert f"skipping torn checkpoint {run.storage.url(torn.torn_checkpoint)}" in run.train_log()
-    # the attempt after the kill resumed from an older checkpoint (attempts[i] is attempt i + 1)
-    assert attempts[torn.attempt]["step"] < torn.at_step
+    # The torn one was the first checkpoint written after the newest good one: the attempt after the kill resumed
+    # from that good one (attempts[i] is attempt i + 1; step 0 where there was none), not from an older one.
+    assert attempts[torn.attempt]["step"] == torn.at_step - SAVE_STEPS, (attempts[torn.attempt], torn)
 
     # ---- checkpoints: the last one is good and holds the final step
     newest_step, newest = list_checkpoints(run.storage)[0]
