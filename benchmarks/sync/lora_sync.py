@@ -44,6 +44,7 @@ from grpo_core.models.loading import load_policy  # noqa: E402
 from grpo_core.models.lora import adapter_state, apply_lora  # noqa: E402
 from grpo_core.ranks import DistInfo  # noqa: E402
 from grpo_core.sync.factory import SyncSetup, make_weight_sync  # noqa: E402
+from grpo_core.vllm_server.checks import lora_command  # noqa: E402
 from grpo_core.vllm_server.control import VLLMControlClient  # noqa: E402
 from benchmarks.bench_io import write_report  # noqa: E402
 
@@ -72,8 +73,9 @@ def time_syncs(url: str, model_path: str, mode: str, rank: int, repeats: int, ou
     model, _ = load_policy(model_path, torch.device("cpu"))
     model = apply_lora(model, lora_config(rank)).eval()
     args = AsyncGRPOConfig(output_dir=out_dir, vllm_server_base_url=url, report_to="none", lora_sync_mode=mode, max_staleness=1)
-    setup = SyncSetup(config=args, model=model, rank=DistInfo().rank, backend="gloo", wire_dtype=None,
-                      model_path=model_path, peft_config=lora_config(rank))
+    setup = SyncSetup(config=args.sync, model=model, rank=DistInfo().rank, backend="gloo", wire_dtype=None,
+                      model_path=model_path, peft_config=lora_config(rank),
+                      lora_command=lora_command(args, rank, model_path))
     control = VLLMControlClient(url)
     sync = make_weight_sync(setup, control)
     try:
@@ -151,14 +153,15 @@ def compare_generation(url: str, model_path: str, rank: int, rounds: int, concur
     randomize_adapter(model, 0)
     control = VLLMControlClient(url)
     args = AsyncGRPOConfig(output_dir=out_dir, vllm_server_base_url=url, report_to="none", lora_sync_mode="adapter", max_staleness=1)
-    setup = SyncSetup(config=args, model=model, rank=DistInfo().rank, backend="gloo", wire_dtype=None,
-                      model_path=model_path, peft_config=lora_config(rank))
+    setup = SyncSetup(config=args.sync, model=model, rank=DistInfo().rank, backend="gloo", wire_dtype=None,
+                      model_path=model_path, peft_config=lora_config(rank),
+                      lora_command=lora_command(args, rank, model_path))
     adapter_sync = make_weight_sync(setup, control)
     try:
         adapter_sync.push(0)
         name = adapter_sync.served_model_name(0)
         # The same policy as merged weights on the base name.
-        merged_sync = make_weight_sync(dataclasses.replace(setup, config=args.replace(lora_sync_mode="merged")), control)
+        merged_sync = make_weight_sync(dataclasses.replace(setup, config=args.replace(lora_sync_mode="merged").sync), control)
         merged_sync.push(1)
         merged_sync.close()
         throughput(url, None, concurrency, 8, seed=999)  # warm-up both paths
