@@ -137,6 +137,17 @@ def _grad_kernels(d: dict[str, Any]) -> str:
             f"fwd+bwd {d['fwd_bwd_on_over_off']:.2f}x")
 
 
+def _e2e_gpu(d: dict[str, Any]) -> str:
+    m, ledger, killed = d["metric_medians"], d["ledger"], d["run"]["killed"]
+    last = d["steps_logged"]  # the steps MLflow holds; a gap below the last one is a missing step under it
+    gaps = [s for s in d["missing_steps"] if s <= last]
+    return (f"{ledger['steps_kept']} steps, trainer killed at step {killed['at_step']} and resumed by the flow: "
+            f"{ledger['prompts_trained_twice_in_final_model']} prompts trained twice, MLflow steps 1-{last} with "
+            f"{len(gaps)} missing; median step {m['perf/step_s']:.2f} s, push "
+            f"{m['sync/seconds']:.2f} s + check {m['sync/check_s']:.3f} s, generation "
+            f"{m['rollout/generated_tok_s']:,.0f} tokens/s")
+
+
 HEADLINES: tuple[Headline, ...] = (
     Headline("Ours ÷ TRL trained tokens/s, Qwen3-1.7B, one H200, by packing ratio", "peer_trl_gpu.json", _peer_ratios),
     Headline("Peak GPU memory, ours against TRL, Qwen3-1.7B", "peer_trl_gpu.json", _peer_memory),
@@ -157,6 +168,8 @@ HEADLINES: tuple[Headline, ...] = (
     Headline("Fleet of two CPU servers against one", "fleet_throughput.json", _fleet),
     Headline("Push to a fleet of two (gloo, CPU)", "fleet_push.json", _fleet_push),
     Headline("Multi-rank trainer loop reproduces one rank (CPU recording, H200)", "trainer_loop.json", _trainer_loop),
+    Headline("The whole run on one H100: a flow-started vLLM 0.25 CUDA server and the trainer, tiny model, gloo push "
+             "(bounded by device time)", "e2e_gpu_h100_resume.json", _e2e_gpu),
 )
 
 
