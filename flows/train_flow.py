@@ -52,7 +52,7 @@ from flows.placement import place_on_machine, server_spec
 from flows.progress import TrainingProgress, stage
 from flows.provision import LocalProvisioner, Provisioner, TrainingLaunch
 from flows.run_picture import draw_run_picture, metric_history
-from grpo_core.checkpoint import ledger_summary
+from grpo_core.checkpoint import ledger_summary, unfinished_run
 from grpo_core.data.inputs import first_rows
 from grpo_core.evaluation.heldout import EvalRollouts, evaluate_rewards, problem_keys
 from grpo_core.launch import attempt_failure
@@ -154,6 +154,48 @@ def evaluate(job: JobConfig, model_path: str, server_url: str, label: str) -> di
                    ", ".join(f"{k} {v:.3f}" for k, v in result.per_func.items()))
     rows = first_rows(data["eval"], 1 << 62)
     return {**heldout_scores(result, problem_keys(rows)), "prompts_digest": prompts_digest([r["prompt"] for r in rows])}
+
+
+@task(name="find-unfinished-run")
+def continued_run(job: JobConfig, tracking_uri: str) -> str | None:
+    """The MLflow run to continue: the one an earlier ``grpo train`` of this job left unfinished in ``output_dir``
+    (its whole job stopped with the machine or the flow, not only the trainer), so that running the same command
+    again resumes it; None to start a new run.
+
+    ``resume_from_checkpoint`` decides: unset, only a run of the same job (its ``config_hash`` tag) is continued,
+    and a folder holding an unfinished run of another job is refused, since a new run there would write its
+    checkpoints over that run's; ``true`` continues whatever run the folder holds; ``false`` starts a new run."""
+    import mlflow
+
+    wanted = job.trainer.resume_from_checkpoint
+    if wanted is False or isinstance(wanted, str):  # a path: the trainer resumes from it, in a new MLflow run
+        return None
+    found = unfinished_run(job.trainer.output_dir, job.trainer.max_steps)
+    if found is None:
+        return None
+    where = f"trainer.output_dir={job.trainer.output_dir!r}"
+    try:
+        tags = mlflow.MlflowClient(tracking_uri).get_run(found.mlflow_run_id).data.tags if found.mlflow_run_id else None
+    except Exception:  # noqa: BLE001 - a run this tracking server does not hold
+        tags = None
+    _, identity = run_identity(json.loads(job.model_dump_json()))
+    same_job = tags is not None and tags.get("config_hash") == identity["config_hash"]
+    if wanted is None and not same_job:
+        theirs = f"not in {tracking_uri}" if tags is None else f"of config {str(tags.get('config_hash'))[:8]}"
+        raise ValueError(
+            f"{where} holds an unfinished run of another job (its newest good checkpoint {found.checkpoint}, MLflow "
+            f"run {found.mlflow_run_id} {theirs}; this job's config is {identity['config_hash'][:8]}): a new run "
+            "there would write its checkpoints over "
+            "that run's. Choose another output_dir, run the job that run was started with to continue it, or set "
+            "trainer.resume_from_checkpoint: true to continue it with this job (false: start a new run there)")
+    if tags is None:
+        _logger().warning("%s: continuing from %s (step %d) in a new MLflow run: its run %s is not in %s", where,
+                          found.checkpoint, found.step, found.mlflow_run_id, tracking_uri)
+        return None
+    _logger().info("%s holds an unfinished run of this job: continuing MLflow run %s from %s (step %d); "
+                   "trainer.resume_from_checkpoint: false starts a new run instead", where, found.mlflow_run_id,
+                   found.checkpoint, found.step)
+    return found.mlflow_run_id
 
 
 @task(name="create-mlflow-run")
@@ -371,12 +413,14 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
     model_path = prepare_model(job.model)
     job = place_on_machine(job, prov)
     server_urls = job.server.urls()
+    continued = continued_run(job, tracking_uri)  # before anything starts: it may refuse the folder
     exit_stack = contextlib.ExitStack()
     try:
         if job.server.managed:
             server_urls = start_servers(prov, job, model_path, str(out))
         eval_before = evaluate(job, model_path, server_urls[0], "before")
-        run_id = create_mlflow_run(job, tracking_uri, {"model": job.model, "dataset": job.dataset}, server_urls)
+        run_id = continued or create_mlflow_run(job, tracking_uri, {"model": job.model, "dataset": job.dataset},
+                                                server_urls)
         if job.tracking.system_metrics:
             # CPU/GPU/memory of this machine for the rest of the job (server, trainers, evaluation).
             exit_stack.enter_context(system_metrics(run_id, tracking_uri))
@@ -389,7 +433,8 @@ def grpo_train(job: JobConfig, provisioner: str = "local", storage_credentials: 
         resumes = 0
         on_step = progress_artifact()  # one for the flow run: every attempt moves it
         while True:
-            launch = training_launch(job, job_file if resumes == 0 else resume_file, ",".join(server_urls), model_path,
+            first = resumes == 0 and continued is None
+            launch = training_launch(job, job_file if first else resume_file, ",".join(server_urls), model_path,
                                      run_id, tracking_uri, out)
             Path(launch.result_file).unlink(missing_ok=True)  # what an earlier run in this folder left
             # A local trainer prints its step lines to this console itself; a cluster's only to its pod's log.

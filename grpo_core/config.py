@@ -430,7 +430,9 @@ class AsyncGRPOConfig:
     """Keep the newest N checkpoints of this run (None keeps all)."""
     resume_from_checkpoint: bool | str | None = None
     """True: the newest good checkpoint under ``output_dir``; a path: that one; None/False: start fresh.
-    ``trainer.train(resume_from_checkpoint=...)`` takes the same values."""
+    ``trainer.train(resume_from_checkpoint=...)`` takes the same values. Under ``grpo train``, None continues an
+    unfinished run of the same job that the folder holds and refuses a folder holding another job's, while False
+    always starts a new run (docs/faults_and_resume.md, "A whole job stopped")."""
     ignore_data_skip: Literal[True] = True
     """TRL compatibility; always True here: a resume jumps to the saved prompt position (``rollout_state.json``)
     instead of replaying the data."""

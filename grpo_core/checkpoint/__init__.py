@@ -38,7 +38,8 @@ Modules: ``folders`` (file names, listing, manifests), ``state`` (tensors in and
 ``grpo_core.storage``.
 """
 
-from grpo_core.checkpoint.checkpointer import CheckpointParts, Checkpointer, ResumeInfo, saved_run_id
+from grpo_core.checkpoint.checkpointer import (CheckpointParts, Checkpointer, ResumeInfo, UnfinishedRun, saved_run_id,
+                                               unfinished_run)
 from grpo_core.checkpoint.folders import (
     MANIFEST,
     CheckpointError,
@@ -68,6 +69,8 @@ __all__ = [
     "read_manifest",
     "save_policy",
     "saved_run_id",
+    "UnfinishedRun",
+    "unfinished_run",
     "surviving_steps",
     "verify_local",
 ]

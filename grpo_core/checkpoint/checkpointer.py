@@ -410,6 +410,33 @@ def _disk_note(final: str, storage: Storage) -> str:
     return f" (the file system holding {folder} has {free / 2**20:.1f} MiB free)"
 
 
+@dataclass(frozen=True)
+class UnfinishedRun:
+    """The newest good checkpoint of the run an ``output_dir`` holds, when that run stopped before its last step."""
+
+    checkpoint: str
+    step: int
+    mlflow_run_id: str | None
+
+
+def unfinished_run(output_dir: str, max_steps: int) -> UnfinishedRun | None:
+    """The run in ``output_dir`` (its ledger's lineage) if it has a good checkpoint before ``max_steps``; None when
+    the folder holds no run, no good checkpoint of it, or one at ``max_steps`` or later (the run finished)."""
+    storage = Storage(output_dir)
+    lineage = RunLedger(storage).lineage()
+    if lineage is None:
+        return None
+    for step, path in list_checkpoints(storage):
+        manifest, reason = read_manifest(storage, path)
+        if manifest is None or reason is not None or manifest.get("lineage") != lineage:
+            continue
+        if step >= max_steps:
+            return None
+        state = storage.read_json(storage.path_in(path, TRAINER_STATE))
+        return UnfinishedRun(storage.url(path), step, state.get("mlflow_run_id"))
+    return None
+
+
 def saved_run_id(output_dir: str, resume: bool | str = True) -> str | None:
     """The MLflow run id stored with the checkpoint ``resume`` names (True: the newest one with a
     manifest under ``output_dir``), so that a run resumed by hand keeps logging into its run."""
