@@ -122,9 +122,9 @@ def run_scenario(name: str, model: str, urls: list[str], servers: list[subproces
         events["resumed_after_step"] = len(trainer.state.log_history)
 
     def drained_at() -> None:  # when the trainer first counted the victim out, from the fault (monotonic)
-        while fault and "fault_at" not in events or trainer.fleet is None:
+        while fault and "fault_at" not in events or trainer.run.fleet is None:
             time.sleep(0.05)
-        member = trainer.fleet.members[server_name(urls[n - 1])]
+        member = trainer.run.fleet.members[server_name(urls[n - 1])]
         while member.left_at is None or member.left_at < events["fault_at"]:
             time.sleep(0.05)
         events["out_after_fault_s"] = round(member.left_at - events["fault_at"], 1)

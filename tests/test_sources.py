@@ -142,7 +142,7 @@ def test_trainer_trains_on_a_replayed_stream_and_pushes_through_the_callers_tran
                            vllm_server_base_url="http://127.0.0.1:9")  # nothing listens there: it must not be asked
     trainer = AsyncGRPOTrainer(model=model_path, reward_funcs=accuracy_reward, train_dataset=[{"prompt": "p", "solution": "1"}],
                                args=args, rollout_worker=source, weight_transfer=transfer, tracker=sink)
-    assert not trainer.talks_to_servers
+    assert not trainer.run.talks_to_servers
     before = next(trainer.model.parameters()).detach().clone()
     history = trainer.train()
 

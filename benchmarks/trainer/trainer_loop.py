@@ -100,7 +100,7 @@ def record(args) -> None:
     Path(args.recording).parent.mkdir(parents=True, exist_ok=True)
     with open(args.recording, "wb") as f:
         rows = [dict(r) for r in arithmetic_dataset()["train"].select(range(64))]  # the replay's dataset stand-in
-        pickle.dump({"server": trainer.server, "items": items, "steps": args.steps, "dataset_rows": rows,
+        pickle.dump({"server": trainer.run.server, "items": items, "steps": args.steps, "dataset_rows": rows,
                      "losses": [h.get("loss") for h in history]}, f)
     print(f"recorded {len(items)} items over {args.steps} steps to {args.recording}")
 

@@ -138,7 +138,7 @@ class AsyncGRPOTrainer:
     vocab_size = property(lambda self: self.policy.vocab_size)
     perf = property(lambda self: self.policy.perf)
 
-    # TRL's names for what this trainer holds under its own, and the run's parts the orchestrator holds.
+    # TRL's names for what this trainer holds under its own.
     @property
     def global_step(self) -> int:
         return self.state.global_step
@@ -152,14 +152,8 @@ class AsyncGRPOTrainer:
     def tokenizer(self) -> Any:
         return self.processing_class
 
-    server = property(lambda self: self.run.server, doc="What the server offers (``ServerCapabilities``), once checked.")
-    fleet = property(lambda self: self.run.fleet, doc="The run's servers (``fleet.servers.RunServers``).")
-    worker = property(lambda self: self.run.worker, doc="The rollout worker (rank 0, while training).")
-    feed = property(lambda self: self.run.feed, doc="Where each step's batch comes from (while training).")
-    pusher = property(lambda self: self.run.pusher, doc="The first answering server's pusher.")
-    probe = property(lambda self: self.run.probe, doc="The trainer's probe log-probs, once per pushed version.")
-    server_restarts = property(lambda self: self.run.server_restarts, doc="Servers that came back and got the weights.")
-    talks_to_servers = property(lambda self: self.run.talks_to_servers, doc=RunOrchestrator.talks_to_servers.__doc__)
+    # The run's servers, rollout worker, feed and pushes are the orchestrator's alone: read them as ``trainer.run.fleet``,
+    # ``trainer.run.server`` and so on, never through a second name here.
 
     # ------------------------------------------------------------------------------------------ train
     def train(self, resume_from_checkpoint: bool | str | None = None) -> list[dict[str, float]]:
@@ -176,15 +170,15 @@ class AsyncGRPOTrainer:
             while self.args.max_steps <= 0 or self.global_step < self.args.max_steps:
                 step_start = time.perf_counter()
                 self.run.tend(self.global_step)
-                batch = self.feed.collect(self.versions)
+                batch = self.run.feed.collect(self.versions)
                 if batch is None:
                     break
                 if batch == COLLECTION_INTERRUPTED:
                     continue  # a server restarted or came back while this step's samples were collected
                 metrics = self.training_step(batch)
                 self.state.global_step += 1
-                self.feed.mark_trained(batch)
-                metrics.update(self.checkpointer.record_step(batch, self.server_restarts))  # the prompts it consumed
+                self.run.feed.mark_trained(batch)
+                metrics.update(self.checkpointer.record_step(batch, self.run.server_restarts))  # the prompts it consumed
                 if self._is_sync_step():
                     metrics.update(self.run.push(self.global_step))
                 if self._is_eval_step():  # after the push: the server serves this step's policy

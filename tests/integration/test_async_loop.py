@@ -146,7 +146,7 @@ def test_dead_or_silent_worker_ends_the_run(vllm_server, tiny_model_path, tmp_pa
     def strike() -> None:
         while trainer.global_step < 2:
             time.sleep(0.1)
-        pid = trainer.worker.process.pid
+        pid = trainer.run.worker.process.pid
         hit["t"] = time.monotonic()
         os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
 
@@ -221,7 +221,7 @@ def test_top_k_without_candidate_sets_warns_once_and_trains(vllm_server, tiny_mo
     trainer = AsyncGRPOTrainer(tiny_model_path, [accuracy_reward], train_dataset=data["train"], args=config)
     with caplog.at_level("WARNING"):
         history = trainer.train()
-    assert len(history) == 3 and trainer.server.candidate_sets is False
+    assert len(history) == 3 and trainer.run.server.candidate_sets is False
     warning = "does not return each token's candidate set"
     in_process = [r for r in caplog.records if warning in r.getMessage()]
     in_children = capfd.readouterr().err.count(warning)  # the rollout process shares our stderr

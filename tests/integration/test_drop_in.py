@@ -213,7 +213,7 @@ def test_a_server_started_with_the_seed_flags_trains(seed_server, tiny_model_pat
     trainer = AsyncGRPOTrainer(tiny_model_path, accuracy_reward, config, data["train"])
     with caplog.at_level("WARNING"):
         history = trainer.train()
-    assert len(history) == 3 and trainer.server.tokens_endpoint is False
+    assert len(history) == 3 and trainer.run.server.tokens_endpoint is False
     assert all(h["sample/staleness_max"] <= config.max_staleness for h in history)
     assert any("--enable-scale-out" in r.getMessage() and "per-token" in r.getMessage() for r in caplog.records)
 

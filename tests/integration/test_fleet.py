@@ -218,7 +218,7 @@ def test_a_frozen_server_is_kept_within_the_window_and_drained_past_it(fleet, ti
             wait_for_steps(steps() + 3)
             events["long_after_step"] = steps()
             events["long_at"] = freeze(victim, LONG_STOP_S)
-            member = trainer.fleet.members[victim_name]
+            member = trainer.run.fleet.members[victim_name]
             deadline = time.monotonic() + 300
             while not (member.epoch >= 2 and member.state == "serving"):
                 assert time.monotonic() < deadline, f"{victim_name} did not serve again within 300 s of SIGCONT"
@@ -306,7 +306,7 @@ def test_two_servers_serve_hold_the_weights_and_survive_a_kill(fleet, tiny_model
     failure: list[BaseException] = []
 
     def came_back() -> bool:
-        member = trainer.fleet.members[victim_name] if trainer.fleet is not None else None
+        member = trainer.run.fleet.members[victim_name] if trainer.run.fleet is not None else None
         return member is not None and member.epoch >= 2 and member.state == "serving"
 
     def kill_then_end() -> None:
@@ -355,8 +355,8 @@ def test_two_servers_serve_hold_the_weights_and_survive_a_kill(fleet, tiny_model
     assert not failure, failure
     killed, back, steps = events["kill_after_step"], events["back_after_step"], len(history)
     print(f"{steps} steps in {time.monotonic() - started:.0f} s; killed after step {killed}, serving again after "
-          f"step {back} ({events['back_s']:.0f} s after the kill); rejoins {trainer.server_restarts}")
-    assert steps > back and trainer.server_restarts >= 1
+          f"step {back} ({events['back_s']:.0f} s after the kill); rejoins {trainer.run.server_restarts}")
+    assert steps > back and trainer.run.server_restarts >= 1
 
     # ---- (a) every push reached every serving server, and each then served the trainer's weights
     pushes = [h for h in history if "sync/servers" in h]

@@ -156,7 +156,7 @@ def test_trainer_repushes_to_a_restarted_external_server(vllm_server, tiny_model
 
     # ---- the run finished, and the trainer counted one restart
     assert len(history) == MAX_STEPS and trainer.global_step == MAX_STEPS
-    assert trainer.server_restarts == 1
+    assert trainer.run.server_restarts == 1
     assert history[-1]["sync/server_restarts"] == 1.0
 
     # ---- the server's weight-version history: the trainer's versions, nothing while it was down, then

@@ -90,7 +90,7 @@ class Watcher:
     def run(self) -> None:
         start = time.monotonic()
         while not self.stop.wait(SAMPLE_EVERY_S):
-            worker = self.trainer.worker
+            worker = self.trainer.run.worker
             if worker is None or not worker.process.is_alive():
                 continue
             pid = worker.process.pid

@@ -181,7 +181,7 @@ def test_a_push_whose_receiver_stops_ends_in_a_named_error_within_its_deadline_a
     print(f"stopped after the first bucket of version {stop_at}; phase '{phase}' named {noticed:.1f} s later "
           f"(deadline {deadline_s:.1f} s); the server was stopped {stopped_for_s:g} s; run finished")
     assert phase in ("transfer", "update") and noticed <= deadline_s + 1.0, (phase, noticed, deadline_s)
-    assert len(history) == 6 and trainer.pusher is None  # finished and torn down
+    assert len(history) == 6 and trainer.run.pusher is None  # finished and torn down
     assert history[-1]["sync/recoveries"] == 1.0 and history[-1]["weight_version"] == 6.0
 
 
