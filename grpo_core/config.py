@@ -101,6 +101,11 @@ class AsyncGRPOConfig:
     ends, with ``eval/version_share``: the share of its completions sampled entirely under those weights (the server
     takes later pushes meanwhile). One runs at a time; one due while another runs is skipped (``eval/skipped``).
     The job flow's evaluation before and after training is unchanged."""
+    eval_beside_prompts_in_flight: Annotated[int, Field(ge=1)] = 32
+    """Held-out prompts an evaluation beside training rolls out at once (each with ``num_eval_generations()``
+    completions). Fewer leave more of the server to the training's rollouts, so steps wait less, and make the
+    evaluation take longer (an evaluation still running when the next is due skips it: ``eval/skipped``). A blocking
+    evaluation, in the step, always rolls out 32 at once."""
 
     # ---- optimisation ---------------------------------------------------------------------------
     learning_rate: Annotated[float, Field(gt=0)] = 1e-6

@@ -64,7 +64,8 @@ SECTIONS: dict[str, frozenset[str]] = {
         "output_dir", "max_steps", "logging_steps", "run_name", "report_to", "tracking_flush_timeout_s",
         "log_completions", "num_completions_to_log", "num_completions_to_print", "print_completions_steps"}),
     "evaluation": frozenset({
-        "do_eval", "eval_strategy", "eval_steps", "num_generations_eval", "eval_beside_training", "num_generations", "max_completion_length",
+        "do_eval", "eval_strategy", "eval_steps", "num_generations_eval", "eval_beside_training", "eval_beside_prompts_in_flight",
+        "num_generations", "max_completion_length",
         "temperature", "reward_weights", "num_eval_generations", "runs_evaluation"}),
 }
 """Per part, the config's fields (and the methods that derive values from them) it reads."""

@@ -48,10 +48,13 @@ def trainer_args(arm: str, url: str, work: Path, steps: int, eval_steps: int, ev
     from flows.cli import DEMO_TRAINER
     from grpo_core.config import AsyncGRPOConfig
 
+    name, (arm, _, in_flight) = arm.replace("@", "-"), arm.partition("@")
     evaluates = arm != "none"
     batch = {"per_device_train_batch_size": samples_per_step} if samples_per_step else {}
+    if in_flight:
+        batch["eval_beside_prompts_in_flight"] = int(in_flight)
     return AsyncGRPOConfig(**{
-        **DEMO_TRAINER, **(on_gpu or {}), **batch, "max_steps": steps, "output_dir": str(work / arm), "vllm_server_base_url": url,
+        **DEMO_TRAINER, **(on_gpu or {}), **batch, "max_steps": steps, "output_dir": str(work / name), "vllm_server_base_url": url,
         "report_to": "none", "save_strategy": "no", "num_generations_eval": eval_generations,
         "eval_strategy": "steps" if evaluates else "no", "eval_steps": eval_steps,
         "eval_beside_training": arm in ("beside", "paired"),
@@ -71,7 +74,7 @@ def run_arm(arm: str, url: str, model_path: str, data: Any, work: Path, steps: i
     trainer = AsyncGRPOTrainer(model_path, [accuracy_reward, format_reward], args=args, train_dataset=data["train"],
                                eval_dataset=data["eval"] if arm != "none" else None)
     blocking: dict[int, dict[str, Any]] = {}
-    if arm == "paired":
+    if arm.startswith("paired"):
         start_beside = trainer.run.evaluate_step
         problems = [row["problem"] for row in data["eval"]]
 
@@ -92,14 +95,16 @@ def run_arm(arm: str, url: str, model_path: str, data: Any, work: Path, steps: i
     steps_logged = [h for h in history if "perf/step_s" in h]
     evaluated = {int(h["step"]) for h in history if ACCURACY in h or "eval/skipped" in h}
     plain = [h["perf/step_s"] for h in steps_logged if int(h["step"]) % eval_steps != 0 or arm == "none"]
+    evaluated_s = [h["eval/seconds"] for h in history if "eval/seconds" in h]
     out: dict[str, Any] = {
         "arm": arm, "steps": len(steps_logged), "wall_s": wall_s,
         "step_s_median": statistics.median(h["perf/step_s"] for h in steps_logged),
         "step_s_median_no_eval_step": statistics.median(plain) if plain else None,
         "evaluations": sorted(evaluated),
         "skipped": sum(h.get("eval/skipped", 0.0) for h in history),
+        "eval_seconds_median": statistics.median(evaluated_s) if evaluated_s else None,
     }
-    if arm == "paired":
+    if arm.startswith("paired"):
         beside = {int(h["step"]): h for h in history if ACCURACY in h}
         pairs = []
         for version, b in sorted(blocking.items()):
@@ -121,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-steps", type=int, default=20, help="an evaluation every N steps")
     parser.add_argument("--eval-generations", type=int, default=16,
                         help="completions per held-out prompt (the demo's num_generations_eval)")
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"which of {ARMS}, in this order")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"which of {ARMS}, in this order; beside@N and "
+                        "paired@N evaluate N held-out prompts at once (eval_beside_prompts_in_flight)")
     parser.add_argument("--server-url", default=None, help="a running CPU server of the tiny model (else one is started)")
     parser.add_argument("--samples-per-step", type=int, default=None,
                         help="samples a step (default: the demo's per_device_train_batch_size, 64)")
@@ -155,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                               "device": "cuda" if on_gpu else "cpu", "trainer_on_gpu": on_gpu, "arms": {}}
     try:
         for arm in [a for a in args.arms.split(",") if a]:
-            if arm not in ARMS:
+            if arm.partition("@")[0] not in ARMS:
                 raise SystemExit(f"--arms: {arm!r} is none of {ARMS}")
             report["arms"][arm] = run_arm(arm, url, model_path, data, work, args.steps, args.eval_steps,
                                           args.eval_generations, on_gpu, args.samples_per_step)
@@ -166,10 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     arms = report["arms"]
     if "none" in arms:
         base = arms["none"]["step_s_median"]
-        report["ratios"] = {f"{arm}_over_none": arms[arm]["step_s_median"] / base for arm in ("beside", "blocking")
-                            if arm in arms}
+        report["ratios"] = {f"{arm}_over_none": arms[arm]["step_s_median"] / base for arm in arms
+                            if arm.partition("@")[0] in ("beside", "blocking")}
         print("step time ÷ none (median of steps): " + ", ".join(f"{k} {v:.3f}" for k, v in report["ratios"].items()))
-    for pair in arms.get("paired", {}).get("pairs", []):
+    for pair in [p for arm in arms if arm.startswith("paired") for p in arms[arm].get("pairs", [])]:
         beside = pair["beside_accuracy"]
         print(f"version {pair['version']:4d}: blocking {pair['blocking_accuracy']:.3f} "
               f"[{pair['blocking_ci95'][0]:.3f}, {pair['blocking_ci95'][1]:.3f}]  beside "

@@ -178,10 +178,10 @@ async def _never_emits(item: Any) -> float:
 
 
 def evaluate_on_server(base_url: str, args: AsyncGRPOConfig, tokenizer: Any, dataset: Any, rollouts: EvalRollouts,
-                       tokens_endpoint: bool = True, version: int = 0) -> dict[str, float]:
+                       tokens_endpoint: bool = True, version: int = 0, concurrency: int = 32) -> dict[str, float]:
     """The trainer's ``evaluate()``: ``dataset`` rolled out on the server at ``base_url`` (serving weight
     ``version``) with the run's settings (``args``: reward weights, samples per prompt, temperature, completion
-    length, tools) and scored; ``eval/*`` metrics."""
+    length, tools), ``concurrency`` prompts at once, and scored; ``eval/*`` metrics."""
     start = time.perf_counter()
     result = evaluate_rewards(
         base_url, tokenizer, dataset, rollouts.reward_funcs,
@@ -193,6 +193,7 @@ def evaluate_on_server(base_url: str, args: AsyncGRPOConfig, tokenizer: Any, dat
         config=args,
         rollouts=rollouts,
         version=version,
+        concurrency=concurrency,
     )
     return eval_metrics(result, time.perf_counter() - start, version)
 

@@ -277,7 +277,9 @@ class RunOrchestrator:
                 # Its own tokenizer: the evaluation thread encodes while the trainer's thread may decode.
                 self.beside = EvaluationBeside()
                 self.beside_tokenizer = copy.deepcopy(self.rollout.tokenizer)
-            if not self.beside.start(version, self._evaluation(dataset, version, self.beside_tokenizer)):
+            evaluation = self._evaluation(dataset, version, self.beside_tokenizer,
+                                          self.args.eval_beside_prompts_in_flight)
+            if not self.beside.start(version, evaluation):
                 return {"eval/skipped": 1.0}
         return {}
 
@@ -288,14 +290,14 @@ class RunOrchestrator:
             return []
         return self.beside.wait(wait_s) if wait_s > 0 else self.beside.finished()
 
-    def _evaluation(self, dataset: Any, version: int, tokenizer: Any) -> Any:
+    def _evaluation(self, dataset: Any, version: int, tokenizer: Any, prompts_in_flight: int = 32) -> Any:
         """The evaluation of ``version`` on a server serving it now, as a call (run here or on another thread)."""
         # While running: a server that serves; before or after (no fleet is held then): the first one configured.
         serving = [url for url in self.fleet.serving_urls() if url] if self.fleet is not None else []
         url = serving[0] if serving else self.args.server_urls()[0]
         rollouts, tokens_endpoint = self.eval_rollouts(), self.server.tokens_endpoint if self.server else True
         return lambda: evaluate_on_server(url, self.args, tokenizer, dataset, rollouts, tokens_endpoint=tokens_endpoint,
-                                          version=version)
+                                          version=version, concurrency=prompts_in_flight)
 
     def eval_rollouts(self) -> Any:
         """How held-out prompts are rolled out: by the rollout worker's own loop class, tools and environment."""
