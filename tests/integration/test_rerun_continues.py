@@ -14,6 +14,7 @@ The first run is SIGKILLed, flow and trainer together, once a checkpoint past th
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -111,8 +112,11 @@ def test_the_same_command_again_continues_an_unfinished_run(vllm_server, prefect
     twice = [p for p, a in attempts_per_position([{**r, "dropped_groups": []} for r in kept]).items() if len(a) > 1]
     assert twice == [], f"prompt positions trained by both attempts: {twice}"
 
-    client = mlflow.MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    summary = json.loads((out / "summary.json").read_text())  # the store the flow used (the suite may set one)
+    assert summary["mlflow_run_id"] == stopped.mlflow_run_id, (summary["mlflow_run_id"], stopped.mlflow_run_id)
+    client = mlflow.MlflowClient(summary["mlflow_tracking_uri"])
+    experiment = client.get_run(stopped.mlflow_run_id).info.experiment_id
+    runs = [r for r in client.search_runs([experiment]) if r.data.tags.get("resolved.output_dir") == str(out)]
     assert [r.info.run_id for r in runs] == [stopped.mlflow_run_id], [r.info.run_id for r in runs]
     logged = {m.step for m in client.get_metric_history(stopped.mlflow_run_id, "perf/step_s")}
     assert set(range(1, MAX_STEPS + 1)) <= logged, sorted(logged)
