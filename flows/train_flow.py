@@ -45,6 +45,8 @@ from prefect import flow, get_run_logger
 from prefect import task as prefect_task
 from prefect.cache_policies import NO_CACHE
 
+from flows.continued_run import continued_run
+from flows.continued_run import flow_logger as _logger
 from flows.fleet_keeper import FleetKeeper
 from flows.heldout import heldout_line, heldout_scores, heldout_summary, log_heldout, prompts_digest
 from flows.kubernetes import KubernetesProvisioner
@@ -52,7 +54,7 @@ from flows.placement import place_on_machine, server_spec
 from flows.progress import TrainingProgress, stage
 from flows.provision import LocalProvisioner, Provisioner, TrainingLaunch
 from flows.run_picture import draw_run_picture, metric_history
-from grpo_core.checkpoint import ledger_summary, unfinished_run
+from grpo_core.checkpoint import ledger_summary
 from grpo_core.data.inputs import first_rows
 from grpo_core.evaluation.heldout import EvalRollouts, evaluate_rewards, problem_keys
 from grpo_core.launch import attempt_failure
@@ -69,13 +71,6 @@ from grpo_core.training.waste import run_waste
 from grpo_core.vllm_server.control import VLLMControlClient
 
 log = logging.getLogger(__name__)
-
-
-def _logger() -> Any:
-    try:
-        return get_run_logger()
-    except Exception:  # noqa: BLE001 - outside a run context
-        return log
 
 
 def task(**options: Any):  # noqa: ANN201
@@ -154,48 +149,6 @@ def evaluate(job: JobConfig, model_path: str, server_url: str, label: str) -> di
                    ", ".join(f"{k} {v:.3f}" for k, v in result.per_func.items()))
     rows = first_rows(data["eval"], 1 << 62)
     return {**heldout_scores(result, problem_keys(rows)), "prompts_digest": prompts_digest([r["prompt"] for r in rows])}
-
-
-@task(name="find-unfinished-run")
-def continued_run(job: JobConfig, tracking_uri: str) -> str | None:
-    """The MLflow run to continue: the one an earlier ``grpo train`` of this job left unfinished in ``output_dir``
-    (its whole job stopped with the machine or the flow, not only the trainer), so that running the same command
-    again resumes it; None to start a new run.
-
-    ``resume_from_checkpoint`` decides: unset, only a run of the same job (its ``config_hash`` tag) is continued,
-    and a folder holding an unfinished run of another job is refused, since a new run there would write its
-    checkpoints over that run's; ``true`` continues whatever run the folder holds; ``false`` starts a new run."""
-    import mlflow
-
-    wanted = job.trainer.resume_from_checkpoint
-    if wanted is False or isinstance(wanted, str):  # a path: the trainer resumes from it, in a new MLflow run
-        return None
-    found = unfinished_run(job.trainer.output_dir, job.trainer.max_steps)
-    if found is None:
-        return None
-    where = f"trainer.output_dir={job.trainer.output_dir!r}"
-    try:
-        tags = mlflow.MlflowClient(tracking_uri).get_run(found.mlflow_run_id).data.tags if found.mlflow_run_id else None
-    except Exception:  # noqa: BLE001 - a run this tracking server does not hold
-        tags = None
-    _, identity = run_identity(json.loads(job.model_dump_json()))
-    same_job = tags is not None and tags.get("config_hash") == identity["config_hash"]
-    if wanted is None and not same_job:
-        theirs = f"not in {tracking_uri}" if tags is None else f"of config {str(tags.get('config_hash'))[:8]}"
-        raise ValueError(
-            f"{where} holds an unfinished run of another job (its newest good checkpoint {found.checkpoint}, MLflow "
-            f"run {found.mlflow_run_id} {theirs}; this job's config is {identity['config_hash'][:8]}): a new run "
-            "there would write its checkpoints over "
-            "that run's. Choose another output_dir, run the job that run was started with to continue it, or set "
-            "trainer.resume_from_checkpoint: true to continue it with this job (false: start a new run there)")
-    if tags is None:
-        _logger().warning("%s: continuing from %s (step %d) in a new MLflow run: its run %s is not in %s", where,
-                          found.checkpoint, found.step, found.mlflow_run_id, tracking_uri)
-        return None
-    _logger().info("%s holds an unfinished run of this job: continuing MLflow run %s from %s (step %d); "
-                   "trainer.resume_from_checkpoint: false starts a new run instead", where, found.mlflow_run_id,
-                   found.checkpoint, found.step)
-    return found.mlflow_run_id
 
 
 @task(name="create-mlflow-run")
