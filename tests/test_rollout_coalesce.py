@@ -166,3 +166,15 @@ def test_a_reply_with_more_choices_than_asked_is_an_error():
     results = asyncio.run(go())
     assert all(isinstance(r, VLLMRequestError) and "asked for 2 choices, the server returned 3" in str(r)
                for r in results)
+
+
+def test_the_tokens_route_is_asked_for_every_choice_in_one_final_reply():
+    # The 0.25 line's route, asked for cumulative output, replies with the choices its last engine step changed.
+    bodies: list[dict] = []
+    run_group(client_with(bodies), [([1, 2, 3], {"max_tokens": 4})] * 4)
+    assert [b["sampling_params"]["output_kind"] for b in bodies] == [2]
+    completions = VLLMGenerateClient("http://unused", tokens_endpoint=False)
+    completions._http = httpx.AsyncClient(base_url="http://unused", transport=httpx.MockTransport(
+        lambda request: bodies.append(json.loads(request.content)) or httpx.Response(200, json={"choices": []})))
+    assert asyncio.run(completions._generate([1, 2], {"max_tokens": 4}, 0, None)) == []
+    assert "output_kind" not in bodies[-1]

@@ -31,6 +31,8 @@ RESEND = RetryPolicy(passes=lambda err: isinstance(err, SERVER_UNREACHABLE), dea
 # Event-loop passes a coalesced generation call waits for more identical calls (it stops at the first
 # pass that brings none).
 _COALESCE_MAX_PASSES = 64
+# vLLM's RequestOutputKind.FINAL_ONLY, by value (this process imports no vLLM): a reply only when every choice ends.
+OUTPUT_FINAL_ONLY = 2
 
 
 class VLLMGenerateClient:
@@ -149,6 +151,10 @@ class VLLMGenerateClient:
         # The reply's top list includes the sampled token, so N + 1 entries yield N others at worst.
         params["logprobs"] = num_top + 1 if num_top > 0 else 0
         if self.tokens_endpoint:
+            # Every choice in one reply: the 0.25 line's route reads the last update of an n > 1 request, which
+            # under its default (cumulative) output holds only the choices that changed in the engine's last
+            # step; asked for the final output only, it holds all n (the 0.32 line sets this itself).
+            params.setdefault("output_kind", OUTPUT_FINAL_ONLY)
             route, parse = "/inference/v1/generate", parse_generate_choice
             body: dict[str, Any] = {"token_ids": token_ids, "sampling_params": params}
         else:
