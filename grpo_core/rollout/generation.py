@@ -118,8 +118,8 @@ class VLLMGenerateClient:
                 f.set_result(choice)
         short = live[len(choices) - 1:]
         if short:
-            # A server that returns fewer choices than n (the 0.25 line's generate route caps them) gets each
-            # rollout as a request of its own from now on; the calls already waiting are sent that way here.
+            # A server that returns fewer choices than n (the 0.25 line's route did under cumulative output) gets
+            # each rollout as a request of its own from now on; the calls already waiting are sent that way here.
             if self.coalesce:
                 log.warning("%s returned %d of the %d choices asked for in one request: sending each rollout as a "
                             "request of its own from now on", self._http.base_url, len(choices), 1 + len(live))
