@@ -121,7 +121,8 @@ class ServerOptions:
     max_loras: Annotated[int, Field(ge=1)] | None = None
     """Adapters resident at once; None: the trainer's window (``grpo_core.staleness.resident_adapters``)."""
     api_server_count: Annotated[int, Field(ge=1)] = 1
-    """API server processes (vLLM serialises top log-probs there; 8 on GPU servers)."""
+    """API server processes (vLLM serialises top log-probs there). docs/gpus.md's GPU command runs 8; the managed
+    server keeps 1 until the two are measured side by side on a GPU."""
     language_model_only: bool = False
     """Skip building a vision-language model's vision tower (text-only training)."""
     return_routed_experts: bool = False
