@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-url", default=None, help="a running CPU server of the tiny model (else one is started)")
     parser.add_argument("--samples-per-step", type=int, default=None,
                         help="samples a step (default: the demo's per_device_train_batch_size, 64)")
+    parser.add_argument("--api-server-count", type=int, default=1,
+                        help="API server processes of the started server (ServerOptions.api_server_count)")
     parser.add_argument("--smoke", action="store_true", help="3 steps per arm of 16 samples (2 groups), an evaluation "
                         "every 2, 8 held-out prompts of 2 completions: checks the script")
     parser.add_argument("--out", required=True)
@@ -151,14 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.server_url is None:
         cuda = torch_cuda_available()
         config = AsyncGRPOConfig(output_dir=str(work / "server"), bf16=cuda)
-        spec = VLLMServerSpec.for_run(model_path, config, ServerOptions(), cuda=cuda, shared_gpu=cuda)
+        options = ServerOptions(api_server_count=args.api_server_count)
+        spec = VLLMServerSpec.for_run(model_path, config, options, cuda=cuda, shared_gpu=cuda)
         if cuda:  # the trainer computes as the server does and pushes the way the flow would on a shared GPU
             on_gpu = {"bf16": True, "weight_transfer_backend": spec.weight_transfer_backend}
         server = VLLMServer(spec, work / "server").start(timeout_s=900)
     url = args.server_url or server.base_url
     report: dict[str, Any] = {"steps": args.steps, "eval_steps": args.eval_steps, "samples_per_step": args.samples_per_step,
                               "eval_generations": args.eval_generations, "eval_prompts": num_eval,
-                              "device": "cuda" if on_gpu else "cpu", "trainer_on_gpu": on_gpu, "arms": {}}
+                              "device": "cuda" if on_gpu else "cpu", "trainer_on_gpu": on_gpu,
+                              "api_server_count": args.api_server_count if server is not None else None, "arms": {}}
     try:
         for arm in [a for a in args.arms.split(",") if a]:
             if arm.partition("@")[0] not in ARMS:
